@@ -1,0 +1,56 @@
+"""hixl: one-sided, zero-copy, point-to-point data transfer for PD-disaggregated LLM inference.
+
+The :class:`Engine` registers memory, connects to peers named ``"ip:port"`` and
+READs or WRITEs their registered memory without their application taking part.
+The KV-cache layer on top lives in :mod:`hixl.datadist`.
+"""
+
+from ._exceptions import (
+    AlreadyConnected,
+    HixlError,
+    HixlTimeout,
+    MemoryRangeError,
+    NotConnected,
+    ParamInvalid,
+    PeerDisconnected,
+    ProtocolError,
+    ResourceExhausted,
+    TransferError,
+    TransferTimeout,
+    Unsupported,
+)
+from ._memory import PAGE_SIZE, empty
+from ._request import TransferReq
+from ._types import MemDesc, MemHandle, MemType, NotifyDesc, Op, Status, TransferOpDesc, TransferStatus
+from .engine import DEFAULT_OPTIONS, Engine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "PAGE_SIZE",
+    "AlreadyConnected",
+    "Engine",
+    "HixlError",
+    "HixlTimeout",
+    "MemDesc",
+    "MemHandle",
+    "MemType",
+    "MemoryRangeError",
+    "NotConnected",
+    "NotifyDesc",
+    "Op",
+    "ParamInvalid",
+    "PeerDisconnected",
+    "ProtocolError",
+    "ResourceExhausted",
+    "Status",
+    "TransferError",
+    "TransferOpDesc",
+    "TransferReq",
+    "TransferStatus",
+    "TransferTimeout",
+    "Unsupported",
+    "__version__",
+    "empty",
+]

@@ -1,0 +1,132 @@
+"""The hixl error tree. Every error hixl raises derives from :class:`HixlError`::
+
+    HixlError (status)
+    ├── ParamInvalid (ValueError)             PARAM_INVALID
+    │   └── MemoryRangeError                   a range outside registered memory
+    ├── HixlTimeout (TimeoutError)            TIMEOUT
+    │   └── TransferTimeout (+TransferError)   a transfer ran past its deadline
+    ├── NotConnected (ConnectionError)        NOT_CONNECTED
+    ├── AlreadyConnected                      ALREADY_CONNECTED
+    ├── Unsupported                           UNSUPPORTED
+    ├── ResourceExhausted                     RESOURCE_EXHAUSTED
+    ├── TransferError                         FAILED
+    │   └── PeerDisconnected (ConnectionError) the peer died or closed the link
+    └── ProtocolError                         FAILED, a malformed or unexpected frame
+
+Builtin mix-ins let callers catch by meaning (``except TimeoutError``) without
+importing hixl; ``status`` carries the code the real HIXL would have returned.
+"""
+
+from __future__ import annotations
+
+from ._types import Status
+
+__all__ = [
+    "AlreadyConnected",
+    "HixlError",
+    "HixlTimeout",
+    "MemoryRangeError",
+    "NotConnected",
+    "ParamInvalid",
+    "PeerDisconnected",
+    "ProtocolError",
+    "ResourceExhausted",
+    "TransferError",
+    "TransferTimeout",
+    "Unsupported",
+    "error_for_status",
+]
+
+
+class HixlError(Exception):
+    """Base of every hixl error; ``status`` is a :class:`~hixl.Status`."""
+
+    status: Status = Status.FAILED
+
+    def __init__(self, message: str, status: Status | None = None) -> None:
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r}, status={self.status.name})"
+
+
+class ParamInvalid(HixlError, ValueError):
+    """An argument is malformed or out of range."""
+
+    status = Status.PARAM_INVALID
+
+
+class MemoryRangeError(ParamInvalid):
+    """A transfer descriptor points outside registered memory; no byte was moved."""
+
+
+class HixlTimeout(HixlError, TimeoutError):
+    """An operation did not finish within its timeout."""
+
+    status = Status.TIMEOUT
+
+
+class NotConnected(HixlError, ConnectionError):
+    """No (live) connection to the named peer."""
+
+    status = Status.NOT_CONNECTED
+
+
+class AlreadyConnected(HixlError):
+    """``connect`` to a peer this engine is already connected to."""
+
+    status = Status.ALREADY_CONNECTED
+
+
+class Unsupported(HixlError):
+    """The request needs a capability no available transport has."""
+
+    status = Status.UNSUPPORTED
+
+
+class ResourceExhausted(HixlError):
+    """A bounded resource (pending notifications, registrations, ...) is full."""
+
+    status = Status.RESOURCE_EXHAUSTED
+
+
+class TransferError(HixlError):
+    """A transfer failed after it was accepted."""
+
+    status = Status.FAILED
+
+
+class TransferTimeout(HixlTimeout, TransferError):
+    """A transfer did not complete before its deadline."""
+
+    status = Status.TIMEOUT
+
+
+class PeerDisconnected(TransferError, ConnectionError):
+    """The peer closed the connection, died, or stopped answering heartbeats."""
+
+
+class ProtocolError(HixlError):
+    """A frame on the wire was malformed or unexpected."""
+
+
+_BY_STATUS: dict[Status, type[HixlError]] = {
+    Status.PARAM_INVALID: ParamInvalid,
+    Status.TIMEOUT: HixlTimeout,
+    Status.NOT_CONNECTED: NotConnected,
+    Status.ALREADY_CONNECTED: AlreadyConnected,
+    Status.UNSUPPORTED: Unsupported,
+    Status.RESOURCE_EXHAUSTED: ResourceExhausted,
+    Status.FAILED: TransferError,
+}
+
+
+def error_for_status(status: int, message: str) -> HixlError:
+    """Rebuild the most specific error for a status code received from a peer."""
+    try:
+        code = Status(status)
+    except ValueError:
+        return ProtocolError(f"peer sent unknown status {status}: {message}")
+    return _BY_STATUS.get(code, TransferError)(message, code)

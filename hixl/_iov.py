@@ -1,0 +1,135 @@
+"""iovec batches for the kernel's scatter/gather calls, built from numpy with no Python loop.
+
+An ``(N, 2)`` uint64 array *is* an array of ``struct iovec {void *base; size_t len}``
+on 64-bit Linux, so descriptor columns become syscall arguments by slicing.
+:class:`IovCursor` walks such a batch IOV_MAX entries at a time and resumes
+after a partial completion (sockets return short counts all the time; the
+cross-memory calls do so at an iovec boundary when a page faults).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import select
+
+import numpy as np
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_IOVEC_BYTES = 16
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_ssize = ctypes.c_ssize_t
+
+process_vm_readv = _libc.process_vm_readv
+process_vm_writev = _libc.process_vm_writev
+for _fn in (process_vm_readv, process_vm_writev):
+    _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    _fn.restype = _ssize
+
+_readv = _libc.readv
+_writev = _libc.writev
+for _fn in (_readv, _writev):
+    _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    _fn.restype = _ssize
+
+
+def iovecs(addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Pack address and length columns into a C-contiguous iovec array."""
+    iov = np.empty((len(addrs), 2), dtype=np.uint64)
+    iov[:, 0] = addrs
+    iov[:, 1] = lens
+    return iov
+
+
+class IovCursor:
+    """Position inside one or two iovec arrays that share the same lengths.
+
+    ``sides`` are iovec arrays (e.g. local and remote); they are copied, since
+    resuming after a partial completion rewrites the first pending entry.
+    """
+
+    def __init__(self, *sides: np.ndarray) -> None:
+        self._orig = sides
+        self._work = [np.array(s, dtype=np.uint64, order="C") for s in sides]
+        lens = sides[0][:, 1]
+        self._ends = np.cumsum(lens, dtype=np.uint64)
+        self.total = int(self._ends[-1]) if len(lens) else 0
+        self.done = 0
+        self._index = 0
+        self.keepalive: object = None
+
+    @property
+    def finished(self) -> bool:
+        """True once every byte has been moved."""
+        return self.done >= self.total
+
+    def window(self, limit: int = IOV_MAX) -> tuple[list[int], int, int]:
+        """Pointers to the next ``count`` pending iovecs of each side, their count and byte size."""
+        i = self._index
+        count = min(limit, len(self._ends) - i)
+        end = int(self._ends[i + count - 1])
+        ptrs = [int(w.ctypes.data) + i * _IOVEC_BYTES for w in self._work]
+        return ptrs, count, end - self.done
+
+    def advance(self, nbytes: int) -> None:
+        """Record that the kernel moved ``nbytes`` more bytes."""
+        self.done += nbytes
+        if self.done >= self.total:
+            self._index = len(self._ends)
+            return
+        i = int(np.searchsorted(self._ends, self.done, side="right"))
+        self._index = i
+        start = int(self._ends[i - 1]) if i else 0
+        skip = self.done - start
+        for orig, work in zip(self._orig, self._work):
+            work[i, 0] = int(orig[i, 0]) + skip
+            work[i, 1] = int(orig[i, 1]) - skip
+
+
+def _wait_ready(fd: int, events: int, timeout: float | None) -> bool:
+    poller = select.poll()
+    poller.register(fd, events)
+    return bool(poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
+
+
+def socket_vector_io(
+    fd: int, cursor: IovCursor, write: bool, timeout: float | None, limit: int | None = None
+) -> None:
+    """Move pending bytes of ``cursor`` through a (non-blocking) socket with readv/writev.
+
+    Stops when the cursor is finished or, with ``limit``, once at least that many
+    bytes moved in this call (so callers can work in chunks). ``timeout`` bounds
+    each wait for readiness, not the whole transfer: a peer that keeps making
+    progress is alive. Raises ``TimeoutError`` when it stalls, ``ConnectionError``
+    on EOF, ``OSError`` otherwise; the cursor then says how far it got.
+    """
+    call = _writev if write else _readv
+    events = select.POLLOUT if write else select.POLLIN
+    stop = cursor.total if limit is None else min(cursor.total, cursor.done + limit)
+    while cursor.done < stop:
+        ptrs, count, _ = cursor.window()
+        moved = call(fd, ptrs[0], count)
+        if moved > 0:
+            cursor.advance(moved)
+            continue
+        if moved == 0:
+            raise ConnectionError("peer closed the connection")
+        err = ctypes.get_errno()
+        if err == errno.EINTR:
+            continue
+        if err not in (errno.EAGAIN, errno.EWOULDBLOCK):
+            raise OSError(err, os.strerror(err))
+        if not _wait_ready(fd, events, timeout):
+            raise TimeoutError("socket made no progress within the timeout")
+
+
+def bytes_cursor(*chunks: bytes) -> IovCursor:
+    """A cursor over in-memory byte strings (frame headers), keeping them alive."""
+    views = [np.frombuffer(c, dtype=np.uint8) for c in chunks if c]
+    addrs = np.array([v.ctypes.data for v in views], dtype=np.uint64)
+    lens = np.array([v.nbytes for v in views], dtype=np.uint64)
+    cursor = IovCursor(iovecs(addrs, lens))
+    cursor.keepalive = views
+    return cursor

@@ -1,0 +1,451 @@
+"""The Engine: registration, connections, one-sided transfers and notifications.
+
+An engine plays two roles at once. As a *target* (when given ``"ip:port"``) it
+listens and lets connected initiators read and write the memory it
+registered; its application code never takes part. As an *initiator* it
+connects to targets and moves bytes with :meth:`Engine.transfer_sync` /
+:meth:`Engine.transfer_async`, over the best transport that passes its probe
+for that peer (cross-memory attach on the same host, else TCP).
+
+Every argument is validated — addresses, op, descriptor shape, and every
+descriptor's local *and* remote range against the registrations on each side
+— before any byte moves. Every blocking call takes a timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _protocol as proto
+from ._address import format_address, parse_address
+from ._exceptions import (
+    AlreadyConnected,
+    HixlError,
+    HixlTimeout,
+    NotConnected,
+    ParamInvalid,
+    ProtocolError,
+    ResourceExhausted,
+    Unsupported,
+)
+from ._framed import FramedSocket
+from ._link import LinkState, PeerLink
+from ._memory import Registry, as_desc_array, merge_adjacent
+from ._request import TransferReq
+from ._server import TargetServer
+from ._types import MemDesc, MemHandle, MemType, NotifyDesc, Op, TransferStatus
+from .transports import default_transports
+from .transports.base import Channel, Transport
+
+__all__ = ["DEFAULT_OPTIONS", "Engine"]
+
+log = logging.getLogger("hixl")
+
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "transport": "auto",
+    "connect_timeout": 5.0,
+    "transfer_timeout": 30.0,
+    "heartbeat_interval": 1.0,
+    "heartbeat_misses": 5,
+    "max_notifies": 4096,
+    "max_registrations": 65536,
+}
+"""Engine options and their defaults (times in seconds).
+
+``transport``: ``"auto"`` (best reachable), or a transport name to force it
+(``"cma"``, ``"tcp"``); ``max_notifies``: notifications held for
+``get_notifies`` before senders get RESOURCE_EXHAUSTED."""
+
+
+class _Peer:
+    """What the engine keeps per connected target: link, channel, async queue."""
+
+    def __init__(self, link: PeerLink, channel: Channel, transport: Transport) -> None:
+        self.link = link
+        self.channel = channel
+        self.transport = transport
+        self._queue: queue.SimpleQueue[tuple[TransferReq, Op, np.ndarray] | threading.Event | None] = (
+            queue.SimpleQueue()
+        )
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
+        """Queue an async transfer; they start in submission order."""
+        with self._lock:
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._work, name=f"hixl-async-{self.link.remote_engine}", daemon=True
+                )
+                self._worker.start()
+            self._queue.put((req, op, descs))
+
+    def flush(self, timeout: float) -> None:
+        """Wait until every async transfer queued so far has been started."""
+        if self._worker is None:
+            return
+        marker = threading.Event()
+        self._queue.put(marker)
+        if not marker.wait(timeout):
+            raise HixlTimeout(f"earlier transfers to {self.link.remote_engine} did not start within {timeout} s")
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            req, op, descs = item
+            if req.status is TransferStatus.WAITING:
+                try:
+                    self.channel.start(req, op, descs)
+                except Exception as exc:  # never leave a request WAITING forever
+                    log.exception("hixl: transfer crashed")
+                    req.fail(HixlError(f"internal error: {exc!r}"))
+
+    def close(self) -> None:
+        """Stop the async worker and close the link."""
+        self.link.close()
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(5.0)
+        self.channel.close()
+
+
+class Engine:
+    """A hixl engine; see the module docstring. Use as a context manager or call :meth:`finalize`.
+
+    ``local_engine`` is ``"ip:port"`` to listen on exactly that address (port 0
+    picks a free one; :attr:`local_engine` then reports it) or ``"ip"`` alone for
+    a client-only engine. ``options`` override :data:`DEFAULT_OPTIONS`.
+    ``transports`` replaces the built-in list (most preferred first).
+    """
+
+    def __init__(
+        self,
+        local_engine: str,
+        options: dict[str, Any] | None = None,
+        *,
+        transports: Sequence[Transport] | None = None,
+    ) -> None:
+        unknown = set(options or {}) - set(DEFAULT_OPTIONS)
+        if unknown:
+            raise ParamInvalid(f"unknown engine option(s) {sorted(unknown)}; known: {sorted(DEFAULT_OPTIONS)}")
+        self.options = {**DEFAULT_OPTIONS, **(options or {})}
+        host, port = parse_address(local_engine)
+        self._transports = list(transports) if transports is not None else default_transports()
+        self._check_transport_option()
+        self._id = secrets.token_hex(8)
+        self._host = host
+        self._registry = Registry(int(self.options["max_registrations"]))
+        self._notifies: collections.deque[NotifyDesc] = collections.deque()
+        self._notify_lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._peers_lock = threading.Lock()
+        self._finalized = False
+        self._server: TargetServer | None = None
+        if port is not None:
+            try:
+                self._server = TargetServer(
+                    host,
+                    port,
+                    self._registry,
+                    self._accept_notify,
+                    self._transports,
+                    (float(self.options["heartbeat_interval"]), int(self.options["heartbeat_misses"])),
+                    float(self.options["connect_timeout"]),
+                    self._id,
+                )
+            except OSError as exc:
+                for transport in self._transports:
+                    transport.close()
+                raise ParamInvalid(f"cannot listen on {local_engine!r}: {exc}") from exc
+        self.local_engine = self._server.address if self._server else host
+        """The real ``"ip:port"`` this engine listens on (or ``"ip"`` if client-only)."""
+
+    def _check_transport_option(self) -> None:
+        wanted = self.options["transport"]
+        names = [t.capabilities.name for t in self._transports]
+        if wanted != "auto" and wanted not in names:
+            raise ParamInvalid(f"unknown transport {wanted!r}; choose 'auto' or one of {names}")
+
+    # -- memory --------------------------------------------------------------------------
+    def register_mem(self, buf: Any, mem_type: MemType = MemType.HOST) -> MemHandle:
+        """Register memory that peers may read and write; idempotent for the same range.
+
+        ``buf`` is a numpy array, a torch CPU tensor, a bytearray/memoryview/mmap,
+        or a :class:`MemDesc`. Peers already connected see the new region too.
+        The caller keeps ``buf`` alive while it is registered (hixl holds a
+        reference for objects, not for a raw :class:`MemDesc`).
+        """
+        self._check_open()
+        return self._registry.register(buf, mem_type)
+
+    def deregister_mem(self, handle: MemHandle) -> None:
+        """Withdraw a registration; peers' later transfers to it are refused."""
+        self._check_open()
+        if not isinstance(handle, MemHandle):
+            raise ParamInvalid(f"expected a MemHandle, got {type(handle).__name__}")
+        self._registry.deregister(handle)
+
+    def local_mems(self) -> list[MemDesc]:
+        """This engine's registered regions."""
+        return [MemDesc(a, n) for a, n in self._registry.regions()]
+
+    # -- connections ---------------------------------------------------------------------
+    def connect(self, remote_engine: str, timeout: float | None = None) -> None:
+        """Connect to the target ``"ip:port"`` and pick a transport for it.
+
+        Raises :class:`ParamInvalid` for a malformed address or for this engine
+        itself, :class:`AlreadyConnected`, :class:`NotConnected` if nobody
+        answers, :class:`HixlTimeout` if the handshake is too slow, and
+        :class:`Unsupported` if a forced transport can't reach the peer.
+        """
+        self._check_open()
+        host, port = parse_address(remote_engine, require_port=True)
+        assert port is not None
+        name = format_address(host, port)
+        if self._server is not None and name == self.local_engine:
+            raise ParamInvalid(f"an engine cannot connect to itself ({name})")
+        timeout = float(self.options["connect_timeout"] if timeout is None else timeout)
+        with self._peers_lock:
+            if name in self._peers:
+                raise AlreadyConnected(f"already connected to {name}")
+            self._peers[name] = None  # type: ignore[assignment]  # reserve the name
+        try:
+            peer = self._open_peer(name, host, port, timeout)
+        except BaseException:
+            with self._peers_lock:
+                self._peers.pop(name, None)
+            raise
+        with self._peers_lock:
+            self._peers[name] = peer
+
+    def _open_peer(self, name: str, host: str, port: int, timeout: float) -> _Peer:
+        deadline = time.monotonic() + timeout
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except TimeoutError as exc:
+            raise HixlTimeout(f"connecting to {name} timed out after {timeout} s") from exc
+        except OSError as exc:
+            raise NotConnected(f"cannot connect to {name}: {exc.strerror or exc}") from exc
+        interval, misses = float(self.options["heartbeat_interval"]), int(self.options["heartbeat_misses"])
+        framed = FramedSocket(sock, name, interval, misses)
+        try:
+            welcome = self._handshake(framed, name, deadline)
+        except BaseException:
+            framed.close()
+            raise
+        link = PeerLink(name, framed, welcome)
+        try:
+            transport = self._choose_transport(link)
+        except BaseException:
+            link.close()
+            raise
+        return _Peer(link, transport.open(link), transport)
+
+    def _handshake(self, framed: FramedSocket, name: str, deadline: float) -> dict[str, Any]:
+        framed.sock.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            framed.send(proto.encode(proto.Hello({"engine": self.local_engine, "engine_id": self._id})))
+            welcome = framed.recv_frame()
+        except TimeoutError as exc:
+            raise HixlTimeout(f"{name} did not answer the handshake in time") from exc
+        except HixlError as exc:
+            raise NotConnected(f"handshake with {name} failed: {exc}") from exc
+        finally:
+            framed.sock.settimeout(framed.interval)
+        if not isinstance(welcome, proto.Welcome):
+            raise ProtocolError(f"{name} answered HELLO with {type(welcome).__name__}")
+        if welcome.info.get("engine_id") == self._id:
+            raise ParamInvalid(f"an engine cannot connect to itself ({name})")
+        return welcome.info
+
+    def _choose_transport(self, link: PeerLink) -> Transport:
+        wanted = self.options["transport"]
+        reasons = []
+        for transport in self._transports:
+            tname = transport.capabilities.name
+            if wanted not in ("auto", tname):
+                continue
+            reason = transport.probe(link)
+            if reason is None:
+                if reasons:
+                    log.info("hixl: %s uses %s (%s)", link.remote_engine, tname, "; ".join(reasons))
+                return transport
+            reasons.append(f"{tname} unusable: {reason}")
+            log.info("hixl: %s: %s unusable: %s", link.remote_engine, tname, reason)
+        raise Unsupported(f"no transport reaches {link.remote_engine}: {'; '.join(reasons)}")
+
+    def disconnect(self, remote_engine: str) -> None:
+        """Close the connection to ``remote_engine``; pending transfers fail."""
+        self._check_open()
+        name = self._canonical(remote_engine)
+        with self._peers_lock:
+            peer = self._peers.get(name)
+            if peer is None:
+                raise NotConnected(f"not connected to {name}")
+            del self._peers[name]
+        peer.close()
+
+    def remote_mems(self, remote_engine: str) -> list[MemDesc]:
+        """The regions ``remote_engine`` has registered, fetched fresh from it."""
+        peer = self._peer(remote_engine)
+        peer.link.refresh_regions(float(self.options["connect_timeout"]))
+        return list(peer.link.table.regions)
+
+    def transport_of(self, remote_engine: str) -> str:
+        """Name of the transport chosen for ``remote_engine`` (``"cma"``, ``"tcp"``, ...)."""
+        return self._peer(remote_engine).transport.capabilities.name
+
+    def connected_engines(self) -> list[str]:
+        """Names of the targets this engine is connected to."""
+        with self._peers_lock:
+            return [name for name, peer in self._peers.items() if peer is not None]
+
+    # -- transfers -----------------------------------------------------------------------
+    def transfer_sync(
+        self, remote_engine: str, op: Op, op_descs: Any, timeout: float | None = None
+    ) -> None:
+        """Move the bytes of ``op_descs`` and return once they have all landed.
+
+        ``op_descs`` is a list of :class:`TransferOpDesc` or an (N, 3) integer
+        array of (local_addr, remote_addr, len). Raises :class:`MemoryRangeError`
+        before any byte moves if a range is outside registered memory,
+        :class:`TransferTimeout` past ``timeout`` seconds, and
+        :class:`PeerDisconnected` if the peer goes away.
+        """
+        peer, req, op, descs = self._prepare(remote_engine, op, op_descs, timeout)
+        peer.channel.start(req, op, descs)
+        req.wait()
+
+    def transfer_async(
+        self, remote_engine: str, op: Op, op_descs: Any, timeout: float | None = None
+    ) -> TransferReq:
+        """Start a transfer and return its :class:`TransferReq` at once.
+
+        Validation errors are raised here, synchronously; failures later are
+        reported by the request's status and ``wait()``. Requests to one peer
+        start in submission order.
+        """
+        peer, req, op, descs = self._prepare(remote_engine, op, op_descs, timeout)
+        peer.submit(req, op, descs)
+        return req
+
+    def get_transfer_status(self, req: TransferReq) -> TransferStatus:
+        """The current status of ``req`` (same as ``req.status``)."""
+        if not isinstance(req, TransferReq):
+            raise ParamInvalid(f"expected a TransferReq, got {type(req).__name__}")
+        return req.status
+
+    def _prepare(
+        self, remote_engine: str, op: Op, op_descs: Any, timeout: float | None
+    ) -> tuple[_Peer, TransferReq, Op, np.ndarray]:
+        peer = self._peer(remote_engine)
+        try:
+            op = Op(op)
+        except ValueError:
+            raise ParamInvalid(f"op must be Op.READ or Op.WRITE, not {op!r}") from None
+        timeout = float(self.options["transfer_timeout"] if timeout is None else timeout)
+        if timeout <= 0:
+            raise ParamInvalid(f"timeout must be positive, not {timeout}")
+        descs = as_desc_array(op_descs)
+        self._registry.table.check(descs[:, 0], descs[:, 2], "local")
+        peer.link.check_remote(descs[:, 1], descs[:, 2], timeout)
+        merged = merge_adjacent(descs)
+        req = TransferReq(peer.link.remote_engine, op, len(descs), int(descs[:, 2].sum()), timeout)
+        return peer, req, op, merged
+
+    # -- notifications -------------------------------------------------------------------
+    def send_notify(self, remote_engine: str, notify: NotifyDesc, timeout: float | None = None) -> None:
+        """Deliver a small message to ``remote_engine``'s :meth:`get_notifies`.
+
+        It is delivered after the data of every transfer to that peer started
+        before it (async ones included). Raises :class:`ResourceExhausted` if
+        the peer's queue is full.
+        """
+        if not isinstance(notify, NotifyDesc) or not isinstance(notify.name, str) or not isinstance(notify.msg, str):
+            raise ParamInvalid("send_notify takes a NotifyDesc(name: str, msg: str)")
+        peer = self._peer(remote_engine)
+        timeout = float(self.options["transfer_timeout"] if timeout is None else timeout)
+        deadline = time.monotonic() + timeout
+        limit = proto.frames.MAX_NAME
+        if len(notify.name.encode()) > limit or len(notify.msg.encode()) > limit:
+            raise ParamInvalid(f"notify name and msg must each be at most {limit} bytes of UTF-8")
+        peer.flush(timeout)
+        message = proto.Notify(peer.link.next_id(), notify.name, notify.msg)
+        peer.link.call(message, max(0.001, deadline - time.monotonic()))
+
+    def get_notifies(self) -> list[NotifyDesc]:
+        """Every notification received since the last call (oldest first); drains the queue."""
+        with self._notify_lock:
+            drained = list(self._notifies)
+            self._notifies.clear()
+        return drained
+
+    def _accept_notify(self, notify: NotifyDesc) -> None:
+        with self._notify_lock:
+            if len(self._notifies) >= int(self.options["max_notifies"]):
+                raise ResourceExhausted(f"{self.local_engine} holds {len(self._notifies)} unread notifications")
+            self._notifies.append(notify)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def finalize(self) -> None:
+        """Close every connection, stop listening, drop registrations; idempotent."""
+        with self._peers_lock:
+            if self._finalized:
+                return
+            self._finalized = True
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            if peer is not None:
+                peer.close()
+        if self._server is not None:
+            self._server.close()
+        self._registry.clear()
+        for transport in self._transports:
+            transport.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.finalize()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_finalized", True):
+            self.finalize()
+
+    def _check_open(self) -> None:
+        if self._finalized:
+            raise HixlError(f"engine {self.local_engine} is finalized")
+
+    def _canonical(self, remote_engine: str) -> str:
+        host, port = parse_address(remote_engine, require_port=True)
+        assert port is not None
+        return format_address(host, port)
+
+    def _peer(self, remote_engine: str) -> _Peer:
+        self._check_open()
+        name = self._canonical(remote_engine)
+        with self._peers_lock:
+            peer = self._peers.get(name)
+        if peer is None:
+            raise NotConnected(f"not connected to {name}; call connect() first")
+        if peer.link.state is not LinkState.CONNECTED:
+            peer.link.ensure_alive()
+        return peer
+
+    def __repr__(self) -> str:
+        role = "target+initiator" if self._server else "initiator"
+        state = "finalized" if self._finalized else f"{len(self._peers)} peer(s)"
+        return f"<Engine {self.local_engine} {role} {state} regions={len(self._registry.table)}>"

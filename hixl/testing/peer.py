@@ -1,0 +1,181 @@
+"""A target engine in a child process, driven over a pipe (see :class:`TargetProcess`)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TargetProcess"]
+
+
+def _serve(conn: Connection, address: str, options: dict[str, Any], sizes: list[int]) -> None:
+    from .. import Engine, empty  # imported in the child only
+
+    engine = Engine(address, options)
+    buffers = [empty(size) for size in sizes]
+    handles = [engine.register_mem(buf) for buf in buffers]
+    conn.send((engine.local_engine, [int(b.ctypes.data) for b in buffers], os.getpid()))
+    try:
+        while True:
+            command, args = conn.recv()
+            if command == "exit":
+                break
+            conn.send(_COMMANDS[command](engine, buffers, handles, *args))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    finally:
+        engine.finalize()
+
+
+def _fill(engine: Any, buffers: list[np.ndarray], handles: list[Any], index: int, seed: int) -> None:
+    buffers[index][:] = np.random.default_rng(seed).integers(0, 256, buffers[index].size, dtype=np.uint8)
+
+
+def _read(engine: Any, buffers: list[np.ndarray], handles: list[Any], index: int, start: int, nbytes: int) -> bytes:
+    return buffers[index][start : start + nbytes].tobytes()
+
+
+def _write(engine: Any, buffers: list[np.ndarray], handles: list[Any], index: int, start: int, data: bytes) -> None:
+    buffers[index][start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+
+def _add_buffer(engine: Any, buffers: list[np.ndarray], handles: list[Any], size: int) -> int:
+    from .. import empty
+
+    buffers.append(empty(size))
+    handles.append(engine.register_mem(buffers[-1]))
+    return int(buffers[-1].ctypes.data)
+
+
+def _deregister(engine: Any, buffers: list[np.ndarray], handles: list[Any], index: int) -> None:
+    engine.deregister_mem(handles[index])
+
+
+def _notifies(engine: Any, buffers: list[np.ndarray], handles: list[Any]) -> list[tuple[str, str]]:
+    return [(n.name, n.msg) for n in engine.get_notifies()]
+
+
+def _call(engine: Any, buffers: list[np.ndarray], handles: list[Any], method: str, args: tuple) -> Any:
+    return getattr(engine, method)(*args)
+
+
+_COMMANDS = {
+    "fill": _fill,
+    "read": _read,
+    "write": _write,
+    "add_buffer": _add_buffer,
+    "deregister": _deregister,
+    "notifies": _notifies,
+    "call": _call,
+}
+
+
+class TargetProcess:
+    """Start ``Engine(address, options)`` in a child process with registered buffers.
+
+    ``sizes`` are the byte sizes of page-aligned buffers the child allocates and
+    registers before it reports back. Attributes once started: ``engine``
+    (the child's ``"ip:port"``), ``addrs`` (buffer addresses in the child),
+    ``pid``. Methods run in the child: :meth:`fill`, :meth:`read`,
+    :meth:`write`, :meth:`add_buffer`, :meth:`deregister`, :meth:`notifies`,
+    :meth:`call` (any Engine method). :meth:`kill` simulates a crash.
+    """
+
+    def __init__(
+        self,
+        sizes: list[int],
+        options: dict[str, Any] | None = None,
+        address: str = "127.0.0.1:0",
+        timeout: float = 30.0,
+    ) -> None:
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads or sockets
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(child, address, options or {}, sizes), daemon=True)
+        self._process.start()
+        child.close()
+        self.engine, self.addrs, self.pid = self._recv()
+
+    def _recv(self) -> Any:
+        if not self._conn.poll(self.timeout):
+            self.kill()
+            raise TimeoutError(f"target process did not answer within {self.timeout} s")
+        return self._conn.recv()
+
+    def _do(self, command: str, *args: Any) -> Any:
+        self._conn.send((command, args))
+        return self._recv()
+
+    def fill(self, index: int, seed: int) -> None:
+        """Fill buffer ``index`` with seeded random bytes (``expected(...)`` recreates them)."""
+        self._do("fill", index, seed)
+
+    def read(self, index: int, start: int, nbytes: int) -> bytes:
+        """Bytes ``[start, start+nbytes)`` of buffer ``index``, as the child sees them."""
+        return self._do("read", index, start, nbytes)  # type: ignore[no-any-return]
+
+    def write(self, index: int, start: int, data: bytes) -> None:
+        """Set bytes of buffer ``index`` from the child's side."""
+        self._do("write", index, start, data)
+
+    def add_buffer(self, size: int) -> int:
+        """Allocate and register another buffer (after peers connected); returns its address."""
+        addr = self._do("add_buffer", size)
+        self.addrs.append(addr)
+        return addr  # type: ignore[no-any-return]
+
+    def deregister(self, index: int) -> None:
+        """Deregister buffer ``index`` in the child."""
+        self._do("deregister", index)
+
+    def notifies(self) -> list[tuple[str, str]]:
+        """Drain the child's notifications as ``(name, msg)`` pairs."""
+        return self._do("notifies")  # type: ignore[no-any-return]
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Call ``Engine.method(*args)`` in the child and return its (picklable) result."""
+        return self._do("call", method, args)
+
+    @staticmethod
+    def expected(size: int, seed: int) -> np.ndarray:
+        """The bytes :meth:`fill` writes for ``size`` and ``seed``."""
+        return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+    def kill(self) -> None:
+        """SIGKILL the child, as a crash would."""
+        if self._process.is_alive() and self._process.pid is not None:
+            os.kill(self._process.pid, signal.SIGKILL)
+        self._process.join(10)
+
+    def stop(self, signum: int = signal.SIGSTOP) -> None:
+        """Freeze (SIGSTOP) or resume (SIGCONT) the child, to simulate a hung peer."""
+        assert self._process.pid is not None
+        os.kill(self._process.pid, signum)
+
+    def close(self) -> None:
+        """Ask the child to finalize and exit; kill it if it doesn't."""
+        if self._process.is_alive():
+            try:
+                self._conn.send(("exit", ()))
+            except OSError:
+                pass
+            self._process.join(10)
+        if self._process.is_alive():
+            self.kill()
+        self._conn.close()
+
+    @property
+    def exitcode(self) -> int | None:
+        """The child's exit code once it ended."""
+        return self._process.exitcode
+
+    def __enter__(self) -> TargetProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
