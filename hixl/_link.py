@@ -83,6 +83,7 @@ class PeerLink:
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
         self._pending_lock = threading.Lock()
+        self._closing = False
         self._reader = threading.Thread(target=self._read_loop, name=f"hixl-link-{remote_engine}", daemon=True)
         self._reader.start()
 
@@ -149,7 +150,7 @@ class PeerLink:
             while self._dispatch(self.framed.recv_frame()):
                 pass
         except HixlError as exc:
-            self._end(LinkState.BROKEN, str(exc))
+            self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
         except Exception as exc:  # a bug must still not strand waiters
             log.exception("hixl link reader crashed")
             self._end(LinkState.BROKEN, f"internal error: {exc!r}")
@@ -178,6 +179,7 @@ class PeerLink:
 
     def close(self, timeout: float = 1.0) -> None:
         """Say BYE, close the socket and join the reader; idempotent."""
+        self._closing = True  # the peer's reaction to BYE is not a failure
         if self.state is LinkState.CONNECTED:
             self.framed.try_send(proto.encode(proto.Bye(0, "disconnect")))
         self._end(LinkState.CLOSED, "disconnected")
