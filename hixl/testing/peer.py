@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
+import socket
+import subprocess
+import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -13,9 +15,10 @@ import numpy as np
 __all__ = ["TargetProcess"]
 
 
-def _serve(conn: Connection, address: str, options: dict[str, Any], sizes: list[int]) -> None:
+def _serve(conn: Connection) -> None:
     from .. import Engine, empty  # imported in the child only
 
+    address, options, sizes = conn.recv()
     engine = Engine(address, options)
     buffers = [empty(size) for size in sizes]
     handles = [engine.register_mem(buf) for buf in buffers]
@@ -94,11 +97,18 @@ class TargetProcess:
         timeout: float = 30.0,
     ) -> None:
         self.timeout = timeout
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads or sockets
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(child, address, options or {}, sizes), daemon=True)
-        self._process.start()
-        child.close()
+        # A fresh interpreter (not fork: the parent may run engine threads), started
+        # with ``-m`` so the caller's ``__main__`` is never re-imported.
+        ours, theirs = socket.socketpair()
+        path = os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))
+        with ours, theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "hixl.testing._target_main", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                env={**os.environ, "PYTHONPATH": path},
+            )
+            self._conn = Connection(ours.detach())
+        self._conn.send((address, options or {}, sizes))
         self.engine, self.addrs, self.pid = self._recv()
 
     def _recv(self) -> Any:
@@ -148,34 +158,39 @@ class TargetProcess:
 
     def kill(self) -> None:
         """SIGKILL the child, as a crash would."""
-        if self._process.is_alive() and self._process.pid is not None:
-            os.kill(self._process.pid, signal.SIGKILL)
-        self._process.join(10)
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)
+            self._process.kill()
+        self._process.wait(10)
 
     def stop(self, signum: int = signal.SIGSTOP) -> None:
         """Freeze (SIGSTOP) or resume (SIGCONT) the child, to simulate a hung peer."""
-        assert self._process.pid is not None
-        os.kill(self._process.pid, signum)
+        self._process.send_signal(signum)
 
     def close(self) -> None:
         """Ask the child to finalize and exit; kill it if it doesn't."""
-        if self._process.is_alive():
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)
             try:
                 self._conn.send(("exit", ()))
-            except OSError:
+                self._process.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
                 pass
-            self._process.join(10)
-        if self._process.is_alive():
+        if self._process.poll() is None:
             self.kill()
         self._conn.close()
 
     @property
     def exitcode(self) -> int | None:
         """The child's exit code once it ended."""
-        return self._process.exitcode
+        return self._process.poll()
 
     def __enter__(self) -> TargetProcess:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

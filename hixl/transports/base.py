@@ -53,6 +53,16 @@ class Channel(abc.ABC):
         before each chunk it writes into local memory.
         """
 
+    def run_small(self, op: Op, descs: list[tuple[int, int, int]], nbytes: int) -> bool:
+        """Try to move a few small, validated descriptors synchronously, right now.
+
+        The latency path of ``transfer_sync``: a transport that can beat the
+        general path for a handful of descriptors overrides it. Returns True if
+        every byte moved; False sends the caller down the general path, which
+        also reports any error. The default has no fast path.
+        """
+        return False
+
     def close(self) -> None:
         """Release per-peer resources (the link itself is closed by the engine)."""
 
