@@ -164,7 +164,7 @@ class PeerLink:
         if isinstance(message, proto.Bye):
             self._end(LinkState.BROKEN, f"peer closed the link ({message.reason or 'no reason given'})")
             return False
-        if not isinstance(message, (proto.Data, proto.Ack, proto.Error, proto.Regions)):
+        if not isinstance(message, (proto.Data, proto.Ack, proto.Error, proto.Regions, proto.Meta)):
             raise ProtocolError(f"unexpected {type(message).__name__} from the target")
         with self._pending_lock:
             pending = self._pending.pop(message.req_id, None)

@@ -45,6 +45,7 @@ class TargetServer:
         engine_id: str,
     ) -> None:
         self.engine_id = engine_id
+        self.metadata: dict[str, bytes] = {}
         self.registry = registry
         self.on_notify = on_notify
         self.transports = transports
@@ -185,6 +186,13 @@ class _ServedConnection:
             table = self.server.registry.table
             regions = np.array(table.regions, dtype=np.uint64).reshape(-1, 2)
             self.framed.send(proto.encode(proto.Regions(regions, message.req_id)))
+        elif isinstance(message, proto.QueryMeta):
+            value = self.server.metadata.get(message.key)
+            if value is None:
+                reply: proto.Message = proto.Error(message.req_id, Status.PARAM_INVALID, f"no metadata {message.key!r}")
+            else:
+                reply = proto.Meta(message.req_id, value)
+            self.framed.send(proto.encode(reply))
         elif isinstance(message, proto.Ping):
             self.framed.send(proto.encode(proto.Pong(message.req_id)))
         elif isinstance(message, proto.Bye):

@@ -399,6 +399,31 @@ class Engine:
         req = TransferReq(peer.link.remote_engine, op, len(descs), int(descs[:, 2].sum()), timeout)
         return peer, req, op, merged
 
+    # -- published metadata ------------------------------------------------------------
+    def set_metadata(self, key: str, value: bytes) -> None:
+        """Publish ``value`` under ``key`` for connected peers to fetch (target side).
+
+        For what a peer must know beyond raw regions — e.g. the layout of the KV
+        caches behind them — without a side channel or a metadata server.
+        """
+        self._check_open()
+        if self._server is None:
+            raise Unsupported("a client-only engine has no peers to publish to")
+        if not isinstance(key, str) or not isinstance(value, (bytes, bytearray)):
+            raise ParamInvalid("metadata key must be str and value bytes")
+        if len(value) > proto.frames.MAX_BODY - proto.HEADER_SIZE:
+            raise ParamInvalid(f"metadata value of {len(value)} bytes is too large")
+        self._server.metadata[key] = bytes(value)
+
+    def get_remote_metadata(self, remote_engine: str, key: str, timeout: float | None = None) -> bytes:
+        """Fetch what ``remote_engine`` published under ``key``; :class:`ParamInvalid` if nothing."""
+        peer = self._peer(remote_engine)
+        timeout = float(self.options["connect_timeout"] if timeout is None else timeout)
+        reply = peer.link.call(proto.QueryMeta(peer.link.next_id(), key), timeout)
+        if not isinstance(reply, proto.Meta):
+            raise ProtocolError(f"expected META, got {type(reply).__name__}")
+        return reply.value
+
     # -- notifications -------------------------------------------------------------------
     def send_notify(self, remote_engine: str, notify: NotifyDesc, timeout: float | None = None) -> None:
         """Deliver a small message to ``remote_engine``'s :meth:`get_notifies`.

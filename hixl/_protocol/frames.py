@@ -60,6 +60,8 @@ class FrameType(enum.IntEnum):
     PING = 11
     PONG = 12
     BYE = 13
+    QUERY_META = 14
+    META = 15
 
 
 @dataclass(frozen=True)
@@ -179,8 +181,38 @@ class Bye:
     reason: str = field(default="")
 
 
+@dataclass(frozen=True)
+class QueryMeta:
+    """Client asks for the metadata value the target published under ``key``."""
+
+    req_id: int
+    key: str
+
+
+@dataclass(frozen=True)
+class Meta:
+    """Reply to QUERY_META: the published value (opaque bytes)."""
+
+    req_id: int
+    value: bytes
+
+
 Message = Union[
-    Hello, Welcome, Regions, QueryRegions, ReadRequest, WriteRequest, Data, Ack, Error, Notify, Ping, Pong, Bye
+    Hello,
+    Welcome,
+    Regions,
+    QueryRegions,
+    ReadRequest,
+    WriteRequest,
+    Data,
+    Ack,
+    Error,
+    Notify,
+    Ping,
+    Pong,
+    Bye,
+    QueryMeta,
+    Meta,
 ]
 
 
@@ -284,6 +316,10 @@ def parse_body(header: Header, body: bytes | memoryview) -> Message:
             raise ProtocolError("NOTIFY name runs past the body")
         name, msg = _text(rest[:name_len], "NOTIFY name"), _text(rest[name_len:], "NOTIFY msg")
         return Notify(rid, name, msg)
+    if kind is FrameType.QUERY_META:
+        return QueryMeta(rid, _text(body, "QUERY_META key"))
+    if kind is FrameType.META:
+        return Meta(rid, bytes(body))
     assert kind is FrameType.BYE
     return Bye(rid, _text(body, "BYE reason"))
 
@@ -319,5 +355,9 @@ def encode(message: Message) -> bytes:
         return _frame(FrameType.NOTIFY, message.req_id, _NOTIFY_HEAD.pack(len(name)) + name + message.msg.encode())
     if isinstance(message, Bye):
         return _frame(FrameType.BYE, message.req_id, message.reason.encode())
+    if isinstance(message, QueryMeta):
+        return _frame(FrameType.QUERY_META, message.req_id, message.key.encode())
+    if isinstance(message, Meta):
+        return _frame(FrameType.META, message.req_id, message.value)
     simple = {QueryRegions: FrameType.QUERY_REGIONS, Ack: FrameType.ACK, Ping: FrameType.PING, Pong: FrameType.PONG}
     return _frame(simple[type(message)], message.req_id)
