@@ -1,0 +1,87 @@
+"""DataDist errors: :class:`LLMException` with an :class:`LLMStatusCode`, as in LLM-DataDist.
+
+Bad arguments raise the builtin ``ValueError`` / ``TypeError`` instead; failures
+of the engine underneath are translated by :func:`translate_errors`, with the
+original chained as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator
+
+from .._exceptions import (
+    HixlError,
+    HixlTimeout,
+    MemoryRangeError,
+    NotConnected,
+    ParamInvalid,
+    PeerDisconnected,
+    ResourceExhausted,
+)
+
+__all__ = ["LLMException", "LLMStatusCode", "translate_errors"]
+
+
+class LLMStatusCode(enum.Enum):
+    """Result codes, named as in LLM-DataDist."""
+
+    SUCCESS = "SUCCESS"
+    PARAM_INVALID = "PARAM_INVALID"
+    NOT_YET_LINK = "NOT_YET_LINK"
+    ALREADY_LINK = "ALREADY_LINK"
+    LINK_FAILED = "LINK_FAILED"
+    UNLINK_FAILED = "UNLINK_FAILED"
+    EXIST_LINK = "EXIST_LINK"
+    KV_CACHE_NOT_EXIST = "KV_CACHE_NOT_EXIST"
+    TIMEOUT = "TIMEOUT"
+    WAIT_PROCESS_TIMEOUT = "WAIT_PROCESS_TIMEOUT"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    NOT_INITIALIZED = "NOT_INITIALIZED"
+    FAILED = "FAILED"
+
+
+class LLMException(HixlError):
+    """A DataDist operation failed; ``status_code`` says how."""
+
+    def __init__(self, message: str, status_code: LLMStatusCode) -> None:
+        super().__init__(f"{status_code.name}: {message}")
+        self.status_code = status_code
+
+    def __repr__(self) -> str:
+        return f"LLMException({str(self)!r}, status_code={self.status_code.name})"
+
+
+def _code_for(exc: HixlError) -> LLMStatusCode:
+    if isinstance(exc, LLMException):
+        return exc.status_code
+    if isinstance(exc, HixlTimeout):
+        return LLMStatusCode.TIMEOUT
+    if isinstance(exc, NotConnected):
+        return LLMStatusCode.NOT_YET_LINK
+    if isinstance(exc, PeerDisconnected):
+        return LLMStatusCode.LINK_FAILED
+    if isinstance(exc, MemoryRangeError):
+        return LLMStatusCode.KV_CACHE_NOT_EXIST
+    if isinstance(exc, ParamInvalid):
+        return LLMStatusCode.PARAM_INVALID
+    if isinstance(exc, ResourceExhausted):
+        return LLMStatusCode.RESOURCE_EXHAUSTED
+    return LLMStatusCode.FAILED
+
+
+@contextlib.contextmanager
+def translate_errors(what: str) -> Iterator[None]:
+    """Re-raise engine errors inside the block as :class:`LLMException` (``what`` failed)."""
+    try:
+        yield
+    except LLMException:
+        raise
+    except HixlError as exc:
+        raise LLMException(f"{what}: {exc}", _code_for(exc)) from exc
+
+
+def status_of(exc: HixlError) -> LLMStatusCode:
+    """The status code an engine error maps to."""
+    return _code_for(exc)

@@ -1,0 +1,554 @@
+"""Registering KV caches and moving them — whole, by block, layer by layer.
+
+Every transfer is planned the same way: resolve the peer's cache from its
+published catalog, check shapes, dtypes, block indices and layer ranges, then
+build all descriptors in one vectorised step (:mod:`._layout`). A synchronous
+call sends them as one engine transfer (runs of contiguous blocks merge into
+single descriptors); an async one sends one engine request per layer, in
+layer order, so :meth:`CacheTask.wait_layer` can return as soon as its layer
+has landed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from .._exceptions import HixlError
+from .._memory import buffer_range
+from .._request import TransferReq
+from .._types import MemDesc, MemHandle, NotifyDesc, Op
+from ._catalog import RemoteCache
+from ._errors import LLMException, LLMStatusCode, status_of, translate_errors
+from ._layout import layer_tensors, resolve_layers, row_descs, rows_array
+from ._types import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    Placement,
+    TransferConfig,
+    TransferDone,
+)
+
+if TYPE_CHECKING:
+    from .llm_datadist import LLMDataDist
+
+__all__ = ["CacheManager", "CacheTask", "LayerSynchronizer"]
+
+DONE_NOTIFY = "hixl.datadist.done"
+
+
+class LayerSynchronizer(Protocol):
+    """Told by the pushing side when prefill has finished computing a layer."""
+
+    def synchronize_layer(self, layer_index: int, timeout: float | None) -> bool:
+        """Block until layer ``layer_index`` is computed; False (or raising) aborts the push."""
+        ...
+
+
+class _LayerSlot:
+    """One layer of a :class:`CacheTask`: its engine requests, once submitted."""
+
+    def __init__(self) -> None:
+        self.submitted = threading.Event()
+        self.reqs: list[TransferReq] = []
+        self.error: LLMException | None = None
+
+    def fail(self, error: LLMException) -> None:
+        self.error = error
+        self.submitted.set()
+
+
+class CacheTask:
+    """An async layer-by-layer transfer; ``wait_layer(i)`` returns once layer ``i`` landed.
+
+    ``layers`` are the *local* cache's layer indices, in transfer order.
+    """
+
+    def __init__(self, layers: Sequence[int], timeout: float) -> None:
+        self.layers = list(layers)
+        self.timeout = timeout
+        self._slots = {layer: _LayerSlot() for layer in self.layers}
+        self._on_success: Callable[[], None] | None = None
+
+    def wait_layer(self, layer_index: int, timeout: float | None = None) -> None:
+        """Block until layer ``layer_index`` has landed; raise :class:`LLMException` if it failed."""
+        slot = self._slots.get(layer_index)
+        if slot is None:
+            raise ValueError(f"layer {layer_index} is not part of this task (layers {self.layers})")
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        if not slot.submitted.wait(max(0.0, deadline - time.monotonic())):
+            raise LLMException(f"layer {layer_index} was not started in time", LLMStatusCode.TIMEOUT)
+        if slot.error is not None:
+            raise slot.error
+        with translate_errors(f"layer {layer_index}"):
+            for req in slot.reqs:
+                if not req.wait(max(0.0, deadline - time.monotonic())).is_final:
+                    raise LLMException(f"layer {layer_index} did not land in time", LLMStatusCode.TIMEOUT)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait for every layer; raise the first failure."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        for layer in self.layers:
+            self.wait_layer(layer, max(0.0, deadline - time.monotonic()))
+
+    def done(self) -> bool:
+        """True once every layer has ended (landed or failed)."""
+        return all(
+            s.submitted.is_set() and (s.error is not None or all(r.done() for r in s.reqs))
+            for s in self._slots.values()
+        )
+
+    @property
+    def status(self) -> LLMStatusCode:
+        """SUCCESS once every layer landed, the first failure's code, or WAIT_PROCESS_TIMEOUT while running."""
+        for slot in self._slots.values():
+            if slot.error is not None:
+                return slot.error.status_code
+            for req in slot.reqs:
+                if req.error is not None:
+                    return status_of(req.error)
+        return LLMStatusCode.SUCCESS if self.done() else LLMStatusCode.WAIT_PROCESS_TIMEOUT
+
+    def _submit(self, layer: int, reqs: list[TransferReq]) -> None:
+        slot = self._slots[layer]
+        slot.reqs = reqs
+        slot.submitted.set()
+
+    def _fail_from(self, layer_pos: int, error: LLMException) -> None:
+        for layer in self.layers[layer_pos:]:
+            self._slots[layer].fail(error)
+
+    def _watch(self, on_success: Callable[[], None]) -> None:
+        """Call ``on_success`` from a helper thread once every layer landed."""
+
+        def run() -> None:
+            try:
+                self.synchronize()
+            except LLMException:
+                return
+            on_success()
+
+        threading.Thread(target=run, name="hixl-datadist-watch", daemon=True).start()
+
+    def __repr__(self) -> str:
+        landed = sum(1 for s in self._slots.values() if s.submitted.is_set() and all(r.done() for r in s.reqs))
+        return f"<CacheTask {landed}/{len(self.layers)} layers ended, {self.status.name}>"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Validated descriptors of one transfer, grouped by layer."""
+
+    remote_engine: str
+    remote_cluster: int
+    op: Op
+    layers: list[int]  # local layer indices, in order
+    descs: np.ndarray  # (layers * tensors_per_layer * rows, 3), layer-major
+
+    def layer_slice(self, position: int) -> np.ndarray:
+        per_layer = len(self.descs) // len(self.layers)
+        return self.descs[position * per_layer : (position + 1) * per_layer]
+
+
+class CacheManager:
+    """Cache registration and transfers of one :class:`LLMDataDist` (``datadist.cache_manager``)."""
+
+    def __init__(self, datadist: LLMDataDist) -> None:
+        self._dd = datadist
+        self._lock = threading.Lock()
+        self._caches: dict[int, Cache] = {}
+        self._handles: dict[int, list[MemHandle]] = {}
+        self._next_id = 1
+
+    # -- registration --------------------------------------------------------------------
+    def register_cache(
+        self, cache_desc: CacheDesc, tensors_or_addrs: Sequence[Any], cache_keys: Sequence[CacheKey] = ()
+    ) -> Cache:
+        """Register a plain cache (``shape[0]`` = batch size); ``cache_keys[i]`` names batch entry i."""
+        keys = list(cache_keys)
+        if any(not isinstance(k, CacheKey) for k in keys):
+            raise TypeError("cache_keys must be CacheKey instances")
+        if len(keys) > cache_desc.shape[0]:
+            raise ValueError(f"{len(keys)} cache keys for a batch of {cache_desc.shape[0]}")
+        return self._register(cache_desc, tensors_or_addrs, keys, is_blocks=False)
+
+    def register_blocks_cache(
+        self, cache_desc: CacheDesc, tensors_or_addrs: Sequence[Any], blocks_cache_key: BlocksCacheKey | None = None
+    ) -> Cache:
+        """Register a paged cache (``shape[0]`` = number of blocks) under ``blocks_cache_key``."""
+        if blocks_cache_key is not None and not isinstance(blocks_cache_key, BlocksCacheKey):
+            raise TypeError("blocks_cache_key must be a BlocksCacheKey")
+        return self._register(cache_desc, tensors_or_addrs, [blocks_cache_key] if blocks_cache_key else [], True)
+
+    def _register(self, desc: CacheDesc, tensors: Sequence[Any], keys: list[Any], is_blocks: bool) -> Cache:
+        if not isinstance(desc, CacheDesc):
+            raise TypeError(f"cache_desc must be a CacheDesc, not {type(desc).__name__}")
+        if desc.placement is not Placement.HOST:
+            raise LLMException("only HOST placement has a transport here", LLMStatusCode.PARAM_INVALID)
+        if isinstance(tensors, (str, bytes)) or len(tensors) != desc.num_tensors:
+            raise ValueError(f"expected {desc.num_tensors} tensors or addresses, got {len(tensors)}")
+        addrs = [_tensor_addr(t, desc, i) for i, t in enumerate(tensors)]
+        engine = self._dd.engine
+        with self._lock:
+            for other in self._caches.values():
+                clash = [k for k in keys if k is not None and k in other.keys]
+                if clash:
+                    raise ValueError(f"key {clash[0]} is already registered (cache {other.cache_id})")
+            with translate_errors("register cache"):
+                # Per-layer tensors are often views into one storage: register the
+                # covering spans once, not each view.
+                handles = [engine.register_mem(MemDesc(a, n)) for a, n in _spans(addrs, desc.tensor_bytes)]
+            cache = Cache(self._next_id, desc, addrs, is_blocks, keys, keepalive=list(tensors))
+            self._next_id += 1
+            self._caches[cache.cache_id] = cache
+            self._handles[cache.cache_id] = handles
+        self._dd._publish()
+        return cache
+
+    def unregister_cache(self, cache_id: int) -> None:
+        """Forget a cache; peers can no longer reach it."""
+        with self._lock:
+            cache = self._caches.pop(cache_id, None)
+            if cache is None:
+                raise LLMException(f"no cache {cache_id}", LLMStatusCode.KV_CACHE_NOT_EXIST)
+            handles = self._handles.pop(cache_id)
+            still_used = {h.id for hs in self._handles.values() for h in hs}
+        for handle in handles:
+            if handle.id not in still_used:
+                self._dd.engine.deregister_mem(handle)
+        self._dd._publish()
+
+    def caches(self) -> list[Cache]:
+        """Every registered cache."""
+        with self._lock:
+            return list(self._caches.values())
+
+    # -- pulls (READ) --------------------------------------------------------------------
+    def pull_blocks(
+        self,
+        src_key: BlocksCacheKey,
+        dst_cache: Cache,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+        *,
+        req_id: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Copy blocks ``src_blocks`` of the remote cache ``src_key`` into ``dst_blocks`` of ``dst_cache``.
+
+        With ``req_id``, the source is told (:meth:`completed_requests`) once the
+        data has landed, so it may free those blocks.
+        """
+        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        self._run(plan, req_id, timeout, "pull_blocks")
+
+    def pull_blocks_async(
+        self,
+        src_key: BlocksCacheKey,
+        dst_cache: Cache,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+        *,
+        req_id: int | None = None,
+        timeout: float | None = None,
+    ) -> CacheTask:
+        """:meth:`pull_blocks` layer by layer: returns at once; ``task.wait_layer(i)`` waits for layer i."""
+        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        return self._run_async(plan, req_id, timeout)
+
+    def pull_cache(
+        self,
+        cache_key: CacheKey | CacheKeyByIdAndIndex,
+        cache: Cache,
+        batch_index: int = 0,
+        size: int = -1,
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+        *,
+        req_id: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Copy the remote batch entry named by ``cache_key`` into entry ``batch_index`` of ``cache``.
+
+        ``size`` > 0 copies only the first ``size`` positions along ``shape[1]``
+        (e.g. the prompt's tokens); -1 copies the whole entry.
+        """
+        plan = self._cache_plan(Op.READ, cache_key, cache, batch_index, size, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        self._run(plan, req_id, timeout, "pull_cache")
+
+    # -- pushes (WRITE) --------------------------------------------------------------------
+    def push_blocks(
+        self,
+        dst_key: BlocksCacheKey,
+        src_cache: Cache,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+        *,
+        req_id: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Write blocks of the local ``src_cache`` into the remote blocks cache ``dst_key``."""
+        plan = self._blocks_plan(Op.WRITE, dst_key, src_cache, dst_blocks, src_blocks, dst_layer_range, src_layer_range, tensor_num_per_layer)
+        self._run(plan, req_id, timeout, "push_blocks")
+
+    def push_cache(
+        self,
+        dst_key: CacheKey | CacheKeyByIdAndIndex,
+        src_cache: Cache,
+        batch_index: int = 0,
+        size: int = -1,
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+        *,
+        req_id: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Write entry ``batch_index`` of the local ``src_cache`` into the remote entry ``dst_key``."""
+        plan = self._cache_plan(Op.WRITE, dst_key, src_cache, batch_index, size, dst_layer_range, src_layer_range, tensor_num_per_layer)
+        self._run(plan, req_id, timeout, "push_cache")
+
+    def transfer_cache_async(
+        self,
+        src_cache: Cache,
+        layer_synchronizer: LayerSynchronizer,
+        transfer_configs: Sequence[TransferConfig],
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        tensor_num_per_layer: int = 2,
+        *,
+        req_id: int | None = None,
+        timeout: float | None = None,
+    ) -> CacheTask:
+        """Push ``src_cache`` layer by layer while prefill is still computing.
+
+        A helper thread calls ``layer_synchronizer.synchronize_layer(i, timeout)``
+        for each layer and, as soon as it returns True, starts writing layer i
+        to every destination in ``transfer_configs`` — so the transfer of layer
+        i overlaps the compute of layer i+1. ``task.synchronize()`` waits for all.
+        """
+        if not transfer_configs:
+            raise ValueError("transfer_configs is empty")
+        plans = [
+            self._blocks_plan(Op.WRITE, cfg.dst_key, src_cache, dst_blocks, src_blocks, cfg.dst_layer_range, cfg.src_layer_range, tensor_num_per_layer, cfg.dst_cluster_id)
+            for cfg in transfer_configs
+        ]
+        if len({tuple(p.layers) for p in plans}) != 1:
+            raise ValueError("every transfer config must cover the same source layers")
+        timeout = self._timeout(timeout)
+        task = CacheTask(plans[0].layers, timeout)
+        engine = self._dd.engine
+
+        def push() -> None:
+            for position, layer in enumerate(task.layers):
+                try:
+                    ready = layer_synchronizer.synchronize_layer(layer, timeout)
+                except Exception as exc:
+                    task._fail_from(position, LLMException(f"synchronize_layer({layer}) raised {exc!r}", LLMStatusCode.FAILED))
+                    return
+                if not ready:
+                    task._fail_from(position, LLMException(f"layer {layer} was not computed in time", LLMStatusCode.TIMEOUT))
+                    return
+                try:
+                    with translate_errors(f"push layer {layer}"):
+                        reqs = [engine.transfer_async(p.remote_engine, p.op, p.layer_slice(position), timeout) for p in plans]
+                except LLMException as exc:
+                    task._fail_from(position, exc)
+                    return
+                task._submit(layer, reqs)
+
+        threading.Thread(target=push, name="hixl-datadist-push", daemon=True).start()
+        if req_id is not None:
+            task._watch(lambda: [self._notify_done(p, req_id, "push") for p in plans])
+        return task
+
+    # -- completion notifications -----------------------------------------------------------
+    def completed_requests(self) -> list[TransferDone]:
+        """Requests peers finished with since the last call: pulled from us, or pushed to us."""
+        return self._dd._take_done()
+
+    def _notify_done(self, plan: _Plan, req_id: int, op: str) -> None:
+        msg = json.dumps({"cluster_id": self._dd.cluster_id, "req_id": req_id, "op": op})
+        with translate_errors("completion notification"):
+            self._dd.engine.send_notify(plan.remote_engine, NotifyDesc(DONE_NOTIFY, msg))
+
+    # -- planning ----------------------------------------------------------------------------
+    def _timeout(self, timeout: float | None) -> float:
+        return self._dd.config.sync_kv_timeout if timeout is None else float(timeout)
+
+    def _local(self, cache: Cache) -> Cache:
+        if not isinstance(cache, Cache):
+            raise TypeError(f"expected a Cache from register_*, got {type(cache).__name__}")
+        with self._lock:
+            if self._caches.get(cache.cache_id) is not cache:
+                raise LLMException(f"cache {cache.cache_id} is not registered here", LLMStatusCode.KV_CACHE_NOT_EXIST)
+        return cache
+
+    def _blocks_plan(
+        self,
+        op: Op,
+        remote_key: BlocksCacheKey,
+        local_cache: Cache,
+        remote_blocks: Sequence[int],
+        local_blocks: Sequence[int],
+        remote_layer_range: range | None,
+        local_layer_range: range | None,
+        tensor_num_per_layer: int,
+        cluster_id: int | None = None,
+    ) -> _Plan:
+        if not isinstance(remote_key, BlocksCacheKey):
+            raise TypeError(f"a blocks transfer names its remote cache by BlocksCacheKey, not {type(remote_key).__name__}")
+        local = self._local(local_cache)
+        if not local.is_blocks:
+            raise TypeError("the local cache is not a blocks cache (use register_blocks_cache)")
+        cluster = remote_key.prompt_cluster_id if cluster_id is None else cluster_id
+        remote_engine, remote = self._dd._remote_cache(cluster, lambda cat: cat.blocks_cache(remote_key), remote_key)
+        _check_compatible(local.cache_desc, remote.cache_desc)
+        local_rows = rows_array(local_blocks, local.cache_desc.shape[0], "local block indices")
+        remote_rows = rows_array(remote_blocks, remote.cache_desc.shape[0], "remote block indices")
+        if len(local_rows) != len(remote_rows):
+            raise ValueError(f"{len(remote_rows)} source blocks but {len(local_rows)} destination blocks")
+        return self._plan(op, remote_engine, cluster, local, remote, local_rows, remote_rows, local_layer_range, remote_layer_range, tensor_num_per_layer, local.cache_desc.row_bytes)
+
+    def _cache_plan(
+        self,
+        op: Op,
+        remote_key: CacheKey | CacheKeyByIdAndIndex,
+        local_cache: Cache,
+        batch_index: int,
+        size: int,
+        remote_layer_range: range | None,
+        local_layer_range: range | None,
+        tensor_num_per_layer: int,
+    ) -> _Plan:
+        local = self._local(local_cache)
+        if local.is_blocks:
+            raise TypeError("the local cache is a blocks cache (use pull_blocks/push_blocks)")
+        if isinstance(remote_key, CacheKey):
+            cluster = remote_key.prompt_cluster_id
+            found: Any = lambda cat: cat.by_cache_key(remote_key)  # noqa: E731
+        elif isinstance(remote_key, CacheKeyByIdAndIndex):
+            cluster = remote_key.cluster_id
+
+            def found(cat: Any) -> Any:
+                cache = cat.by_id(remote_key.cache_id)
+                return None if cache is None or cache.is_blocks else (cache, remote_key.batch_index)
+
+        else:
+            raise TypeError(f"cache key must be CacheKey or CacheKeyByIdAndIndex, not {type(remote_key).__name__}")
+        remote_engine, (remote, remote_index) = self._dd._remote_cache(cluster, found, remote_key)
+        _check_compatible(local.cache_desc, remote.cache_desc)
+        shape = local.cache_desc.shape
+        if size != -1:
+            if len(shape) < 2 or not 0 < size <= shape[1]:
+                raise ValueError(f"size {size} must be -1 or within 1..{shape[1] if len(shape) > 1 else 1}")
+            nbytes = size * (local.cache_desc.row_bytes // shape[1])
+        else:
+            nbytes = local.cache_desc.row_bytes
+        local_rows = rows_array([batch_index], shape[0], "batch_index")
+        remote_rows = rows_array([remote_index], remote.cache_desc.shape[0], "remote batch index")
+        # Rows are ``row_bytes`` apart; only their first ``nbytes`` move.
+        plan = self._plan(op, remote_engine, cluster, local, remote, local_rows * np.uint64(local.cache_desc.row_bytes), remote_rows * np.uint64(local.cache_desc.row_bytes), local_layer_range, remote_layer_range, tensor_num_per_layer, 1)
+        plan.descs[:, 2] = nbytes
+        return plan
+
+    def _plan(
+        self,
+        op: Op,
+        remote_engine: str,
+        cluster: int,
+        local: Cache,
+        remote: RemoteCache,
+        local_rows: np.ndarray,
+        remote_rows: np.ndarray,
+        local_layer_range: range | None,
+        remote_layer_range: range | None,
+        tensor_num_per_layer: int,
+        row_bytes: int,
+    ) -> _Plan:
+        local_layers = resolve_layers(local.cache_desc, local_layer_range, tensor_num_per_layer, "local layer range")
+        remote_layers = resolve_layers(remote.cache_desc, remote_layer_range, tensor_num_per_layer, "remote layer range")
+        if len(local_layers) != len(remote_layers):
+            raise ValueError(f"layer ranges differ in length: {len(remote_layers)} source vs {len(local_layers)} destination")
+        local_addrs = np.asarray(local.tensor_addrs, dtype=np.uint64)[layer_tensors(local_layers, tensor_num_per_layer)]
+        remote_addrs = np.asarray(remote.tensor_addrs, dtype=np.uint64)[layer_tensors(remote_layers, tensor_num_per_layer)]
+        descs = row_descs(local_addrs, remote_addrs, local_rows, remote_rows, row_bytes)
+        return _Plan(remote_engine, cluster, op, list(local_layers), descs)
+
+    # -- execution ---------------------------------------------------------------------------
+    def _run(self, plan: _Plan, req_id: int | None, timeout: float | None, what: str) -> None:
+        with translate_errors(what):
+            self._dd.engine.transfer_sync(plan.remote_engine, plan.op, plan.descs, self._timeout(timeout))
+        if req_id is not None:
+            self._notify_done(plan, req_id, "pull" if plan.op is Op.READ else "push")
+
+    def _run_async(self, plan: _Plan, req_id: int | None, timeout: float | None) -> CacheTask:
+        timeout = self._timeout(timeout)
+        task = CacheTask(plan.layers, timeout)
+        engine = self._dd.engine
+        for position, layer in enumerate(plan.layers):
+            try:
+                with translate_errors(f"layer {layer}"):
+                    task._submit(layer, [engine.transfer_async(plan.remote_engine, plan.op, plan.layer_slice(position), timeout)])
+            except LLMException as exc:
+                task._fail_from(position, exc)
+                break
+        if req_id is not None:
+            task._watch(lambda: self._notify_done(plan, req_id, "pull"))
+        return task
+
+
+def _tensor_addr(tensor: Any, desc: CacheDesc, index: int) -> int:
+    """Address of tensor ``index``, after checking it matches ``desc``."""
+    if isinstance(tensor, (int, np.integer)):
+        if int(tensor) <= 0:
+            raise ValueError(f"address {index} must be positive, not {tensor}")
+        return int(tensor)
+    shape = tuple(int(d) for d in getattr(tensor, "shape", ()))
+    if shape != desc.shape:
+        raise ValueError(f"tensor {index} has shape {shape}, the CacheDesc says {desc.shape}")
+    if DataType.of(tensor) is not desc.data_type:
+        raise TypeError(f"tensor {index} is {DataType.of(tensor).name}, the CacheDesc says {desc.data_type.name}")
+    try:
+        addr, _, _ = buffer_range(tensor)
+    except HixlError as exc:
+        raise ValueError(f"tensor {index}: {exc}") from exc
+    return addr
+
+
+def _spans(addrs: list[int], nbytes: int) -> list[tuple[int, int]]:
+    """Union of ``[a, a+nbytes)`` over ``addrs`` as sorted, disjoint (addr, len) spans."""
+    spans: list[list[int]] = []
+    for addr in sorted(addrs):
+        if spans and addr <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], addr + nbytes)
+        else:
+            spans.append([addr, addr + nbytes])
+    return [(start, end - start) for start, end in spans]
+
+
+def _check_compatible(local: CacheDesc, remote: CacheDesc) -> None:
+    if local.data_type is not remote.data_type:
+        raise TypeError(f"dtype mismatch: local {local.data_type.name}, remote {remote.data_type.name}")
+    if local.shape[1:] != remote.shape[1:]:
+        raise ValueError(f"block/entry shape mismatch: local {local.shape[1:]}, remote {remote.shape[1:]}")
