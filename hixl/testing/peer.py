@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+from .._child import ChildProcess
 
 __all__ = ["TargetProcess"]
 
@@ -63,6 +62,20 @@ def _notifies(engine: Any, buffers: list[np.ndarray], handles: list[Any]) -> lis
     return [(n.name, n.msg) for n in engine.get_notifies()]
 
 
+def _wait_notifies(
+    engine: Any, buffers: list[np.ndarray], handles: list[Any], timeout: float, index: int, start: int, nbytes: int
+) -> tuple[list[tuple[str, str]], bytes]:
+    # Copy the range the moment the first notification is seen, so the caller
+    # learns what the target's memory held *when* it was notified.
+    deadline = time.monotonic() + timeout
+    while not (got := engine.get_notifies()):
+        if time.monotonic() >= deadline:
+            return [], b""
+        time.sleep(0.0002)
+    snapshot = buffers[index][start : start + nbytes].tobytes()
+    return [(n.name, n.msg) for n in got], snapshot
+
+
 def _call(engine: Any, buffers: list[np.ndarray], handles: list[Any], method: str, args: tuple) -> Any:
     return getattr(engine, method)(*args)
 
@@ -74,6 +87,7 @@ _COMMANDS = {
     "add_buffer": _add_buffer,
     "deregister": _deregister,
     "notifies": _notifies,
+    "wait_notifies": _wait_notifies,
     "call": _call,
 }
 
@@ -86,7 +100,7 @@ class TargetProcess:
     (the child's ``"ip:port"``), ``addrs`` (buffer addresses in the child),
     ``pid``. Methods run in the child: :meth:`fill`, :meth:`read`,
     :meth:`write`, :meth:`add_buffer`, :meth:`deregister`, :meth:`notifies`,
-    :meth:`call` (any Engine method). :meth:`kill` simulates a crash.
+    :meth:`wait_notifies`, :meth:`call` (any Engine method). :meth:`kill` simulates a crash.
     """
 
     def __init__(
@@ -96,30 +110,11 @@ class TargetProcess:
         address: str = "127.0.0.1:0",
         timeout: float = 30.0,
     ) -> None:
-        self.timeout = timeout
-        # A fresh interpreter (not fork: the parent may run engine threads), started
-        # with ``-m`` so the caller's ``__main__`` is never re-imported.
-        ours, theirs = socket.socketpair()
-        path = os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))
-        with ours, theirs:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "hixl.testing._target_main", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                env={**os.environ, "PYTHONPATH": path},
-            )
-            self._conn = Connection(ours.detach())
-        self._conn.send((address, options or {}, sizes))
-        self.engine, self.addrs, self.pid = self._recv()
-
-    def _recv(self) -> Any:
-        if not self._conn.poll(self.timeout):
-            self.kill()
-            raise TimeoutError(f"target process did not answer within {self.timeout} s")
-        return self._conn.recv()
+        self._child = ChildProcess("hixl.testing._target_main", timeout)
+        self.engine, self.addrs, self.pid = self._child.request((address, options or {}, sizes))
 
     def _do(self, command: str, *args: Any) -> Any:
-        self._conn.send((command, args))
-        return self._recv()
+        return self._child.request((command, args))
 
     def fill(self, index: int, seed: int) -> None:
         """Fill buffer ``index`` with seeded random bytes (``expected(...)`` recreates them)."""
@@ -147,6 +142,17 @@ class TargetProcess:
         """Drain the child's notifications as ``(name, msg)`` pairs."""
         return self._do("notifies")  # type: ignore[no-any-return]
 
+    def wait_notifies(
+        self, timeout: float, index: int = 0, start: int = 0, nbytes: int = 0
+    ) -> tuple[list[tuple[str, str]], bytes]:
+        """Wait up to ``timeout`` s for notifications, then at once copy bytes of buffer ``index``.
+
+        Returns the drained ``(name, msg)`` pairs and the copy, taken in the
+        child right after it first saw a notification (``([], b"")`` on
+        timeout): what the target's memory held when it was notified.
+        """
+        return self._do("wait_notifies", timeout, index, start, nbytes)  # type: ignore[no-any-return]
+
     def call(self, method: str, *args: Any) -> Any:
         """Call ``Engine.method(*args)`` in the child and return its (picklable) result."""
         return self._do("call", method, args)
@@ -158,39 +164,23 @@ class TargetProcess:
 
     def kill(self) -> None:
         """SIGKILL the child, as a crash would."""
-        if self._process.poll() is None:
-            self._process.send_signal(signal.SIGCONT)
-            self._process.kill()
-        self._process.wait(10)
+        self._child.kill()
 
     def stop(self, signum: int = signal.SIGSTOP) -> None:
         """Freeze (SIGSTOP) or resume (SIGCONT) the child, to simulate a hung peer."""
-        self._process.send_signal(signum)
+        self._child.signal(signum)
 
     def close(self) -> None:
         """Ask the child to finalize and exit; kill it if it doesn't."""
-        if self._process.poll() is None:
-            self._process.send_signal(signal.SIGCONT)
-            try:
-                self._conn.send(("exit", ()))
-                self._process.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        if self._process.poll() is None:
-            self.kill()
-        self._conn.close()
+        self._child.close(goodbye=("exit", ()))
 
     @property
     def exitcode(self) -> int | None:
         """The child's exit code once it ended."""
-        return self._process.poll()
+        return self._child.process.poll()
 
     def __enter__(self) -> TargetProcess:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

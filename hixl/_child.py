@@ -1,0 +1,97 @@
+"""A Python child process driven over a pipe, for test peers and the demo's workers.
+
+The child is a fresh interpreter started as ``python -m MODULE FD`` — not a
+fork, since the parent may be running engine threads, and not
+``multiprocessing``'s spawn, which re-imports the caller's ``__main__``. It
+receives one end of a socket pair as ``FD`` and talks pickled messages over it
+(see :func:`child_connection`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["ChildProcess", "child_connection"]
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_connection() -> Connection:
+    """In the child: the connection to the parent (from ``sys.argv[1]``)."""
+    return Connection(int(sys.argv[1]))
+
+
+class ChildProcess:
+    """Start ``python -m module``; :meth:`request` sends a message and waits for the reply."""
+
+    def __init__(self, module: str, timeout: float = 30.0) -> None:
+        self.timeout = timeout
+        ours, theirs = socket.socketpair()
+        # The child must import the same hixl as the parent, installed or not.
+        path = os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))
+        with ours, theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", module, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                env={**os.environ, "PYTHONPATH": path},
+            )
+            self.conn = Connection(ours.detach())
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self.process.pid
+
+    def send(self, message: Any) -> None:
+        """Send without waiting for a reply."""
+        self.conn.send(message)
+
+    def receive(self, timeout: float | None = None) -> Any:
+        """The next message from the child; ``TimeoutError`` (and the child killed) if none comes."""
+        limit = self.timeout if timeout is None else timeout
+        if not self.conn.poll(limit):
+            self.kill()
+            raise TimeoutError(f"child {self.process.args} did not answer within {limit} s")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            code = self.process.wait(10)
+            raise ChildProcessError(f"child {self.process.args} exited (code {code}) without answering") from None
+
+    def request(self, message: Any, timeout: float | None = None) -> Any:
+        """Send ``message`` and return the reply."""
+        self.send(message)
+        return self.receive(timeout)
+
+    def signal(self, signum: int) -> None:
+        """Send a signal (e.g. SIGSTOP / SIGCONT to simulate a hung process)."""
+        self.process.send_signal(signum)
+
+    def kill(self) -> None:
+        """SIGKILL the child, as a crash would, and reap it."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.kill()
+        self.process.wait(10)
+
+    def close(self, goodbye: Any = None) -> None:
+        """Send ``goodbye`` (if any), wait for a clean exit, kill if it doesn't come."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            try:
+                if goodbye is not None:
+                    self.conn.send(goodbye)
+                self.process.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.process.poll() is None:
+            self.kill()
+        self.conn.close()
