@@ -162,7 +162,9 @@ class PeerLink:
         if isinstance(message, (proto.Ping, proto.Pong)):
             return True
         if isinstance(message, proto.Bye):
-            self._end(LinkState.BROKEN, f"peer closed the link ({message.reason or 'no reason given'})")
+            # An orderly goodbye: the link is unusable, but nothing went wrong.
+            log.info("hixl: %s closed the link (%s)", self.remote_engine, message.reason or "no reason given")
+            self._end(LinkState.BROKEN, f"peer closed the link ({message.reason or 'no reason given'})", quiet=True)
             return False
         if not isinstance(message, (proto.Data, proto.Ack, proto.Error, proto.Regions, proto.Meta)):
             raise ProtocolError(f"unexpected {type(message).__name__} from the target")
@@ -187,14 +189,14 @@ class PeerLink:
             self._reader.join(timeout)
         self.framed.close()
 
-    def _end(self, state: LinkState, reason: str) -> None:
+    def _end(self, state: LinkState, reason: str, quiet: bool = False) -> None:
         with self._pending_lock:
             if self.state is not LinkState.CONNECTED:
                 return
             self.state = state
             pending, self._pending = self._pending, {}
         self.framed.mark_dead(reason)
-        if state is LinkState.BROKEN:
+        if state is LinkState.BROKEN and not quiet:
             log.warning("hixl: link to %s broken: %s", self.remote_engine, reason)
         error = PeerDisconnected(f"link to {self.remote_engine} {state.name.lower()}: {reason}")
         for entry in pending.values():

@@ -28,6 +28,7 @@ class TransferReq:
         "cancelled",
         "deadline",
         "error",
+        "finished_at",
         "io_lock",
         "nbytes",
         "num_descs",
@@ -44,6 +45,8 @@ class TransferReq:
         self.started = time.monotonic()
         self.deadline = None if timeout is None else self.started + timeout
         self.error: HixlError | None = None
+        self.finished_at: float | None = None
+        """``time.monotonic()`` when the request reached its final status."""
         self.cancelled = False
         self.io_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -107,6 +110,7 @@ class TransferReq:
                 return
             self.error = error
             self._status = status
+            self.finished_at = time.monotonic()
             done = self._done
         if error is not None:
             self.cancelled = True

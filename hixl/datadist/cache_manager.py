@@ -101,6 +101,13 @@ class CacheTask:
         for layer in self.layers:
             self.wait_layer(layer, max(0.0, deadline - time.monotonic()))
 
+    def landed_at(self, layer_index: int) -> float | None:
+        """``time.monotonic()`` when layer ``layer_index`` finished landing, or None if it hasn't."""
+        slot = self._slots[layer_index]
+        if not slot.submitted.is_set() or slot.error is not None or not all(r.done() for r in slot.reqs):
+            return None
+        return max((r.finished_at or 0.0) for r in slot.reqs) if slot.reqs else None
+
     def done(self) -> bool:
         """True once every layer has ended (landed or failed)."""
         return all(

@@ -1,0 +1,1 @@
+"""The PD-disaggregation demo (``hixl demo``); needs the ``demo`` extra (torch, transformers)."""

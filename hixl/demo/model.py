@@ -279,6 +279,7 @@ def decode(
     block_ids: list[int],
     num_tokens: int,
     wait_layer: Callable[[int], None] | None = None,
+    on_token: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Generate greedily from the prompt's KV held in ``cache`` at ``block_ids``.
 
@@ -288,7 +289,8 @@ def decode(
     layer ``i`` runs, ``wait_layer(i)`` is called and then layer ``i``'s
     ``prompt_len`` tokens are read from the paged cache, so decoding can start
     on layer 0 while later layers are still arriving. Later steps keep their
-    KV in a transformers cache; ``cache`` is only read.
+    KV in a transformers cache; ``cache`` is only read. ``on_token(t)`` is
+    called as each new token ``t`` is generated (for timelines).
     """
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
@@ -326,6 +328,8 @@ def decode(
     ]
     try:
         tokens.append(_greedy_step(model, first_token, hf_cache))
+        if on_token is not None:
+            on_token(tokens[-1])
     finally:
         # Only the first pass loads from the paged cache; the model is left
         # hook-free for the remaining steps and for reuse.
@@ -333,6 +337,8 @@ def decode(
             handle.remove()
     while len(tokens) < num_tokens:
         tokens.append(_greedy_step(model, tokens[-1], hf_cache))
+        if on_token is not None:
+            on_token(tokens[-1])
     return tokens
 
 
