@@ -1,0 +1,7 @@
+"""``python -m hixl.bench`` runs ``hixl bench``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

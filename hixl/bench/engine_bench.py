@@ -1,0 +1,397 @@
+"""The ``engine`` scenario: hixl's Engine measured against the raw calls it is built on.
+
+First a memcpy reference (aligned, and with source and destination a few
+bytes apart in page offset). Then, for each transport, on one fresh
+connection to the bench target (:mod:`hixl.bench.target`):
+
+1. **RSS** — move ``rss_size`` bytes READ then WRITE and report how much
+   each side's peak RSS grew (zero-copy means: not at all). The same
+   transfer is the run's self-check that the right bytes arrived.
+2. **Bandwidth** — single transfers of each size, READ and WRITE, against a
+   bare ``process_vm_readv``/``writev`` loop (cma) or a plain socket stream
+   (tcp) over the *same* buffers.
+3. **Alignment** (cma) — READ with the remote source shifted by a few bytes.
+4. **Latency** — every ``transfer_sync`` of 8 B / 4 KiB timed alone, against
+   one raw syscall (cma) or one raw request/response (tcp).
+5. **Batch** — a paged KV cache in miniature: many 16 KiB blocks, shuffled
+   on both sides so nothing merges, against IOV_MAX-per-call raw batches.
+6. **Idle CPU** of both processes while the connection sits unused.
+
+Buffers come from :func:`hixl.empty` (page-aligned), are filled before
+anything is timed, and are freed after each phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from .. import PAGE_SIZE, Engine, HixlError, Op, TransferOpDesc, empty
+from .baselines import Copier, RawStream, cma_batch_copier, cma_copier, memcpy_copier
+from .config import BenchConfig, format_size
+from .procstat import cpu_ns, memory, reset_peak_rss
+from .progress import Progress
+from .results import Row, ScenarioResult, Target, median, percentile
+from .target import BenchTarget, RemoteBuffer, sample_bytes
+from .timing import interleaved_latency, interleaved_reps
+
+__all__ = ["run"]
+
+SCENARIO = "engine"
+MiB = 1 << 20
+OPS = (Op.READ, Op.WRITE)
+
+# The issue's targets: hixl may cost this much relative to the raw calls.
+CMA_BANDWIDTH = Target(">=", 0.9)  # single transfers >= 1 MiB
+CMA_BANDWIDTH_FROM = 1 * MiB
+TCP_BANDWIDTH = Target(">=", 0.8)  # single transfers >= 16 MiB
+TCP_BANDWIDTH_FROM = 16 * MiB
+CMA_BATCH = Target(">=", 0.85)
+CMA_LATENCY = Target("<=", 1.5)
+IDLE_CPU = Target("<", 1.0, on="value")  # % of one core
+RSS_GROWTH = Target("<", 16.0, on="value")  # MiB
+
+
+def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
+    """Run the scenario (see the module docstring) and return its rows."""
+    progress.expect(1 + sum(_transport_steps(config, t) for t in config.transports))
+    rows = _memcpy_rows(config, progress)
+    notes: list[str] = []
+    with BenchTarget() as target:
+        for transport in config.transports:
+            try:
+                bench = _TransportBench(transport, target, config, progress)
+            except HixlError as exc:
+                notes.append(f"{transport}: skipped, the target is unreachable this way ({exc})")
+                progress.skip(_transport_steps(config, transport))
+                continue
+            with bench:
+                rows += bench.run()
+    return ScenarioResult(rows, notes)
+
+
+def _transport_steps(config: BenchConfig, transport: str) -> int:
+    alignment = 1 if transport == "cma" else 0
+    return 1 + 2 * len(config.sizes) + alignment + 2 * len(config.latency_sizes) + 2 + 1
+
+
+def _iterations(config: BenchConfig, nbytes: int) -> int:
+    """Transfers per timed repetition: enough bytes to time reliably, not too many calls."""
+    return max(1, min(config.max_iterations, config.bytes_per_rep // nbytes))
+
+
+def _gib_per_s(nbytes: int, ns: float) -> float:
+    return nbytes / (ns / 1e9) / (1 << 30)
+
+
+def _descs(local_addr: int, remote_addr: int, nbytes: int) -> list[TransferOpDesc]:
+    """One transfer, in the form an application writes it (and the one the engine's latency path takes)."""
+    return [TransferOpDesc(int(local_addr), int(remote_addr), int(nbytes))]
+
+
+def _alignments(offset: int) -> dict[str, tuple[int, int]]:
+    """(source, destination) byte offsets from page alignment for each alignment case."""
+    return {"aligned": (0, 0), "src": (offset, 0), "dst": (0, offset)}
+
+
+def _misaligned_rows(
+    times: dict[str, list[int]], nbytes: int, iterations: int, transport: str, op: str, what: str, offset: int
+) -> list[Row]:
+    """One row per misaligned case (``nbytes`` per transfer), its bandwidth against the aligned one."""
+    aligned = _gib_per_s(nbytes * iterations, median(times["aligned"]))
+    return [
+        Row(
+            f"misaligned {case}",
+            transport,
+            op,
+            nbytes,
+            _gib_per_s(nbytes * iterations, median(times[case])),
+            "GiB/s",
+            baseline=aligned,
+            baseline_name=f"aligned {what}",
+            scenario=SCENARIO,
+            note=f"{case} page offset +{offset} B",
+        )
+        for case in ("src", "dst")
+    ]
+
+
+def _memcpy_rows(config: BenchConfig, progress: Progress) -> list[Row]:
+    n = config.align_size
+    iterations = _iterations(config, n)
+    with progress.step(f"memcpy {format_size(n)}"):
+        dst, src = empty(n + PAGE_SIZE), empty(n + PAGE_SIZE)
+        dst.fill(1)
+        src.fill(2)
+        copiers = {
+            case: memcpy_copier(dst[d : d + n], src[s : s + n])
+            for case, (s, d) in _alignments(config.align_offset).items()
+        }
+        times = interleaved_reps(copiers, iterations, config.repeat, config.warmup)
+    aligned = _gib_per_s(n * iterations, median(times["aligned"]))
+    reference = Row(
+        "memcpy", "local", "copy", n, aligned, "GiB/s", scenario=SCENARIO, note="numpy.copyto, page-aligned"
+    )
+    return [reference, *_misaligned_rows(times, n, iterations, "local", "copy", "memcpy", config.align_offset)]
+
+
+class _TransportBench:
+    """One transport's phases over one initiator engine connected to the bench target."""
+
+    def __init__(self, transport: str, target: BenchTarget, config: BenchConfig, progress: Progress) -> None:
+        self.transport = transport
+        self.target = target
+        self.config = config
+        self.progress = progress
+        self.engine = Engine("127.0.0.1", {"transport": transport})
+        try:
+            self.engine.connect(target.engine)
+            self.stream = RawStream(target.raw_address) if transport == "tcp" else None
+        except BaseException:
+            self.engine.finalize()
+            raise
+        self.rows: list[Row] = []
+
+    def __enter__(self) -> _TransportBench:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.stream is not None:
+            self.stream.close()
+        self.engine.finalize()
+
+    def run(self) -> list[Row]:
+        """Every phase, in order; returns the rows."""
+        self._big_buffer_phases()
+        self._latency_phase()
+        self._batch_phase()
+        self._idle_phase()
+        return self.rows
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _row(
+        self,
+        name: str,
+        op: str,
+        size: int | None,
+        value: float,
+        unit: str,
+        *,
+        baseline: float | None = None,
+        baseline_name: str = "",
+        target: Target | None = None,
+        note: str = "",
+    ) -> None:
+        self.rows.append(
+            Row(name, self.transport, op, size, value, unit, baseline, baseline_name, target, SCENARIO, note)
+        )
+
+    @contextlib.contextmanager
+    def _buffers(self, size: int, seed: int) -> Iterator[tuple[np.ndarray, RemoteBuffer]]:
+        """A local and a target buffer of ``size`` bytes, filled and registered; freed afterwards."""
+        local = empty(size)
+        local.fill(0x11)
+        handle = self.engine.register_mem(local)
+        try:
+            remote = self.target.alloc(size, seed)
+            try:
+                yield local, remote
+            finally:
+                self.target.free(remote)
+        finally:
+            self.engine.deregister_mem(handle)
+
+    def _hixl(self, op: Op, descs: list[TransferOpDesc] | np.ndarray) -> Copier:
+        sync, peer = self.engine.transfer_sync, self.target.engine
+
+        def copy() -> None:
+            sync(peer, op, descs)
+
+        return copy
+
+    def _raw(self, op: Op, local: np.ndarray, remote_addr: int) -> Copier:
+        if self.stream is not None:
+            return self.stream.copier(op, local.data, remote_addr)
+        return cma_copier(self.target.pid, op, int(local.ctypes.data), remote_addr, local.nbytes)
+
+    def _raw_name(self, op: Op) -> str:
+        if self.stream is not None:
+            return "socket stream"
+        return "process_vm_readv" if op is Op.READ else "process_vm_writev"
+
+    # -- phases ----------------------------------------------------------------------------
+    def _big_buffer_phases(self) -> None:
+        size = self.config.largest + PAGE_SIZE
+        with self._buffers(size, seed=7) as (local, remote):
+            self._rss(local, remote, seed=7)
+            for op in OPS:
+                for nbytes in self.config.sizes:
+                    self._bandwidth(op, nbytes, local, remote)
+            if self.transport == "cma":
+                self._alignment(local, remote)
+
+    def _rss(self, local: np.ndarray, remote: RemoteBuffer, seed: int) -> None:
+        n = self.config.rss_size
+        descs = _descs(int(local.ctypes.data), remote.addr, n)
+        expected = sample_bytes(seed, n)
+        k = len(expected)
+        with self.progress.step(f"{self.transport} RSS while moving {format_size(n)}"):
+            pids = {"initiator": os.getpid(), "target": self.target.pid}
+            peak_reset = all([reset_peak_rss(pid) for pid in pids.values()])  # noqa: C419  (reset both, always)
+            before = {side: memory(pid) for side, pid in pids.items()}
+            self.engine.transfer_sync(self.target.engine, Op.READ, descs)
+            read_ok = np.array_equal(local[:k], expected)
+            np.bitwise_xor(local[:k], 0xFF, out=local[:k])
+            self.engine.transfer_sync(self.target.engine, Op.WRITE, descs)
+            after = {side: memory(pid) for side, pid in pids.items()}
+            write_ok = self.target.read(remote, 0, k) == local[:k].tobytes()
+        if not (read_ok and write_ok):
+            raise RuntimeError(f"bench self-check failed on {self.transport}: READ ok={read_ok}, WRITE ok={write_ok}")
+        for side in pids:
+            b, a = before[side], after[side]
+            growth = max(a.rss - b.rss, a.hwm - (b.rss if peak_reset else b.hwm), 0)
+            self._row(
+                f"rss growth {side}",
+                "READ+WRITE",
+                n,
+                growth / MiB,
+                "MiB",
+                target=RSS_GROWTH,
+                note="peak (VmHWM)" if peak_reset else "VmRSS/VmHWM deltas",
+            )
+
+    def _bandwidth(self, op: Op, nbytes: int, local: np.ndarray, remote: RemoteBuffer) -> None:
+        iterations = _iterations(self.config, nbytes)
+        with self.progress.step(f"{self.transport} {op.name} {format_size(nbytes)}"):
+            times = interleaved_reps(
+                {
+                    "hixl": self._hixl(op, _descs(int(local.ctypes.data), remote.addr, nbytes)),
+                    "raw": self._raw(op, local[:nbytes], remote.addr),
+                },
+                iterations,
+                self.config.repeat,
+                self.config.warmup,
+            )
+        if self.transport == "cma":
+            target = CMA_BANDWIDTH if nbytes >= CMA_BANDWIDTH_FROM else None
+        else:
+            target = TCP_BANDWIDTH if nbytes >= TCP_BANDWIDTH_FROM else None
+        self._row(
+            "bandwidth",
+            op.name,
+            nbytes,
+            _gib_per_s(nbytes * iterations, median(times["hixl"])),
+            "GiB/s",
+            baseline=_gib_per_s(nbytes * iterations, median(times["raw"])),
+            baseline_name=self._raw_name(op),
+            target=target,
+        )
+
+    def _alignment(self, local: np.ndarray, remote: RemoteBuffer) -> None:
+        n, off = self.config.align_size, self.config.align_offset
+        iterations = _iterations(self.config, n)
+        addr = int(local.ctypes.data)
+        with self.progress.step(f"{self.transport} READ {format_size(n)} misaligned"):
+            # READ: the source is remote, the destination local.
+            copiers = {
+                case: self._hixl(Op.READ, _descs(addr + d, remote.addr + s, n))
+                for case, (s, d) in _alignments(off).items()
+            }
+            times = interleaved_reps(copiers, iterations, self.config.repeat, self.config.warmup)
+        self.rows += _misaligned_rows(times, n, iterations, self.transport, "READ", "READ", off)
+
+    def _latency_phase(self) -> None:
+        iterations = self.config.iterations
+        warmup = max(10, iterations // 10)
+        size = max(self.config.latency_sizes) + PAGE_SIZE
+        with self._buffers(size, seed=11) as (local, remote):
+            for op in OPS:
+                for nbytes in self.config.latency_sizes:
+                    with self.progress.step(f"{self.transport} latency {op.name} {format_size(nbytes)}"):
+                        samples = interleaved_latency(
+                            {
+                                "hixl": self._hixl(op, _descs(int(local.ctypes.data), remote.addr, nbytes)),
+                                "raw": self._raw(op, local[:nbytes], remote.addr),
+                            },
+                            iterations,
+                            warmup,
+                        )
+                    raw_name = "socket round trip" if self.stream is not None else f"{self._raw_name(op)} (1 call)"
+                    for label, pct, target in (("median", 50.0, CMA_LATENCY), ("p99", 99.0, None)):
+                        self._row(
+                            f"latency {label}",
+                            op.name,
+                            nbytes,
+                            percentile(samples["hixl"], pct) / 1000,
+                            "us",
+                            baseline=percentile(samples["raw"], pct) / 1000,
+                            baseline_name=raw_name,
+                            target=target if self.transport == "cma" else None,
+                            note=f"transfer_sync, {iterations} calls",
+                        )
+
+    def _batch_phase(self) -> None:
+        blocks, block = self.config.batch_blocks, self.config.batch_block_size
+        total = blocks * block
+        with self._buffers(total, seed=13) as (local, remote):
+            local_blocks, remote_blocks = _unmergeable_orders(blocks)
+            descs = np.empty((blocks, 3), dtype=np.uint64)
+            descs[:, 0] = int(local.ctypes.data) + local_blocks * block
+            descs[:, 1] = remote.addr + remote_blocks * block
+            descs[:, 2] = block
+            iterations = _iterations(self.config, total)
+            for op in OPS:
+                if self.stream is not None:
+                    raw, raw_name = self.stream.copier(op, local.data, remote.addr), "socket stream (same bytes)"
+                else:
+                    raw = cma_batch_copier(self.target.pid, op, descs[:, [0, 2]], descs[:, [1, 2]])
+                    raw_name = f"{self._raw_name(op)} batched"
+                with self.progress.step(f"{self.transport} batch {op.name} {blocks} x {format_size(block)}"):
+                    times = interleaved_reps(
+                        {"hixl": self._hixl(op, descs), "raw": raw}, iterations, self.config.repeat, self.config.warmup
+                    )
+                self._row(
+                    "batch",
+                    op.name,
+                    total,
+                    _gib_per_s(total * iterations, median(times["hixl"])),
+                    "GiB/s",
+                    baseline=_gib_per_s(total * iterations, median(times["raw"])),
+                    baseline_name=raw_name,
+                    target=CMA_BATCH if self.transport == "cma" else None,
+                    note=f"{blocks} x {format_size(block)} shuffled blocks",
+                )
+
+    def _idle_phase(self) -> None:
+        seconds = self.config.idle_seconds
+        pids = {"initiator": os.getpid(), "target": self.target.pid}
+        with self.progress.step(f"{self.transport} idle CPU for {seconds:g} s"):
+            time.sleep(min(0.2, seconds))  # let the last transfer's stragglers finish
+            start = {side: cpu_ns(pid) for side, pid in pids.items()}
+            t0 = time.perf_counter_ns()
+            time.sleep(seconds)
+            wall = time.perf_counter_ns() - t0
+            used = {side: cpu_ns(pid) - start[side] for side, pid in pids.items()}
+        for side in pids:
+            self._row(
+                f"idle cpu {side}",
+                "idle",
+                None,
+                100.0 * used[side] / wall,
+                "% core",
+                target=IDLE_CPU,
+                note=f"connected, {seconds:g} s",
+            )
+
+
+def _unmergeable_orders(blocks: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Block orders for both sides in which no two neighbouring descriptors are contiguous on both."""
+    rng = np.random.default_rng(seed)
+    while True:
+        local, remote = rng.permutation(blocks), rng.permutation(blocks)
+        if blocks < 2 or not ((np.diff(local) == 1) & (np.diff(remote) == 1)).any():
+            return local.astype(np.uint64), remote.astype(np.uint64)

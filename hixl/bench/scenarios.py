@@ -1,0 +1,29 @@
+"""The scenario registry: ``hixl bench --scenario NAME`` runs ``SCENARIOS[NAME]``.
+
+A scenario is a function ``(config, progress) -> ScenarioResult``. It should
+call ``progress.expect(n)`` once with its number of steps, wrap each step in
+``with progress.step(label):``, and return its rows (each with a baseline,
+ratio and target where one applies) plus notes. To add one — e.g. a KV-cache
+scenario on :mod:`hixl.datadist` — write ``hixl/bench/kv_bench.py`` with a
+``run`` function and add it below; the CLI, table and JSON pick it up.
+Scenario-specific knobs can travel in ``BenchConfig.extra``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import engine_bench
+from .config import BenchConfig
+from .progress import Progress
+from .results import ScenarioResult
+
+__all__ = ["DEFAULT_SCENARIO", "SCENARIOS", "Scenario"]
+
+Scenario = Callable[[BenchConfig, Progress], ScenarioResult]
+
+SCENARIOS: dict[str, Scenario] = {
+    "engine": engine_bench.run,
+}
+
+DEFAULT_SCENARIO = "engine"

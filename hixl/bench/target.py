@@ -1,0 +1,201 @@
+"""The benchmark's far side: a child process with a target engine *and* a raw socket server.
+
+:class:`hixl.testing.TargetProcess` cannot free buffers, and the TCP
+baseline needs a plain socket server reading and writing the very buffers
+the engine serves; so the bench runs its own child. Buffers are allocated
+with :func:`hixl.empty`, filled (so every page is resident before anything is
+timed), registered with the engine, and freed again between phases to keep
+the run's footprint to one phase's worth.
+
+The child is a ``python -m hixl.bench._target_main`` process started through
+:class:`hixl._child.ChildProcess`, like hixl's other test peers.
+
+The raw server speaks the smallest protocol that can do the job: a 17-byte
+request ``op ('R'|'W'), addr, nbytes``; for ``R`` it ``sendall``\\s the bytes,
+for ``W`` it ``recv_into``\\s them and answers one byte.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from .._child import ChildProcess
+
+__all__ = ["RAW_HEADER", "BenchTarget", "RemoteBuffer", "sample_bytes"]
+
+RAW_HEADER = struct.Struct("<cQQ")
+#: Bytes at the start of every target buffer that hold a seeded random pattern (for self-checks).
+SAMPLE = 64 << 10
+
+
+def sample_bytes(seed: int, nbytes: int) -> np.ndarray:
+    """The pattern a target buffer allocated with ``seed`` starts with (its first ``nbytes``)."""
+    return np.random.default_rng(seed).integers(0, 256, min(nbytes, SAMPLE), dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class RemoteBuffer:
+    """A buffer registered in the target process."""
+
+    id: int
+    addr: int
+    size: int
+
+
+# -- the child -------------------------------------------------------------------------------
+class _RawServer:
+    """Plain-socket READ/WRITE of the child's buffers: the TCP baseline (see module docstring)."""
+
+    def __init__(self, buffers: dict[int, np.ndarray]) -> None:
+        self.buffers = buffers
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, name="bench-raw-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(sock,), name="bench-raw-serve", daemon=True).start()
+
+    def _view(self, addr: int, nbytes: int) -> memoryview:
+        for buf in list(self.buffers.values()):
+            start = int(buf.ctypes.data)
+            if start <= addr and addr + nbytes <= start + buf.nbytes:
+                return buf[addr - start : addr - start + nbytes].data
+        raise ValueError(f"[{addr:#x}, +{nbytes}) is in no buffer")
+
+    def _serve(self, sock: socket.socket) -> None:
+        header = bytearray(RAW_HEADER.size)
+        with sock:
+            try:
+                while _recv_exact(sock, memoryview(header)):
+                    op, addr, nbytes = RAW_HEADER.unpack(header)
+                    view = self._view(addr, nbytes)
+                    if op == b"R":
+                        sock.sendall(view)
+                    else:
+                        _recv_exact(sock, view)
+                        sock.sendall(b"\x01")
+            except (OSError, ValueError):
+                pass  # the initiator went away, or asked for nonsense: drop the connection
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False on a clean EOF before the first byte."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionError("peer closed mid-message")
+        got += n
+    return True
+
+
+def _serve(conn: Connection) -> None:
+    """The child's main loop: options in, then ``(command, args)`` requests until ``exit``."""
+    from .. import Engine, empty  # imported in the child only
+
+    engine = Engine("127.0.0.1:0", conn.recv())
+    buffers: dict[int, np.ndarray] = {}
+    handles: dict[int, Any] = {}
+    raw = _RawServer(buffers)
+    conn.send((engine.local_engine, raw.port, os.getpid()))
+    state = {"next_id": 1}
+
+    def alloc(size: int, seed: int, fill: int) -> tuple[int, int]:
+        buf = empty(size)
+        buf.fill(fill)  # touch every page now, not inside a timed transfer
+        buf[:SAMPLE] = sample_bytes(seed, size)
+        buf_id = state["next_id"]
+        state["next_id"] += 1
+        buffers[buf_id], handles[buf_id] = buf, engine.register_mem(buf)
+        return buf_id, int(buf.ctypes.data)
+
+    def free(buf_id: int) -> None:
+        engine.deregister_mem(handles.pop(buf_id))
+        del buffers[buf_id]  # the last reference: the mapping goes back to the kernel
+
+    def read(buf_id: int, offset: int, nbytes: int) -> bytes:
+        return buffers[buf_id][offset : offset + nbytes].tobytes()
+
+    commands: dict[str, Callable[..., Any]] = {"alloc": alloc, "free": free, "read": read}
+    try:
+        while True:
+            command, args = conn.recv()
+            if command == "exit":
+                break
+            try:
+                reply = ("ok", commands[command](*args))
+            except Exception as exc:  # noqa: BLE001  (reported to the parent, which raises it)
+                reply = ("error", f"{type(exc).__name__}: {exc}")
+            conn.send(reply)
+    except (EOFError, KeyboardInterrupt):
+        pass
+    finally:
+        raw.listener.close()
+        engine.finalize()
+
+
+# -- the parent's handle ---------------------------------------------------------------------
+class BenchTarget:
+    """Start the bench's target process; a context manager. See the module docstring.
+
+    Attributes: ``engine`` (its ``"ip:port"``), ``raw_address`` (the raw
+    server's ``(host, port)``) and ``pid``.
+    """
+
+    def __init__(self, options: dict[str, Any] | None = None, timeout: float = 60.0) -> None:
+        self._child = ChildProcess("hixl.bench._target_main", timeout)
+        try:
+            self._child.send(options or {})
+            self.engine, port, self.pid = self._child.receive()
+        except BaseException:
+            self._child.kill()
+            raise
+        self.raw_address = ("127.0.0.1", port)
+
+    def _do(self, command: str, *args: Any) -> Any:
+        status, value = self._child.request((command, args))
+        if status == "error":
+            raise RuntimeError(f"bench target could not {command}: {value}")
+        return value
+
+    def alloc(self, size: int, seed: int = 0, fill: int = 0x5A) -> RemoteBuffer:
+        """A new registered buffer of ``size`` bytes: ``fill`` everywhere, then :func:`sample_bytes` in front."""
+        buf_id, addr = self._do("alloc", size, seed, fill)
+        return RemoteBuffer(buf_id, addr, size)
+
+    def free(self, buf: RemoteBuffer) -> None:
+        """Deregister and release ``buf``."""
+        self._do("free", buf.id)
+
+    def read(self, buf: RemoteBuffer, offset: int, nbytes: int) -> bytes:
+        """Bytes of ``buf`` as the target sees them."""
+        return self._do("read", buf.id, offset, nbytes)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Ask the child to finalize and exit; kill it if it doesn't."""
+        self._child.close(goodbye=("exit", ()))
+
+    def __enter__(self) -> BenchTarget:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
