@@ -143,7 +143,7 @@ class PeerLink:
         """
         if len(self.table.outside(addrs, lens)):
             self.refresh_regions(timeout)
-        self.table.check(addrs, lens, "remote")
+            self.table.check(addrs, lens, "remote")
 
     def _read_loop(self) -> None:
         try:

@@ -139,6 +139,9 @@ class RegionTable:
         """Indices of the ranges ``[addrs[i], addrs[i]+lens[i])`` not inside one merged region."""
         if len(self._starts) == 0:
             return np.arange(len(addrs))
+        if len(self._starts) == 1:  # the common case (one big registration): no search needed
+            inside = (addrs >= self._starts[0]) & (addrs + lens <= self._ends[0])
+            return np.flatnonzero(~inside)
         slot = np.searchsorted(self._starts, addrs, side="right").astype(np.int64) - 1
         inside = slot >= 0
         ends = self._ends[np.maximum(slot, 0)]

@@ -56,6 +56,7 @@ log = logging.getLogger("hixl")
 #: would cost more than the copy itself.
 _SMALL_BATCH = 8
 _SMALL_BYTES = 1 << 20
+_SMALL_TYPES = (np.ndarray, list, tuple, TransferOpDesc)
 
 DEFAULT_OPTIONS: dict[str, Any] = {
     "transport": "auto",
@@ -330,7 +331,7 @@ class Engine:
         :class:`TransferTimeout` past ``timeout`` seconds, and
         :class:`PeerDisconnected` if the peer goes away.
         """
-        if type(op_descs) is list and 0 < len(op_descs) <= _SMALL_BATCH and self._run_small(remote_engine, op, op_descs, timeout):
+        if type(op_descs) in _SMALL_TYPES and 0 < len(op_descs) <= _SMALL_BATCH and self._run_small(remote_engine, op, op_descs, timeout):
             return
         peer, req, op, descs = self._prepare(remote_engine, op, op_descs, timeout)
         peer.channel.start(req, op, descs)
@@ -355,17 +356,23 @@ class Engine:
             raise ParamInvalid(f"expected a TransferReq, got {type(req).__name__}")
         return req.status
 
-    def _run_small(self, remote_engine: str, op: Op, op_descs: list[Any], timeout: float | None) -> bool:
+    def _run_small(self, remote_engine: str, op: Op, op_descs: Any, timeout: float | None) -> bool:
         """The latency path: validate a few small descriptors in plain Python and let the
         channel move them at once. False means "take the general path", which also
         produces every error message, so nothing here raises on bad input."""
         peer = self._peers.get(remote_engine)
         if peer is None or (op is not Op.READ and op is not Op.WRITE) or (timeout is not None and timeout <= 0):
             return False
+        if type(op_descs) is np.ndarray:
+            if op_descs.ndim != 2 or op_descs.shape[1] != 3 or op_descs.dtype.kind not in "iu":
+                return False
+            op_descs = op_descs.tolist()  # a few Python ints beat numpy's per-call overhead here
+        elif type(op_descs) is not list:
+            return False
         local_table, remote_table = self._registry.table, peer.link.table
         total = 0
         for desc in op_descs:
-            if type(desc) is not TransferOpDesc:
+            if type(desc) not in _SMALL_TYPES[1:] or len(desc) != 3:
                 return False
             local, remote, nbytes = desc
             if not (
@@ -495,9 +502,11 @@ class Engine:
 
     def _peer(self, remote_engine: str) -> _Peer:
         self._check_open()
-        name = self._canonical(remote_engine)
-        with self._peers_lock:
-            peer = self._peers.get(name)
+        peer = self._peers.get(remote_engine)  # the usual spelling: skip parsing
+        if peer is None:
+            name = self._canonical(remote_engine)
+            with self._peers_lock:
+                peer = self._peers.get(name)
         if peer is None:
             raise NotConnected(f"not connected to {name}; call connect() first")
         if peer.link.state is not LinkState.CONNECTED:
