@@ -47,7 +47,14 @@ class LLMException(HixlError):
 
     def __init__(self, message: str, status_code: LLMStatusCode) -> None:
         super().__init__(f"{status_code.name}: {message}")
+        self._message = message
         self.status_code = status_code
+
+    def __reduce__(self) -> tuple[type[LLMException], tuple[str, LLMStatusCode]]:
+        # Exceptions unpickle as ``cls(*self.args)``, and ``args`` holds only the
+        # formatted text: without this, an LLMException raised in a worker process
+        # (multiprocessing, concurrent.futures) could not be sent back to its parent.
+        return type(self), (self._message, self.status_code)
 
     def __repr__(self) -> str:
         return f"LLMException({str(self)!r}, status_code={self.status_code.name})"

@@ -139,7 +139,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             "transfer": max(landed) - transfer_start,
             "first_layer_landed": landed[0] - transfer_start,
             # Push overlaps compute: what counts is how long after the last layer was computed the data landed.
-            "tail_after_compute": (max(landed) - pre["computed"]) if push else None,
+            "tail_after_compute": max(0.0, max(landed) - pre["computed"]) if push else None,
             "decode_layer0_start": (dec["usable"][0] - start) if dec["usable"] else None,
             "layers_landed": [t - transfer_start for t in landed],
             "ttft": pre["computed"] - start,

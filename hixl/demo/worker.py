@@ -63,6 +63,9 @@ class DemoWorker:
         shape = (num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim)
         storage = empty((self.spec.num_layers, 2, *shape), np.float32)
         self.cache = PagedKVCache(self.spec, num_blocks, block_size, storage=torch.from_numpy(storage))
+        # Warm up (first forward passes in a process are slow), as the colocated run is warm too.
+        warm = prefill(self.model, [1, 2, 3], self.cache, [0])
+        decode(self.model, warm, 3, self.cache, [0], 2)
         self.datadist = LLMDataDist(LLMRole[role], cluster_id)
         self.datadist.init(LLMConfig(listen_ip_info="127.0.0.1:0" if listen else None, transport=transport))
         desc = CacheDesc(2 * self.spec.num_layers, shape, DataType.DT_FLOAT)
