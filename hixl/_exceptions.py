@@ -129,4 +129,6 @@ def error_for_status(status: int, message: str) -> HixlError:
         code = Status(status)
     except ValueError:
         return ProtocolError(f"peer sent unknown status {status}: {message}")
+    if code is Status.SUCCESS:  # an error whose status says SUCCESS would contradict itself
+        return ProtocolError(f"peer reported an error with status SUCCESS: {message}")
     return _BY_STATUS.get(code, TransferError)(message, code)

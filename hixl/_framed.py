@@ -3,8 +3,9 @@
 It owns the byte-level concerns — whole frames in, whole frames out, data moved
 with readv/writev straight to and from registered memory — and liveness: the
 socket timeout is the heartbeat interval; on each idle timeout it sends PING,
-and once nothing moved in either direction for ``interval * misses`` seconds
-the peer is declared dead with :class:`PeerDisconnected`.
+and once the peer showed no sign of life (nothing received from it, none of our
+bulk data taken) for ``interval * misses`` seconds it is declared dead with
+:class:`PeerDisconnected`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import numpy as np
 
 from . import _protocol as proto
-from ._exceptions import PeerDisconnected, TransferTimeout
+from ._exceptions import HixlTimeout, PeerDisconnected, TransferTimeout
 from ._iov import IovCursor, bytes_cursor, socket_vector_io
 
 #: Bytes moved between two checks of a request's ``cancelled`` flag.
@@ -52,13 +53,17 @@ class FramedSocket:
             raise PeerDisconnected(f"connection to {self.peer} is down: {self.dead_reason}")
 
     # -- receiving -------------------------------------------------------------------
-    def recv_frame(self) -> proto.Message:
-        """Block for the next frame (header and body; data is left on the socket)."""
-        header = proto.parse_header(self._recv_exact(proto.HEADER_SIZE))
-        body = self._recv_exact(header.body_len) if header.body_len else b""
+    def recv_frame(self, deadline: float | None = None) -> proto.Message:
+        """Block for the next frame (header and body; data is left on the socket).
+
+        With ``deadline`` (handshakes), raise :class:`HixlTimeout` once it passes:
+        heartbeats alone would wait for a peer that connects but never speaks.
+        """
+        header = proto.parse_header(self._recv_exact(proto.HEADER_SIZE, deadline))
+        body = self._recv_exact(header.body_len, deadline) if header.body_len else b""
         return proto.parse_body(header, body)
 
-    def _recv_exact(self, nbytes: int) -> bytes:
+    def _recv_exact(self, nbytes: int, deadline: float | None = None) -> bytes:
         buf = bytearray(nbytes)
         view = memoryview(buf)
         got = 0
@@ -66,6 +71,8 @@ class FramedSocket:
             try:
                 n = self.sock.recv_into(view[got:])
             except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise HixlTimeout(f"{self.peer} sent no complete frame in time") from None
                 self._on_idle()
                 continue
             except OSError as exc:
@@ -104,7 +111,7 @@ class FramedSocket:
         """Send a frame and (for WRITE/DATA) its data as one unit on the wire."""
         self.check_alive()
         with self.send_lock:
-            self.move(bytes_cursor(frame), write=True, deadline=deadline)
+            self.move(bytes_cursor(frame), write=True, deadline=deadline, sign_of_life=False)
             if data is not None:
                 self.move(data, write=True, deadline=deadline)
 
@@ -113,15 +120,29 @@ class FramedSocket:
         if self.dead_reason or not self.send_lock.acquire(blocking=False):
             return False
         try:
-            self.move(bytes_cursor(frame), write=True)
+            self.move(bytes_cursor(frame), write=True, sign_of_life=False)
         except PeerDisconnected:
             return False
         finally:
             self.send_lock.release()
         return True
 
-    def move(self, cursor: IovCursor, write: bool, deadline: float | None = None, limit: int | None = None) -> None:
-        """Vector I/O that tolerates a slow peer but not a dead one, nor a passed deadline."""
+    def move(
+        self,
+        cursor: IovCursor,
+        write: bool,
+        deadline: float | None = None,
+        limit: int | None = None,
+        sign_of_life: bool = True,
+    ) -> None:
+        """Vector I/O that tolerates a slow peer but not a dead one, nor a passed deadline.
+
+        Progress counts as a sign of the peer's life unless ``sign_of_life`` is
+        false. Sending a frame is no such sign — a frozen peer's kernel still
+        buffers it, and counting our own PINGs kept such links alive forever —
+        but bulk data flowing on is: the peer reads it, so it's alive while it
+        sends us nothing back.
+        """
         stop = cursor.total if limit is None else min(cursor.total, cursor.done + limit)
         while cursor.done < stop:
             try:
@@ -135,7 +156,8 @@ class FramedSocket:
             except OSError as exc:
                 self.mark_dead(f"socket error: {exc}")
                 raise PeerDisconnected(f"connection to {self.peer} failed: {exc}") from exc
-            self.last_activity = time.monotonic()
+            if sign_of_life:
+                self.last_activity = time.monotonic()
 
     def _on_idle(self) -> None:
         self.check_alive()

@@ -174,7 +174,13 @@ class PeerLink:
             if pending is None:
                 self.framed.drain(message.data_len)
             else:
-                pending.on_data(self, message.data_len)
+                try:
+                    pending.on_data(self, message.data_len)
+                except HixlError as exc:
+                    # Popped already, so _end() would not reach it: fail it here,
+                    # or a link dying mid-data strands its request WAITING.
+                    pending.on_failure(exc)
+                    raise
         elif pending is not None:
             pending.on_reply(message)
         return True

@@ -98,11 +98,11 @@ class TransferReq:
         self._finish(TransferStatus.TIMEOUT if isinstance(error, TransferTimeout) else TransferStatus.FAILED, error)
 
     def _expire(self) -> None:
-        self.cancelled = True
-        self._finish(TransferStatus.TIMEOUT, TransferTimeout(f"{self!r} passed its deadline"))
-        # Wait out a chunk being written right now; later chunks see ``cancelled``.
+        self.cancelled = True  # later chunks see it (under io_lock) and are not written
+        # Wait out a chunk being written right now *before* reporting TIMEOUT: reported
+        # first, another thread could see TIMEOUT while that chunk was still landing.
         with self.io_lock:
-            pass
+            self._finish(TransferStatus.TIMEOUT, TransferTimeout(f"{self!r} passed its deadline"))
 
     def _finish(self, status: TransferStatus, error: HixlError | None) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -168,7 +169,8 @@ class _ServedConnection:
     def _handshake(self) -> None:
         self.framed.sock.settimeout(self.server.handshake_timeout)
         try:
-            hello = self.framed.recv_frame()
+            # A client that connects but never says HELLO is dropped (HixlTimeout) after this.
+            hello = self.framed.recv_frame(time.monotonic() + self.server.handshake_timeout)
         finally:
             self.framed.sock.settimeout(self.framed.interval)
         if not isinstance(hello, proto.Hello):

@@ -150,10 +150,16 @@ class Engine:
         self.options = {**DEFAULT_OPTIONS, **(options or {})}
         host, port = parse_address(local_engine)
         self._transports = list(transports) if transports is not None else default_transports()
-        self._check_transport_option()
+        try:
+            self._check_transport_option()
+        except ParamInvalid:
+            for transport in self._transports:  # they may hold descriptors (cma's generation page)
+                transport.close()
+            raise
         self._id = secrets.token_hex(8)
         self._host = host
         self._registry = Registry(int(self.options["max_registrations"]))
+        self._registry.listeners.append(self._regions_changed)
         self._notifies: collections.deque[NotifyDesc] = collections.deque()
         self._notify_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
@@ -203,6 +209,10 @@ class Engine:
         if not isinstance(handle, MemHandle):
             raise ParamInvalid(f"expected a MemHandle, got {type(handle).__name__}")
         self._registry.deregister(handle)
+
+    def _regions_changed(self, table: object) -> None:
+        for transport in self._transports:
+            transport.regions_changed()
 
     def local_mems(self) -> list[MemDesc]:
         """This engine's registered regions."""
@@ -264,7 +274,7 @@ class Engine:
         framed.sock.settimeout(max(0.001, deadline - time.monotonic()))
         try:
             framed.send(proto.encode(proto.Hello({"engine": self.local_engine, "engine_id": self._id})))
-            welcome = framed.recv_frame()
+            welcome = framed.recv_frame(deadline)
         except TimeoutError as exc:
             raise HixlTimeout(f"{name} did not answer the handshake in time") from exc
         except HixlError as exc:
@@ -401,7 +411,7 @@ class Engine:
             raise ParamInvalid(f"timeout must be positive, not {timeout}")
         descs = as_desc_array(op_descs)
         self._registry.table.check(descs[:, 0], descs[:, 2], "local")
-        peer.link.check_remote(descs[:, 1], descs[:, 2], timeout)
+        peer.channel.check_remote(descs[:, 1], descs[:, 2], timeout)
         merged = merge_adjacent(descs)
         req = TransferReq(peer.link.remote_engine, op, len(descs), int(descs[:, 2].sum()), timeout)
         return peer, req, op, merged

@@ -39,6 +39,7 @@ _HEADER = struct.Struct("<4sBBHQIQ")
 HEADER_SIZE = _HEADER.size
 MAX_BODY = 64 << 20
 MAX_NAME = 1024
+_U64_MAX = (1 << 64) - 1
 _ERROR_HEAD = struct.Struct("<I")
 _NOTIFY_HEAD = struct.Struct("<H")
 _PAIR = np.dtype("<u8")
@@ -249,6 +250,13 @@ def _descs(header: Header, body: bytes | memoryview) -> np.ndarray:
     lens = descs[:, 1]
     if not lens.all():
         raise ProtocolError(f"{header.type.name} has a zero-length descriptor")
+    # A range past 2**64 would wrap and pass the target's region check (addr + len
+    # compared modulo 2**64); so would a byte count whose sum wraps.
+    if (descs[:, 0] > np.uint64(_U64_MAX) - lens).any():
+        raise ProtocolError(f"{header.type.name} has a descriptor that wraps around the address space")
+    ends = np.cumsum(lens, dtype=np.uint64)
+    if (ends[1:] < ends[:-1]).any():
+        raise ProtocolError(f"{header.type.name} descriptors add up to more than 2**64 bytes")
     return descs
 
 

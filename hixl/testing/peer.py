@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -27,11 +29,26 @@ def _serve(conn: Connection) -> None:
             command, args = conn.recv()
             if command == "exit":
                 break
-            conn.send(_COMMANDS[command](engine, buffers, handles, *args))
+            try:
+                reply = _COMMANDS[command](engine, buffers, handles, *args)
+            except Exception as exc:  # noqa: BLE001  (the parent re-raises it; the target keeps running)
+                reply = _Raised(exc)
+            conn.send(reply)
     except (EOFError, KeyboardInterrupt):
         pass
     finally:
         engine.finalize()
+
+
+class _Raised:
+    """What the child sends back when a command raised."""
+
+    def __init__(self, error: Exception) -> None:
+        try:
+            pickle.dumps(error)
+        except Exception:  # noqa: BLE001  (any unpicklable error still reaches the parent as text)
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+        self.error = error
 
 
 def _fill(engine: Any, buffers: list[np.ndarray], handles: list[Any], index: int, seed: int) -> None:
@@ -92,6 +109,23 @@ _COMMANDS = {
 }
 
 
+def _all_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is in the stopped state (Linux /proc)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # gone: it won't answer either
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]  # the name may contain spaces
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # that thread ended
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 class TargetProcess:
     """Start ``Engine(address, options)`` in a child process with registered buffers.
 
@@ -100,7 +134,8 @@ class TargetProcess:
     (the child's ``"ip:port"``), ``addrs`` (buffer addresses in the child),
     ``pid``. Methods run in the child: :meth:`fill`, :meth:`read`,
     :meth:`write`, :meth:`add_buffer`, :meth:`deregister`, :meth:`notifies`,
-    :meth:`wait_notifies`, :meth:`call` (any Engine method). :meth:`kill` simulates a crash.
+    :meth:`wait_notifies`, :meth:`call` (any Engine method); an exception raised
+    in the child is raised again by the method. :meth:`kill` simulates a crash.
     """
 
     def __init__(
@@ -114,7 +149,10 @@ class TargetProcess:
         self.engine, self.addrs, self.pid = self._child.request((address, options or {}, sizes))
 
     def _do(self, command: str, *args: Any) -> Any:
-        return self._child.request((command, args))
+        reply = self._child.request((command, args))
+        if isinstance(reply, _Raised):
+            raise reply.error
+        return reply
 
     def fill(self, index: int, seed: int) -> None:
         """Fill buffer ``index`` with seeded random bytes (``expected(...)`` recreates them)."""
@@ -167,8 +205,19 @@ class TargetProcess:
         self._child.kill()
 
     def stop(self, signum: int = signal.SIGSTOP) -> None:
-        """Freeze (SIGSTOP) or resume (SIGCONT) the child, to simulate a hung peer."""
+        """Freeze (SIGSTOP) or resume (SIGCONT) the child, to simulate a hung peer.
+
+        SIGSTOP returns only once every thread of the child has stopped: the signal
+        takes effect asynchronously, and a thread still running could serve a
+        request that the caller expects to hang.
+        """
         self._child.signal(signum)
+        if signum == signal.SIGSTOP:
+            deadline = time.monotonic() + self._child.timeout
+            while not _all_stopped(self.pid):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"target process {self.pid} did not stop")
+                time.sleep(0.001)
 
     def close(self) -> None:
         """Ask the child to finalize and exit; kill it if it doesn't."""

@@ -44,6 +44,9 @@ class Capabilities:
 class Channel(abc.ABC):
     """A transport bound to one connected peer."""
 
+    link: PeerLink
+    """The connection to the peer."""
+
     @abc.abstractmethod
     def start(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
         """Begin moving the bytes of validated ``descs`` ((N, 3): local, remote, len).
@@ -62,6 +65,15 @@ class Channel(abc.ABC):
         also reports any error. The default has no fast path.
         """
         return False
+
+    def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float) -> None:
+        """Raise :class:`~hixl.MemoryRangeError` unless every range is inside the peer's regions.
+
+        Called before any byte moves. The default checks the link's copy of the
+        peer's regions; a transport whose target can't refuse a request itself
+        (CMA) makes sure that copy is current first.
+        """
+        self.link.check_remote(addrs, lens, timeout)
 
     def close(self) -> None:
         """Release per-peer resources (the link itself is closed by the engine)."""
@@ -83,6 +95,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def open(self, link: PeerLink) -> Channel:
         """Initiator side: a channel to a peer whose probe passed."""
+
+    def regions_changed(self) -> None:
+        """Target side: this engine's registrations changed (called before the change returns)."""
 
     def close(self) -> None:
         """Release what ``advertise`` set up."""

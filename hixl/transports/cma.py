@@ -10,12 +10,18 @@ Reachability is *probed*, not assumed: the target advertises its pid and a
 ``process_vm_readv``. That fails (and the engine falls back to TCP, logging
 why) across hosts, across pid namespaces, and where ptrace permission is
 withheld (Yama, seccomp, containers without CAP_SYS_PTRACE, other users).
+
+As the target takes no part, it can't refuse a copy into memory it has just
+deregistered; so it counts its registration changes in a memfd page that the
+initiator maps read-only, and the initiator re-fetches the regions before a
+transfer whenever that count moved (see :meth:`CmaChannel.check_remote`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import secrets
 import struct
@@ -55,6 +61,15 @@ def _errno_error(err: int, pid: int) -> HixlError:
     return TransferError(f"cross-memory copy failed: {os.strerror(err)} (errno {err})")
 
 
+_GENERATION = struct.Struct("<Q")
+
+
+def _map_generation(pid: int, fd: int) -> mmap.mmap:
+    """Map a target's registration-generation page read-only (via /proc: CMA's permission)."""
+    with open(f"/proc/{pid}/fd/{fd}", "rb") as f:
+        return mmap.mmap(f.fileno(), _GENERATION.size, prot=mmap.PROT_READ)
+
+
 _SMALL_IOVECS = 8
 _iov_pack = [struct.Struct(f"<{2 * n}Q") for n in range(_SMALL_IOVECS + 1)]
 
@@ -73,9 +88,31 @@ _scratch = _Scratch()
 class CmaChannel(Channel):
     """Copies to and from one target process."""
 
-    def __init__(self, link: PeerLink, pid: int) -> None:
+    def __init__(self, link: PeerLink, pid: int, generation: mmap.mmap) -> None:
         self.link = link
         self.pid = pid
+        self._generation = generation
+        self._seen = -1  # the generation our copy of the peer's regions is from; -1: unknown
+
+    def _current(self) -> int:
+        try:
+            return int(_GENERATION.unpack_from(self._generation)[0])
+        except ValueError:  # unmapped by close()
+            raise PeerDisconnected(f"channel to {self.link.remote_engine} is closed") from None
+
+    def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float) -> None:
+        """Check against the peer's regions, fetched again if it changed them since we last did.
+
+        The target's CPU takes no part in a CMA copy, so nothing on its side would stop
+        one into memory it has just deregistered (or freed); its REGIONS update may
+        still be on the wire. The generation it bumps on every change is a plain
+        memory load here, cheap enough for every transfer.
+        """
+        current = self._current()
+        if current != self._seen:
+            self.link.refresh_regions(timeout)
+            self._seen = current
+        self.link.check_remote(addrs, lens, timeout)
 
     def start(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
         """Run the whole copy in the calling thread (no target involvement)."""
@@ -101,8 +138,8 @@ class CmaChannel(Channel):
     def run_small(self, op: Op, descs: list[tuple[int, int, int]], nbytes: int) -> bool:
         """One syscall straight from the tuples: no numpy, no cursor, no request object."""
         count = len(descs)
-        if count > _SMALL_IOVECS or self.link.state is not LinkState.CONNECTED:
-            return False
+        if count > _SMALL_IOVECS or self.link.state is not LinkState.CONNECTED or self._current() != self._seen:
+            return False  # (a changed generation: the general path refreshes the regions first)
         scratch, pack = _scratch, _iov_pack[count]
         if count == 1:  # the common latency case, without building argument lists
             local, remote, length = descs[0]
@@ -114,6 +151,10 @@ class CmaChannel(Channel):
         call = process_vm_readv if op is Op.READ else process_vm_writev
         # Short or failed: the general path resumes (copying again is harmless) and reports it.
         return bool(call(self.pid, scratch.local, count, scratch.remote, count, 0) == nbytes)
+
+    def close(self) -> None:
+        """Unmap the peer's generation page."""
+        self._generation.close()
 
 
 class CmaTransport(Transport):
@@ -130,15 +171,42 @@ class CmaTransport(Transport):
     def __init__(self) -> None:
         self._nonce = secrets.token_bytes(_NONCE_BYTES)
         self._probe_buf = ctypes.create_string_buffer(self._nonce, _NONCE_BYTES)
+        # Registration generation, in a memfd that initiators map (see CmaChannel.check_remote).
+        # Without one (memfd refused), initiators' probes fail and they use another transport.
+        self._generation = 0
+        self._generation_fd = -1
+        self._generation_map: mmap.mmap | None = None
+        try:
+            self._generation_fd = os.memfd_create("hixl-cma-generation", os.MFD_CLOEXEC)
+            os.ftruncate(self._generation_fd, _GENERATION.size)
+            self._generation_map = mmap.mmap(self._generation_fd, _GENERATION.size)
+        except OSError:
+            self.close()
 
     def advertise(self) -> dict[str, Any]:
-        """Pid, boot id and where the nonce lives, for the initiator's probe."""
+        """Pid, boot id and where the nonce lives, for the initiator's probe; the generation fd."""
         return {
             "pid": os.getpid(),
             "boot_id": _boot_id(),
             "probe_addr": ctypes.addressof(self._probe_buf),
             "nonce": self._nonce.hex(),
+            "generation_fd": self._generation_fd if self._generation_map is not None else None,
         }
+
+    def regions_changed(self) -> None:
+        """Bump the generation that initiators compare before trusting their copy of our regions."""
+        if self._generation_map is not None:
+            self._generation += 1
+            _GENERATION.pack_into(self._generation_map, 0, self._generation)
+
+    def close(self) -> None:
+        """Release the generation page; idempotent."""
+        if self._generation_map is not None:
+            self._generation_map.close()
+            self._generation_map = None
+        if self._generation_fd >= 0:
+            os.close(self._generation_fd)
+            self._generation_fd = -1
 
     def probe(self, link: PeerLink) -> str | None:
         """Read the peer's nonce through ``process_vm_readv``; ``None`` if it matches."""
@@ -149,6 +217,7 @@ class CmaTransport(Transport):
             return "the peer runs under another kernel (different boot id)"
         try:
             pid, addr, nonce = int(info["pid"]), int(info["probe_addr"]), bytes.fromhex(info["nonce"])
+            generation_fd = int(info["generation_fd"])
         except (KeyError, TypeError, ValueError):
             return "the peer's cma advertisement is malformed"
         got = ctypes.create_string_buffer(_NONCE_BYTES)
@@ -160,8 +229,14 @@ class CmaTransport(Transport):
             return f"process_vm_readv on pid {pid} failed: {os.strerror(err)} (errno {err})"
         if got.raw != nonce:
             return f"pid {pid} here is another process (separate pid namespace)"
+        try:
+            _map_generation(pid, generation_fd).close()
+        except (OSError, ValueError) as exc:
+            return f"cannot map pid {pid}'s registration generation: {exc}"
         return None
 
     def open(self, link: PeerLink) -> Channel:
         """A channel copying to and from the probed peer process."""
-        return CmaChannel(link, int(link.welcome["transports"]["cma"]["pid"]))
+        info = link.welcome["transports"]["cma"]
+        pid = int(info["pid"])
+        return CmaChannel(link, pid, _map_generation(pid, int(info["generation_fd"])))

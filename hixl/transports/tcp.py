@@ -11,14 +11,15 @@ part; only its engine's thread does.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import _protocol as proto
-from .._exceptions import HixlError, ProtocolError, error_for_status
+from .._exceptions import HixlError, MemoryRangeError, ProtocolError, TransferTimeout, error_for_status
 from .._link import Pending
-from .._types import MemType, Op
+from .._types import MemType, Op, Status
 from .._iov import IovCursor, iovecs
 from .base import Capabilities, Channel, Transport
 
@@ -40,17 +41,30 @@ class _InFlight(Pending):
         if nbytes != self.local.total:
             raise ProtocolError(f"DATA carries {nbytes} bytes, the READ asked for {self.local.total}")
         link.framed.receive_into(self.local, self.req)
-        self.req.complete()
+        if not self.req.cancelled:  # else it expired mid-data, and _expire reports TIMEOUT
+            self.req.complete()
 
     def on_reply(self, message: proto.Message) -> None:
         if isinstance(message, proto.Ack):
             self.req.complete()
         elif isinstance(message, proto.Error):
-            self.req.fail(error_for_status(message.status, f"peer refused the transfer: {message.message}"))
+            text = f"peer refused the transfer: {message.message}"
+            if message.status == Status.PARAM_INVALID:
+                # A target refuses READ/WRITE as PARAM_INVALID only for a range outside its
+                # registrations; we checked against our copy of them, which may lag behind
+                # a deregistration. Same error as when our own check catches it.
+                self.req.fail(MemoryRangeError(text))
+            else:
+                self.req.fail(error_for_status(message.status, text))
         else:
             self.req.fail(ProtocolError(f"unexpected {type(message).__name__} reply to a transfer"))
 
     def on_failure(self, error: HixlError) -> None:
+        if self.req.deadline is not None and time.monotonic() >= self.req.deadline:
+            # Past its deadline the request has timed out, as its status would say. This is
+            # also the case where its own send ran out of time mid-frame, killing the link:
+            # the reader failing it here must not turn that TIMEOUT into a disconnect.
+            error = TransferTimeout(f"{self.req!r} passed its deadline ({error})")
         self.req.fail(error)
 
 

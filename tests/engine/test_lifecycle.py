@@ -1,0 +1,129 @@
+"""Engine life cycle: finalize (idle, connected, twice), context manager, disconnect, nothing leaked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hixl
+from hixl import Engine, HixlError, NotifyDesc, Op, PeerDisconnected, TransferStatus
+from hixl.testing import TargetProcess
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _addr(buf: np.ndarray) -> int:
+    return int(buf.ctypes.data)
+
+
+def _exercise(eng: Engine, target: str, remote_addr: int) -> None:
+    """Use every kind of thread an initiator has: sync, async worker, notify."""
+    buf = hixl.empty(1 << 20)
+    eng.register_mem(buf)
+    eng.transfer_sync(target, Op.READ, [(_addr(buf), remote_addr, 1 << 20)])
+    req = eng.transfer_async(target, Op.WRITE, [(_addr(buf), remote_addr, 4096)])
+    assert req.wait(10) is TransferStatus.COMPLETED
+    eng.send_notify(target, NotifyDesc("a", "b"))
+
+
+def test_finalize_idle_engines_twice(resources) -> None:  # type: ignore[no-untyped-def]
+    threads, fds = resources.threads(), resources.fds()
+    for address in ("127.0.0.1", "127.0.0.1:0"):
+        eng = Engine(address)
+        eng.finalize()
+        eng.finalize()
+        assert "finalized" in repr(eng)
+    assert resources.threads() <= threads
+    assert resources.fds() == fds
+
+
+def test_failed_construction_leaves_nothing_behind(resources) -> None:  # type: ignore[no-untyped-def]
+    threads, fds = resources.threads(), resources.fds()
+    for address, options in [
+        ("127.0.0.1", {"transport": "rdma"}),
+        ("127.0.0.1", {"bogus": 1}),
+        ("192.0.2.1:0", {}),  # not a local address: cannot listen
+        ("not-an-address", {}),
+    ]:
+        with pytest.raises(HixlError):
+            Engine(address, options)
+    assert resources.threads() <= threads
+    assert resources.fds() == fds
+
+
+def test_finalize_with_a_target_process_connected(transport: str, shared_target: TargetProcess, resources) -> None:  # type: ignore[no-untyped-def]
+    threads, fds = resources.threads(), resources.fds()
+    eng = Engine("127.0.0.1:0", {"transport": transport})
+    eng.connect(shared_target.engine)
+    _exercise(eng, shared_target.engine, shared_target.addrs[1])
+    # The target process is also connected to us, so we serve a connection too.
+    shared_target.call("connect", eng.local_engine)
+    assert len(resources.threads() - threads) >= 4  # acceptor, served connection, link reader, async worker
+    eng.finalize()
+    assert resources.threads() <= threads, "hixl threads left after finalize"
+    assert resources.fds() == fds, "descriptors left open after finalize"
+    eng.finalize()
+    with pytest.raises(HixlError, match="finalized"):
+        eng.connect(shared_target.engine)
+    # The target saw us go and still works for others.
+    with pytest.raises(PeerDisconnected):
+        shared_target.call("transfer_sync", eng.local_engine, Op.READ, [(shared_target.addrs[0], 1, 1)])
+    shared_target.call("disconnect", eng.local_engine)
+    with Engine("127.0.0.1", {"transport": transport}) as other:
+        other.connect(shared_target.engine)
+        _exercise(other, shared_target.engine, shared_target.addrs[1])
+
+
+def test_finalize_both_ends_in_one_process(transport: str, resources) -> None:  # type: ignore[no-untyped-def]
+    threads, fds = resources.threads(), resources.fds()
+    target = Engine("127.0.0.1:0")
+    region = hixl.empty(1 << 20)
+    target.register_mem(region)
+    initiator = Engine("127.0.0.1", {"transport": transport})
+    initiator.connect(target.local_engine)
+    assert initiator.transport_of(target.local_engine) == transport
+    _exercise(initiator, target.local_engine, _addr(region))
+    assert target.get_notifies() == [NotifyDesc("a", "b")]
+    # The target goes first: the initiator's link learns it at once (BYE) ...
+    target.finalize()
+    buf = hixl.empty(4096)
+    initiator.register_mem(buf)
+    with pytest.raises(PeerDisconnected):
+        initiator.transfer_sync(target.local_engine, Op.READ, [(_addr(buf), _addr(region), 16)])
+    initiator.finalize()
+    assert resources.threads() <= threads
+    assert resources.fds() == fds
+
+
+def test_context_manager(shared_target: TargetProcess, resources) -> None:  # type: ignore[no-untyped-def]
+    threads, fds = resources.threads(), resources.fds()
+    with Engine("127.0.0.1:0") as eng:
+        eng.connect(shared_target.engine)
+        _exercise(eng, shared_target.engine, shared_target.addrs[1])
+        assert repr(eng).startswith(f"<Engine {eng.local_engine} target+initiator 1 peer(s)")
+    assert "finalized" in repr(eng)
+    with pytest.raises(HixlError, match="finalized"):
+        eng.register_mem(hixl.empty(16))
+    assert resources.threads() <= threads
+    assert resources.fds() == fds
+    # Leaving by an exception finalizes too, and the exception propagates.
+    with pytest.raises(KeyError), Engine("127.0.0.1:0") as eng:
+        eng.connect(shared_target.engine)
+        raise KeyError("boom")
+    assert resources.threads() <= threads
+    assert resources.fds() == fds
+
+
+def test_disconnect_and_reconnect(transport: str, shared_target: TargetProcess, resources) -> None:  # type: ignore[no-untyped-def]
+    with Engine("127.0.0.1", {"transport": transport}) as eng:
+        buf = hixl.empty(4096)
+        eng.register_mem(buf)
+        threads, fds = resources.threads(), resources.fds()
+        for _ in range(3):
+            eng.connect(shared_target.engine)
+            eng.transfer_sync(shared_target.engine, Op.READ, [(_addr(buf), shared_target.addrs[0], 4096)])
+            assert buf.tobytes() == shared_target.read(0, 0, 4096)
+            eng.disconnect(shared_target.engine)
+            assert eng.connected_engines() == []
+        assert resources.threads() <= threads
+        assert resources.fds() == fds

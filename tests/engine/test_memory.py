@@ -1,0 +1,286 @@
+"""Registration and descriptor handling: hixl.empty, register_mem, RegionTable, merge_adjacent,
+as_desc_array. Pure in-process unit tests (no peers)."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import hixl
+from hixl import (
+    PAGE_SIZE,
+    Engine,
+    MemDesc,
+    MemHandle,
+    MemoryRangeError,
+    MemType,
+    ParamInvalid,
+    TransferOpDesc,
+)
+from hixl._memory import RegionTable, Registry, as_desc_array, merge_adjacent
+
+U64_MAX = (1 << 64) - 1
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    with Engine("127.0.0.1") as eng:
+        yield eng
+
+
+# -- hixl.empty ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [(1, np.uint8), (4097, np.uint8), ((3, 5), np.float32), ([2, 3, 4], np.int64), ((7,), np.float16), (0, np.uint8)],
+)
+def test_empty_is_page_aligned_and_zeroed(shape, dtype) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(3):  # several allocations, not one lucky one
+        arr = hixl.empty(shape, dtype)
+        assert arr.ctypes.data % PAGE_SIZE == 0
+        assert arr.shape == ((shape,) if isinstance(shape, int) else tuple(shape))
+        assert arr.dtype == np.dtype(dtype)
+        assert arr.flags.c_contiguous and arr.flags.writeable
+        assert not arr.any()
+
+
+def test_empty_rejects_negative_sizes() -> None:
+    with pytest.raises(ParamInvalid):
+        hixl.empty(-1)
+
+
+def test_page_size() -> None:
+    assert PAGE_SIZE == mmap.PAGESIZE
+
+
+# -- register_mem ------------------------------------------------------------------------
+def _buffers() -> dict[str, tuple[object, int, int]]:
+    """name -> (buffer, expected address, expected length)."""
+    arr = hixl.empty((16, 16), np.float32)
+    ba = bytearray(1000)
+    ba_addr = int(np.frombuffer(ba, np.uint8).ctypes.data)
+    mv_source = bytearray(300)
+    mv = memoryview(mv_source)[100:]
+    mv_addr = int(np.frombuffer(mv_source, np.uint8).ctypes.data) + 100
+    mm = mmap.mmap(-1, 8192)
+    mm_addr = int(np.frombuffer(mm, np.uint8).ctypes.data)
+    raw = hixl.empty(4096)
+    return {
+        "numpy": (arr, int(arr.ctypes.data), 1024),
+        "bytearray": (ba, ba_addr, 1000),
+        "memoryview": (mv, mv_addr, 200),
+        "mmap": (mm, mm_addr, 8192),
+        "MemDesc": (MemDesc(int(raw.ctypes.data), 4096), int(raw.ctypes.data), 4096),
+        "keepalive": (raw, 0, 0),  # keeps the MemDesc's memory alive; not registered
+    }
+
+
+@pytest.mark.parametrize("kind", ["numpy", "bytearray", "memoryview", "mmap", "MemDesc"])
+def test_register_kinds(engine: Engine, kind: str) -> None:
+    buffers = _buffers()
+    buf, addr, nbytes = buffers[kind]
+    handle = engine.register_mem(buf)
+    assert isinstance(handle, MemHandle)
+    assert (handle.addr, handle.len, handle.mem_type) == (addr, nbytes, MemType.HOST)
+    assert engine.local_mems() == [MemDesc(addr, nbytes)]
+    assert engine.register_mem(buf) == handle  # idempotent
+    engine.deregister_mem(handle)
+    assert engine.local_mems() == []
+
+
+def test_register_torch_cpu_tensor(engine: Engine) -> None:
+    torch = pytest.importorskip("torch")
+    tensor = torch.zeros(64, 32, dtype=torch.float16)
+    handle = engine.register_mem(tensor)
+    assert (handle.addr, handle.len) == (tensor.data_ptr(), 64 * 32 * 2)
+    with pytest.raises(ParamInvalid, match="contiguous"):
+        engine.register_mem(tensor.t())
+    with pytest.raises(ParamInvalid, match="empty"):
+        engine.register_mem(torch.zeros(0))
+
+
+def test_same_range_same_handle(engine: Engine) -> None:
+    buf = hixl.empty(8192)
+    first = engine.register_mem(buf)
+    assert engine.register_mem(buf.view(np.int32)) == first  # other dtype, same bytes
+    assert engine.register_mem(MemDesc(int(buf.ctypes.data), 8192)) == first
+    half = engine.register_mem(buf[:4096])
+    assert half != first and half.id != first.id
+    assert sorted(engine.local_mems()) == sorted([MemDesc(first.addr, 8192), MemDesc(first.addr, 4096)])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.zeros((8, 8), np.uint8)[:, ::2],
+        np.zeros((8, 8), np.uint8).T,
+        np.zeros(16, np.uint8)[::2],
+        np.zeros(0, np.uint8),
+        bytearray(),
+        [1, 2, 3],
+        42,
+        "text",
+        MemDesc(0, 16),
+        MemDesc(4096, 0),
+        MemDesc(4096, -1),
+        MemDesc(-4096, 16),
+        MemDesc(U64_MAX - 8, 16),
+    ],
+    ids=[
+        "strided-columns", "transposed", "strided-1d", "empty-array", "empty-bytearray", "list", "int", "str",
+        "MemDesc-null", "MemDesc-empty", "MemDesc-negative-len", "MemDesc-negative-addr", "MemDesc-wraps",
+    ],
+)
+def test_register_refuses(engine: Engine, bad: object) -> None:
+    with pytest.raises(ParamInvalid):
+        engine.register_mem(bad)
+    assert engine.local_mems() == []
+
+
+def test_registry_notifies_listeners() -> None:
+    registry = Registry()
+    seen: list[int] = []
+    registry.listeners.append(lambda table: seen.append(len(table)))
+    a, b = hixl.empty(4096), hixl.empty(4096)
+    handle = registry.register(a)
+    registry.register(a)  # no change, no notification
+    registry.register(b)
+    registry.deregister(handle)
+    registry.clear()
+    assert seen == [1, 2, 1, 0]
+
+
+# -- RegionTable -------------------------------------------------------------------------
+def _outside(table: RegionTable, ranges: list[tuple[int, int]]) -> list[int]:
+    arr = np.array(ranges, dtype=np.uint64).reshape(-1, 2)
+    return table.outside(arr[:, 0], arr[:, 1]).tolist()  # type: ignore[no-any-return]
+
+
+def test_region_table_bounds() -> None:
+    table = RegionTable([(1000, 100)])
+    ranges = [(1000, 100), (1000, 1), (1099, 1), (999, 1), (999, 2), (1100, 1), (1099, 2), (0, 1), (5000, 10)]
+    assert _outside(table, ranges) == [3, 4, 5, 6, 7, 8]
+
+
+def test_region_table_merges_adjacent_and_overlapping_regions() -> None:
+    table = RegionTable([(1100, 50), (1000, 100), (1120, 100), (2000, 10)])
+    assert len(table) == 4
+    inside = [(1000, 220), (1050, 100), (1149, 71), (2000, 10)]
+    outside = [(1000, 221), (1210, 20), (1500, 1), (1990, 20), (2009, 2)]
+    assert _outside(table, inside + outside) == list(range(len(inside), len(inside) + len(outside)))
+
+
+def test_region_table_empty() -> None:
+    assert _outside(RegionTable([]), [(1, 1), (2, 2)]) == [0, 1]
+
+
+def test_region_table_at_the_top_of_the_address_space() -> None:
+    # Ranges reaching a RegionTable never wrap past 2**64: as_desc_array and the
+    # protocol's parser refuse those first (tested with them).
+    top = U64_MAX - 4095
+    table = RegionTable([(top, 4095)])
+    assert _outside(table, [(top, 4095), (top + 4094, 1), (top - 1, 2), (top - 1, 1)]) == [2, 3]
+
+
+def test_region_table_check_names_the_first_bad_descriptor() -> None:
+    table = RegionTable([(1000, 100)])
+    addrs = np.array([1000, 2000, 3000], dtype=np.uint64)
+    lens = np.array([10, 10, 10], dtype=np.uint64)
+    with pytest.raises(MemoryRangeError, match=r"descriptor 1 .*2 descriptor\(s\) affected"):
+        table.check(addrs, lens, "remote")
+    table.check(addrs[:1], lens[:1], "remote")
+
+
+def test_region_table_scalar_and_vector_checks_agree() -> None:
+    rng = np.random.default_rng(0)
+    regions = [(int(a), int(n)) for a, n in zip(rng.integers(0, 1 << 20, 50), rng.integers(1, 4096, 50))]
+    table = RegionTable(regions)
+    addrs = rng.integers(0, 1 << 20, 5000).astype(np.uint64)
+    lens = rng.integers(1, 8192, 5000).astype(np.uint64)
+    outside = set(table.outside(addrs, lens).tolist())
+    assert 0 < len(outside) < 5000  # both kinds occur
+    for i, (a, n) in enumerate(zip(addrs.tolist(), lens.tolist())):
+        assert table.contains(a, n) == (i not in outside)
+
+
+# -- merge_adjacent ----------------------------------------------------------------------
+def _descs(rows: list[tuple[int, int, int]]) -> np.ndarray:
+    return np.array(rows, dtype=np.uint64).reshape(-1, 3)
+
+
+def test_merge_adjacent_merges_runs_contiguous_on_both_sides() -> None:
+    rows = [(0, 100, 10), (10, 110, 10), (20, 120, 5), (50, 200, 5), (55, 205, 5), (90, 300, 1)]
+    assert merge_adjacent(_descs(rows)).tolist() == [[0, 100, 25], [50, 200, 10], [90, 300, 1]]
+
+
+def test_merge_adjacent_needs_both_sides() -> None:
+    local_only = _descs([(0, 100, 10), (10, 500, 10)])
+    remote_only = _descs([(0, 100, 10), (500, 110, 10)])
+    backwards = _descs([(10, 110, 10), (0, 100, 10)])
+    for descs in (local_only, remote_only, backwards):
+        assert merge_adjacent(descs).tolist() == descs.tolist()
+
+
+def test_merge_adjacent_many() -> None:
+    n = 10_000
+    offs = np.arange(n, dtype=np.uint64) * 64
+    descs = np.stack([offs + 4096, offs + 8192, np.full(n, 64, np.uint64)], axis=1)
+    assert merge_adjacent(descs).tolist() == [[4096, 8192, 64 * n]]
+    assert merge_adjacent(descs[:1]).tolist() == [[4096, 8192, 64]]
+
+
+# -- as_desc_array -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "given",
+    [
+        [TransferOpDesc(1, 2, 3), TransferOpDesc(4, 5, 6)],
+        [(1, 2, 3), (4, 5, 6)],
+        [[1, 2, 3], [4, 5, 6]],
+        np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32),
+        np.array([[1, 2, 3], [4, 5, 6]], dtype=np.uint64),
+        np.array([[1, 9, 2, 9, 3], [4, 9, 5, 9, 6]], dtype=np.int64)[:, ::2],  # not contiguous
+        (d for d in [(1, 2, 3), (4, 5, 6)]),
+    ],
+    ids=["TransferOpDesc", "tuples", "lists", "int32", "uint64", "strided", "generator"],
+)
+def test_as_desc_array_accepts(given: object) -> None:
+    descs = as_desc_array(given)
+    assert descs.dtype == np.uint64 and descs.flags.c_contiguous
+    assert descs.tolist() == [[1, 2, 3], [4, 5, 6]]
+
+
+def test_as_desc_array_at_the_top_of_the_address_space() -> None:
+    edge = [(U64_MAX - 16, U64_MAX - 16, 16)]  # ends exactly at 2**64 - 1
+    assert as_desc_array(edge).tolist() == [list(edge[0])]
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        [],
+        np.zeros((0, 3), np.uint64),
+        np.zeros((2, 2), np.uint64),
+        np.zeros(3, np.uint64),
+        np.ones((2, 3), np.float32),
+        np.array([[1, 2, -3]], np.int64),
+        [(1, 2, 0)],
+        [(1, 2)],
+        [(1, 2, 3, 4)],
+        [(-1, 2, 3)],
+        [(1 << 64, 2, 3)],
+        TransferOpDesc(1, 2, 3),
+        [(U64_MAX, 0, 2)],
+        [(0, U64_MAX - 1, 2)],
+        [(1, 1, U64_MAX)],
+        None,
+    ],
+    ids=[
+        "empty", "empty-array", "N2", "1d", "float", "negative", "zero-len", "short", "long", "neg-addr",
+        "too-big", "single", "local-wraps", "remote-wraps", "len-wraps", "none",
+    ],
+)
+def test_as_desc_array_refuses(given: object) -> None:
+    with pytest.raises(ParamInvalid):
+        as_desc_array(given)

@@ -1,0 +1,106 @@
+"""The public surface: what ``import hixl`` exports is pinned here, and importing has no side effects."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import hixl
+import hixl.testing
+from hixl.testing import conformance
+
+ROOT = Path(__file__).resolve().parents[2]
+
+EXPORTED = [
+    "DEFAULT_OPTIONS",
+    "PAGE_SIZE",
+    "AlreadyConnected",
+    "Engine",
+    "HixlError",
+    "HixlTimeout",
+    "MemDesc",
+    "MemHandle",
+    "MemType",
+    "MemoryRangeError",
+    "NotConnected",
+    "NotifyDesc",
+    "Op",
+    "ParamInvalid",
+    "PeerDisconnected",
+    "ProtocolError",
+    "ResourceExhausted",
+    "Status",
+    "TransferError",
+    "TransferOpDesc",
+    "TransferReq",
+    "TransferStatus",
+    "TransferTimeout",
+    "Unsupported",
+    "__version__",
+    "empty",
+]
+
+
+def test_exported_members() -> None:
+    """Adding or removing a public name is a decision: update this list with it."""
+    assert hixl.__all__ == EXPORTED
+    for name in EXPORTED:
+        assert hasattr(hixl, name), name
+    public = {n for n in dir(hixl) if not n.startswith("_")}
+    submodules = {"engine", "datadist", "testing", "transports", "demo", "bench", "cli"}
+    assert public - submodules <= set(EXPORTED), "public names missing from __all__"
+
+
+def test_exported_objects_belong_to_hixl() -> None:
+    for name in EXPORTED:
+        obj = getattr(hixl, name)
+        module = getattr(obj, "__module__", None)
+        if module is not None and isinstance(obj, type):
+            assert module.startswith("hixl."), (name, module)
+
+
+def test_default_options() -> None:
+    assert hixl.DEFAULT_OPTIONS == {
+        "transport": "auto",
+        "connect_timeout": 5.0,
+        "transfer_timeout": 30.0,
+        "heartbeat_interval": 1.0,
+        "heartbeat_misses": 5,
+        "max_notifies": 4096,
+        "max_registrations": 65536,
+    }
+
+
+def test_version_matches_the_package_metadata() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    match = re.search(r'^version = "([^"]+)"$', text, re.MULTILINE)  # (tomllib needs 3.11)
+    assert match and hixl.__version__ == match.group(1)
+
+
+def test_typed_marker() -> None:
+    assert (Path(hixl.__file__).parent / "py.typed").is_file()
+
+
+def test_testing_helpers() -> None:
+    assert "TargetProcess" in hixl.testing.__all__
+    assert conformance.__all__ == ["TransportConformance"]
+
+
+def test_import_has_no_side_effects() -> None:
+    """No threads, no log handlers, no environment edits, torch not pulled in."""
+    code = (
+        "import os, sys, threading, logging\n"
+        "before = dict(os.environ)\n"
+        "import hixl, hixl.testing, hixl.transports\n"
+        "assert threading.active_count() == 1, threading.enumerate()\n"
+        "assert not logging.getLogger('hixl').handlers\n"
+        "assert not logging.getLogger().handlers\n"
+        "assert dict(os.environ) == before\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
