@@ -4,6 +4,13 @@ It travels as engine metadata (``Engine.set_metadata``), so a peer learns
 tensor addresses, shapes and keys straight from the owner — no addresses
 passed out of band, and a cache registered after the link is found by
 refetching the catalog.
+
+A catalog goes stale when the owner unregisters a cache and registers the
+same key elsewhere — the old addresses may by then belong to another cache,
+and a transfer to them would succeed with the wrong data. So the owner keeps
+a *generation* counter in a small registered word, bumped whenever its
+catalog changes; a peer reads that word (8 bytes, one transfer) before each
+transfer it plans and refetches the catalog when it moved.
 """
 
 from __future__ import annotations
@@ -34,8 +41,8 @@ def _key_json(key: Any) -> list[int]:
     return [key.prompt_cluster_id, key.req_id, key.model_id, key.prefix_id]
 
 
-def encode_catalog(cluster_id: int, role: str, caches: list[Cache]) -> bytes:
-    """Serialise this instance's identity and caches."""
+def encode_catalog(cluster_id: int, role: str, caches: list[Cache], generation: int, generation_addr: int) -> bytes:
+    """Serialise this instance's identity, caches, and where its generation word lives."""
     entries = [
         {
             "cache_id": c.cache_id,
@@ -48,7 +55,14 @@ def encode_catalog(cluster_id: int, role: str, caches: list[Cache]) -> bytes:
         }
         for c in caches
     ]
-    return json.dumps({"cluster_id": cluster_id, "role": role, "caches": entries}).encode()
+    doc = {
+        "cluster_id": cluster_id,
+        "role": role,
+        "generation": generation,
+        "generation_addr": generation_addr,
+        "caches": entries,
+    }
+    return json.dumps(doc).encode()
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,8 @@ class Catalog:
 
     cluster_id: int
     role: str
+    generation: int
+    generation_addr: int
     caches: list[RemoteCache]
 
     @classmethod
@@ -72,7 +88,9 @@ class Catalog:
                 else:
                     keys = [CacheKey(*k) for k in e["keys"]]
                 caches.append(RemoteCache(int(e["cache_id"]), desc, [int(a) for a in e["addrs"]], bool(e["blocks"]), keys))
-            return cls(int(doc["cluster_id"]), str(doc["role"]), caches)
+            return cls(
+                int(doc["cluster_id"]), str(doc["role"]), int(doc["generation"]), int(doc["generation_addr"]), caches
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed DataDist catalog: {exc!r}") from exc
 

@@ -24,7 +24,7 @@ from .._exceptions import HixlError
 from .._memory import buffer_range
 from .._request import TransferReq
 from .._types import MemDesc, MemHandle, NotifyDesc, Op
-from ._catalog import RemoteCache
+from ._catalog import Catalog, RemoteCache
 from ._errors import LLMException, LLMStatusCode, status_of, translate_errors
 from ._layout import layer_tensors, resolve_layers, row_descs, rows_array
 from ._types import (
@@ -78,7 +78,8 @@ class CacheTask:
         self.layers = list(layers)
         self.timeout = timeout
         self._slots = {layer: _LayerSlot() for layer in self.layers}
-        self._on_success: Callable[[], None] | None = None
+        # (request reading the source's catalog generation, check that it is unchanged)
+        self._guard: tuple[TransferReq, Callable[[], bool]] | None = None
 
     def wait_layer(self, layer_index: int, timeout: float | None = None) -> None:
         """Block until layer ``layer_index`` has landed; raise :class:`LLMException` if it failed."""
@@ -91,9 +92,22 @@ class CacheTask:
         if slot.error is not None:
             raise slot.error
         with translate_errors(f"layer {layer_index}"):
+            self._check_guard(deadline)
             for req in slot.reqs:
                 if not req.wait(max(0.0, deadline - time.monotonic())).is_final:
                     raise LLMException(f"layer {layer_index} did not land in time", LLMStatusCode.TIMEOUT)
+
+    def _check_guard(self, deadline: float) -> None:
+        if self._guard is None:
+            return
+        req, current = self._guard
+        if not req.wait(max(0.0, deadline - time.monotonic())).is_final:
+            raise LLMException("the source's catalog could not be checked in time", LLMStatusCode.TIMEOUT)
+        if not current():
+            raise LLMException(
+                "the source changed its caches while this pull was in flight; pull again",
+                LLMStatusCode.KV_CACHE_NOT_EXIST,
+            )
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait for every layer; raise the first failure."""
@@ -118,12 +132,15 @@ class CacheTask:
     @property
     def status(self) -> LLMStatusCode:
         """SUCCESS once every layer landed, the first failure's code, or WAIT_PROCESS_TIMEOUT while running."""
+        guard = [self._guard[0]] if self._guard else []
         for slot in self._slots.values():
             if slot.error is not None:
                 return slot.error.status_code
-            for req in slot.reqs:
-                if req.error is not None:
+            for req in guard + slot.reqs:
+                if req.status.is_final and req.error is not None:  # ``status`` applies the deadline
                     return status_of(req.error)
+        if self._guard is not None and self._guard[0].done() and not self._guard[1]():
+            return LLMStatusCode.KV_CACHE_NOT_EXIST
         return LLMStatusCode.SUCCESS if self.done() else LLMStatusCode.WAIT_PROCESS_TIMEOUT
 
     def _submit(self, layer: int, reqs: list[TransferReq]) -> None:
@@ -161,6 +178,7 @@ class _Plan:
     op: Op
     layers: list[int]  # local layer indices, in order
     descs: np.ndarray  # (layers * tensors_per_layer * rows, 3), layer-major
+    catalog: Catalog  # the remote catalog the descriptors were built from
 
     def layer_slice(self, position: int) -> np.ndarray:
         per_layer = len(self.descs) // len(self.layers)
@@ -259,7 +277,7 @@ class CacheManager:
         With ``req_id``, the source is told (:meth:`completed_requests`) once the
         data has landed, so it may free those blocks.
         """
-        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=self._timeout(timeout))
         self._run(plan, req_id, timeout, "pull_blocks")
 
     def pull_blocks_async(
@@ -276,7 +294,7 @@ class CacheManager:
         timeout: float | None = None,
     ) -> CacheTask:
         """:meth:`pull_blocks` layer by layer: returns at once; ``task.wait_layer(i)`` waits for layer i."""
-        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=self._timeout(timeout), verify=False)
         return self._run_async(plan, req_id, timeout)
 
     def pull_cache(
@@ -297,7 +315,7 @@ class CacheManager:
         ``size`` > 0 copies only the first ``size`` positions along ``shape[1]``
         (e.g. the prompt's tokens); -1 copies the whole entry.
         """
-        plan = self._cache_plan(Op.READ, cache_key, cache, batch_index, size, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        plan = self._cache_plan(Op.READ, cache_key, cache, batch_index, size, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=self._timeout(timeout))
         self._run(plan, req_id, timeout, "pull_cache")
 
     # -- pushes (WRITE) --------------------------------------------------------------------
@@ -315,7 +333,7 @@ class CacheManager:
         timeout: float | None = None,
     ) -> None:
         """Write blocks of the local ``src_cache`` into the remote blocks cache ``dst_key``."""
-        plan = self._blocks_plan(Op.WRITE, dst_key, src_cache, dst_blocks, src_blocks, dst_layer_range, src_layer_range, tensor_num_per_layer)
+        plan = self._blocks_plan(Op.WRITE, dst_key, src_cache, dst_blocks, src_blocks, dst_layer_range, src_layer_range, tensor_num_per_layer, timeout=self._timeout(timeout))
         self._run(plan, req_id, timeout, "push_blocks")
 
     def push_cache(
@@ -332,7 +350,7 @@ class CacheManager:
         timeout: float | None = None,
     ) -> None:
         """Write entry ``batch_index`` of the local ``src_cache`` into the remote entry ``dst_key``."""
-        plan = self._cache_plan(Op.WRITE, dst_key, src_cache, batch_index, size, dst_layer_range, src_layer_range, tensor_num_per_layer)
+        plan = self._cache_plan(Op.WRITE, dst_key, src_cache, batch_index, size, dst_layer_range, src_layer_range, tensor_num_per_layer, timeout=self._timeout(timeout))
         self._run(plan, req_id, timeout, "push_cache")
 
     def transfer_cache_async(
@@ -357,7 +375,7 @@ class CacheManager:
         if not transfer_configs:
             raise ValueError("transfer_configs is empty")
         plans = [
-            self._blocks_plan(Op.WRITE, cfg.dst_key, src_cache, dst_blocks, src_blocks, cfg.dst_layer_range, cfg.src_layer_range, tensor_num_per_layer, cfg.dst_cluster_id)
+            self._blocks_plan(Op.WRITE, cfg.dst_key, src_cache, dst_blocks, src_blocks, cfg.dst_layer_range, cfg.src_layer_range, tensor_num_per_layer, cfg.dst_cluster_id, timeout=self._timeout(timeout))
             for cfg in transfer_configs
         ]
         if len({tuple(p.layers) for p in plans}) != 1:
@@ -422,6 +440,9 @@ class CacheManager:
         local_layer_range: range | None,
         tensor_num_per_layer: int,
         cluster_id: int | None = None,
+        *,
+        timeout: float,
+        verify: bool = True,
     ) -> _Plan:
         if not isinstance(remote_key, BlocksCacheKey):
             raise TypeError(f"a blocks transfer names its remote cache by BlocksCacheKey, not {type(remote_key).__name__}")
@@ -429,13 +450,15 @@ class CacheManager:
         if not local.is_blocks:
             raise TypeError("the local cache is not a blocks cache (use register_blocks_cache)")
         cluster = remote_key.prompt_cluster_id if cluster_id is None else cluster_id
-        remote_engine, remote = self._dd._remote_cache(cluster, lambda cat: cat.blocks_cache(remote_key), remote_key)
+        remote_engine, remote, catalog = self._dd._remote_cache(
+            cluster, lambda cat: cat.blocks_cache(remote_key), remote_key, timeout, verify
+        )
         _check_compatible(local.cache_desc, remote.cache_desc)
         local_rows = rows_array(local_blocks, local.cache_desc.shape[0], "local block indices")
         remote_rows = rows_array(remote_blocks, remote.cache_desc.shape[0], "remote block indices")
         if len(local_rows) != len(remote_rows):
             raise ValueError(f"{len(remote_rows)} source blocks but {len(local_rows)} destination blocks")
-        return self._plan(op, remote_engine, cluster, local, remote, local_rows, remote_rows, local_layer_range, remote_layer_range, tensor_num_per_layer, local.cache_desc.row_bytes)
+        return self._plan(op, remote_engine, cluster, local, remote, local_rows, remote_rows, local_layer_range, remote_layer_range, tensor_num_per_layer, local.cache_desc.row_bytes, catalog)
 
     def _cache_plan(
         self,
@@ -447,6 +470,8 @@ class CacheManager:
         remote_layer_range: range | None,
         local_layer_range: range | None,
         tensor_num_per_layer: int,
+        *,
+        timeout: float,
     ) -> _Plan:
         local = self._local(local_cache)
         if local.is_blocks:
@@ -463,7 +488,7 @@ class CacheManager:
 
         else:
             raise TypeError(f"cache key must be CacheKey or CacheKeyByIdAndIndex, not {type(remote_key).__name__}")
-        remote_engine, (remote, remote_index) = self._dd._remote_cache(cluster, found, remote_key)
+        remote_engine, (remote, remote_index), catalog = self._dd._remote_cache(cluster, found, remote_key, timeout)
         _check_compatible(local.cache_desc, remote.cache_desc)
         shape = local.cache_desc.shape
         if size != -1:
@@ -475,7 +500,7 @@ class CacheManager:
         local_rows = rows_array([batch_index], shape[0], "batch_index")
         remote_rows = rows_array([remote_index], remote.cache_desc.shape[0], "remote batch index")
         # Rows are ``row_bytes`` apart; only their first ``nbytes`` move.
-        plan = self._plan(op, remote_engine, cluster, local, remote, local_rows * np.uint64(local.cache_desc.row_bytes), remote_rows * np.uint64(local.cache_desc.row_bytes), local_layer_range, remote_layer_range, tensor_num_per_layer, 1)
+        plan = self._plan(op, remote_engine, cluster, local, remote, local_rows * np.uint64(local.cache_desc.row_bytes), remote_rows * np.uint64(local.cache_desc.row_bytes), local_layer_range, remote_layer_range, tensor_num_per_layer, 1, catalog)
         plan.descs[:, 2] = nbytes
         return plan
 
@@ -492,6 +517,7 @@ class CacheManager:
         remote_layer_range: range | None,
         tensor_num_per_layer: int,
         row_bytes: int,
+        catalog: Catalog,
     ) -> _Plan:
         local_layers = resolve_layers(local.cache_desc, local_layer_range, tensor_num_per_layer, "local layer range")
         remote_layers = resolve_layers(remote.cache_desc, remote_layer_range, tensor_num_per_layer, "remote layer range")
@@ -500,7 +526,7 @@ class CacheManager:
         local_addrs = np.asarray(local.tensor_addrs, dtype=np.uint64)[layer_tensors(local_layers, tensor_num_per_layer)]
         remote_addrs = np.asarray(remote.tensor_addrs, dtype=np.uint64)[layer_tensors(remote_layers, tensor_num_per_layer)]
         descs = row_descs(local_addrs, remote_addrs, local_rows, remote_rows, row_bytes)
-        return _Plan(remote_engine, cluster, op, list(local_layers), descs)
+        return _Plan(remote_engine, cluster, op, list(local_layers), descs, catalog)
 
     # -- execution ---------------------------------------------------------------------------
     def _run(self, plan: _Plan, req_id: int | None, timeout: float | None, what: str) -> None:
@@ -513,6 +539,11 @@ class CacheManager:
         timeout = self._timeout(timeout)
         task = CacheTask(plan.layers, timeout)
         engine = self._dd.engine
+        # The catalog check rides in the same ordered queue, ahead of layer 0,
+        # instead of costing a round trip before the first layer may start.
+        desc, current = self._dd.generation_read(plan.catalog)
+        with translate_errors("check catalog"):
+            task._guard = (engine.transfer_async(plan.remote_engine, Op.READ, [desc], timeout), current)
         for position, layer in enumerate(plan.layers):
             try:
                 with translate_errors(f"layer {layer}"):

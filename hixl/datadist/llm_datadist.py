@@ -10,6 +10,7 @@ side that pulls or pushes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -17,9 +18,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from .._types import NotifyDesc
-from ..engine import Engine
+import numpy as np
+
 from .._exceptions import HixlError, ParamInvalid
+from .._memory import empty
+from .._types import NotifyDesc, Op, TransferOpDesc
+from ..engine import Engine
 from ._catalog import CATALOG_KEY, Catalog, encode_catalog
 from ._errors import LLMException, LLMStatusCode, status_of, translate_errors
 from ._types import LLMClusterInfo, LLMConfig, LLMRole, TransferDone
@@ -28,6 +32,7 @@ from .cache_manager import DONE_NOTIFY, CacheManager
 __all__ = ["LLMDataDist"]
 
 log = logging.getLogger("hixl.datadist")
+_PROBE_WORDS = 256
 T = TypeVar("T")
 
 
@@ -43,6 +48,10 @@ class LLMDataDist:
         self.cluster_id = cluster_id
         self.config = LLMConfig()
         self._engine: Engine | None = None
+        self._generation: np.ndarray | None = None
+        # Words that peers' generation counters are read into; one per check in flight.
+        self._probe_words = empty(_PROBE_WORDS, np.uint64)
+        self._probe_next = itertools.count()
         self._cache_manager: CacheManager | None = None
         self._links: dict[int, str] = {}
         self._catalogs: dict[int, Catalog] = {}
@@ -60,6 +69,11 @@ class LLMDataDist:
         options = {"transport": config.transport, **config.engine_options}
         with translate_errors("init"):
             self._engine = Engine(config.listen_ip_info or config.local_ip, options)
+            # Where we read peers' catalog generations into, and where they read ours.
+            self._engine.register_mem(self._probe_words)
+            if config.listen_ip_info:
+                self._generation = empty(1, np.uint64)
+                self._engine.register_mem(self._generation)
         self.config = config
         self._cache_manager = CacheManager(self)
         self._publish()
@@ -207,31 +221,64 @@ class LLMDataDist:
 
     # -- catalogs ----------------------------------------------------------------------------
     def _publish(self) -> None:
-        """Publish this instance's identity and caches for linked peers."""
+        """Publish this instance's identity and caches, then bump the generation word.
+
+        Bumped after the new catalog is in place, so a peer that sees the new
+        generation also fetches the new catalog (see :mod:`._catalog`).
+        """
         engine = self._engine
-        if engine is None or ":" not in engine.local_engine.rsplit("]", 1)[-1]:
+        if engine is None or self._generation is None:
             return  # a client-only instance has nobody to publish to
         caches = self._cache_manager.caches() if self._cache_manager else []
-        engine.set_metadata(CATALOG_KEY, encode_catalog(self.cluster_id, self.role.name, caches))
+        generation = int(self._generation[0]) + 1
+        catalog = encode_catalog(self.cluster_id, self.role.name, caches, generation, int(self._generation.ctypes.data))
+        engine.set_metadata(CATALOG_KEY, catalog)
+        self._generation[0] = generation
 
-    def _remote_cache(self, cluster_id: int, find: Callable[[Catalog], T | None], key: Any) -> tuple[str, T]:
-        """Find a peer's cache with ``find``, refetching its catalog once on a miss."""
+    def _fetch_catalog(self, cluster_id: int, name: str) -> Catalog:
+        with translate_errors(f"fetch catalog of cluster {cluster_id}"):
+            catalog = Catalog.decode(self.engine.get_remote_metadata(name, CATALOG_KEY))
+        with self._lock:
+            self._catalogs[cluster_id] = catalog
+        return catalog
+
+    def generation_read(self, catalog: Catalog) -> tuple[TransferOpDesc, Callable[[], bool]]:
+        """A descriptor reading the owner's generation word, and a check to call once it landed.
+
+        The check is True while the catalog is current. Each read gets its own
+        word, so concurrent checks don't overwrite each other.
+        """
+        index = next(self._probe_next) % _PROBE_WORDS
+        word = int(self._probe_words.ctypes.data) + 8 * index
+        return TransferOpDesc(word, catalog.generation_addr, 8), lambda: int(self._probe_words[index]) == catalog.generation
+
+    def _remote_cache(
+        self, cluster_id: int, find: Callable[[Catalog], T | None], key: Any, timeout: float, verify: bool = True
+    ) -> tuple[str, T, Catalog]:
+        """Find a peer's cache with ``find`` in its catalog, refetching it once on a miss.
+
+        With ``verify``, the owner's generation word is read first (one small
+        transfer) and a stale catalog refetched; without, the caller must run
+        :meth:`generation_read` itself, ahead of its data.
+        """
         with self._lock:
             name = self._links.get(cluster_id)
             catalog = self._catalogs.get(cluster_id)
         if name is None or catalog is None:
             raise LLMException(f"cluster {cluster_id} is not linked", LLMStatusCode.NOT_YET_LINK)
+        if verify:
+            desc, current = self.generation_read(catalog)
+            with translate_errors(f"check catalog of cluster {cluster_id}"):
+                self.engine.transfer_sync(name, Op.READ, [desc], timeout)
+            if not current():
+                catalog = self._fetch_catalog(cluster_id, name)
         found = find(catalog)
         if found is None:
-            with translate_errors(f"fetch catalog of cluster {cluster_id}"):
-                raw = self.engine.get_remote_metadata(name, CATALOG_KEY)
-            catalog = Catalog.decode(raw)
-            with self._lock:
-                self._catalogs[cluster_id] = catalog
+            catalog = self._fetch_catalog(cluster_id, name)
             found = find(catalog)
         if found is None:
             raise LLMException(f"cluster {cluster_id} has no cache {key}", LLMStatusCode.KV_CACHE_NOT_EXIST)
-        return name, found
+        return name, found, catalog
 
     def __repr__(self) -> str:
         state = "uninitialised" if self._engine is None else self._engine.local_engine

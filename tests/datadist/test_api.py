@@ -168,7 +168,16 @@ def test_switch_role(dd):
 
 # -- registration ------------------------------------------------------------------------------
 def _regions(dd: LLMDataDist) -> set[tuple[int, int]]:
-    return {(m.addr, m.len) for m in dd.engine.local_mems()}
+    """The regions registered for caches: all but the ones a fresh instance starts with
+    (its catalog generation word, and the words it reads peers' generations into)."""
+    return {(m.addr, m.len) for m in dd.engine.local_mems()} - dd._bookkeeping_regions
+
+
+@pytest.fixture(autouse=True)
+def _note_bookkeeping(request):
+    if "dd" in request.fixturenames:
+        instance = request.getfixturevalue("dd")
+        instance._bookkeeping_regions = {(m.addr, m.len) for m in instance.engine.local_mems()}
 
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])

@@ -262,12 +262,6 @@ def test_unregistered_remote_cache_is_gone(remote, local, make_remote, make_loca
     pair.good_pull()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: a peer's catalog is cached after the first lookup and only refetched on a miss, so "
-    "after the owner unregisters a cache and registers its key again elsewhere, pulls keep using the old "
-    "addresses -- here silently reading another cache that now lives there",
-)
 def test_key_registered_again_elsewhere_is_followed(remote, local, make_remote, make_local, pair):
     moved_key = new_blocks_key()
     old = make_remote(DESC, moved_key, seed=6)

@@ -104,7 +104,8 @@ def test_contiguous_blocks_merge_into_runs(remote, local, make_remote, make_loca
 
     monkeypatch.setattr(engine, "transfer_sync", spy)
     local.cache_manager.pull_blocks(key, mine.cache, src, dst)
-    (descs,) = seen
+    check, descs = seen  # first the 8-byte read of the source's catalog generation, then the data
+    assert len(check) == 1 and check[0][2] == 8
     assert len(descs) == F32.num_tensors * len(src)
     expected = 1 if runs_per_tensor is None else F32.num_tensors * runs_per_tensor
     assert len(merge_adjacent(descs)) == expected
