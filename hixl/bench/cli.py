@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from . import kv_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
 from .progress import Progress
 from .report import format_table, summary, to_json, write_json
@@ -25,6 +26,13 @@ misaligned buffers, idle CPU and RSS growth, and prints each figure next to its
 raw baseline (process_vm_readv/writev, a plain socket stream, memcpy) with the
 target ratio and PASS/FAIL. Targets are reported, never enforced: the exit
 status is 0 whatever they say.
+
+--scenario kv pulls a Llama-70B-shaped KV cache (80 layers, 8 KV heads x 128,
+fp16, a 4096-token prompt: 1.25 GiB) from a prefill process with DataDist's
+pull_blocks, its blocks scattered over a paged pool on both sides, at 16-,
+32- and 128-token blocks; it reports pull_blocks bandwidth against the
+engine's own single contiguous transfer of the same bytes, and how soon the
+first layer lands with pull_blocks_async.
 """
 
 
@@ -56,6 +64,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_ints(text: str) -> tuple[int, ...]:
+    values = tuple(dict.fromkeys(_positive_int(part.strip()) for part in text.split(",")))
+    return tuple(sorted(values))
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the bench options to ``parser``."""
     parser.add_argument(
@@ -80,6 +93,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--iterations", type=_positive_int, metavar="N", help="calls per latency figure (default: 2000)"
+    )
+    parser.add_argument(
+        "--layers", type=_positive_int, metavar="N", help="kv: layers of the KV cache (default: 80; --quick: 4)"
+    )
+    parser.add_argument(
+        "--tokens", type=_positive_int, metavar="N", help="kv: prompt length in tokens (default: 4096; --quick: 1024)"
+    )
+    parser.add_argument(
+        "--block-sizes",
+        type=_positive_ints,
+        metavar="N[,N]",
+        help="kv: tokens per block, each dividing --tokens (default: 16,32,128; --quick: 16)",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds: small sizes, few repeats")
     parser.add_argument("--json", metavar="PATH", help="also write every result as JSON to PATH ('-' for stdout)")
@@ -109,22 +134,34 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         config = replace(config, iterations=args.iterations)
     if args.max_size is not None:
         config = config.capped(args.max_size)
+    kv = {"kv_layers": args.layers, "kv_tokens": args.tokens, "kv_block_sizes": args.block_sizes}
+    config = replace(config, extra={**config.extra, **{k: v for k, v in kv.items() if v is not None}})
     return config
 
 
 def _header(config: BenchConfig, scenarios: tuple[str, ...]) -> str:
-    return (
-        f"hixl bench: scenario {','.join(scenarios)}; transports {','.join(config.transports)}; "
-        f"sizes {format_size(min(config.sizes))}..{format_size(max(config.sizes))}; "
-        f"median of {config.repeat} (+{config.warmup} warm-up); latency over {config.iterations} calls; "
-        f"{os.cpu_count()} CPUs"
-    )
+    parts = [f"hixl bench: scenario {','.join(scenarios)}", f"transports {','.join(config.transports)}"]
+    if "engine" in scenarios:
+        parts.append(f"sizes {format_size(min(config.sizes))}..{format_size(max(config.sizes))}")
+    if "kv" in scenarios:
+        parts.append(kv_bench.describe(config))
+    parts.append(f"median of {config.repeat} (+{config.warmup} warm-up)")
+    if "engine" in scenarios:
+        parts.append(f"latency over {config.iterations} calls")
+    parts.append(f"{os.cpu_count()} CPUs")
+    return "; ".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the chosen scenarios and print the table (and write ``--json``)."""
+    """Run the chosen scenarios and print the table (and write ``--json``); 2 for an impossible KV shape."""
     config = config_from_args(args)
     scenarios = tuple(args.scenario)
+    if "kv" in scenarios:
+        try:
+            kv_bench.shape_of(config)
+        except ValueError as exc:
+            print(f"hixl bench: error: {exc}", file=sys.stderr)
+            return 2
     progress = Progress(enabled=False if args.no_progress else None)
     rows: list[Row] = []
     notes: list[str] = []

@@ -75,7 +75,8 @@ class BenchConfig:
     idle_seconds: float = 3.0
     quick: bool = False
     extra: dict[str, object] = field(default_factory=dict)
-    """Free-form options for scenarios that need more than the above (e.g. a KV-cache shape)."""
+    """Free-form options for scenarios that need more than the above: the ``kv`` scenario's cache shape
+    (``kv_layers``, ``kv_tokens``, ``kv_block_sizes``; see :func:`hixl.bench.kv_bench.shape_of`)."""
 
     @classmethod
     def full_run(cls) -> BenchConfig:

@@ -3,17 +3,18 @@
 A scenario is a function ``(config, progress) -> ScenarioResult``. It should
 call ``progress.expect(n)`` once with its number of steps, wrap each step in
 ``with progress.step(label):``, and return its rows (each with a baseline,
-ratio and target where one applies) plus notes. To add one — e.g. a KV-cache
-scenario on :mod:`hixl.datadist` — write ``hixl/bench/kv_bench.py`` with a
-``run`` function and add it below; the CLI, table and JSON pick it up.
-Scenario-specific knobs can travel in ``BenchConfig.extra``.
+ratio and target where one applies) plus notes. To add one, write a module
+with a ``run`` function and add it below; the CLI, table and JSON pick it up.
+Scenario-specific knobs can travel in ``BenchConfig.extra`` — as the ``kv``
+scenario's (:mod:`hixl.bench.kv_bench`, a KV cache on :mod:`hixl.datadist`)
+``kv_layers`` / ``kv_tokens`` / ``kv_block_sizes`` do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import engine_bench
+from . import engine_bench, kv_bench
 from .config import BenchConfig
 from .progress import Progress
 from .results import ScenarioResult
@@ -24,6 +25,7 @@ Scenario = Callable[[BenchConfig, Progress], ScenarioResult]
 
 SCENARIOS: dict[str, Scenario] = {
     "engine": engine_bench.run,
+    "kv": kv_bench.run,
 }
 
 DEFAULT_SCENARIO = "engine"
