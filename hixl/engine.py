@@ -81,21 +81,21 @@ class _Peer:
         self.link = link
         self.channel = channel
         self.transport = transport
-        self._queue: queue.SimpleQueue[tuple[TransferReq, Op, np.ndarray] | threading.Event | None] = (
+        self._queue: queue.SimpleQueue[list[tuple[TransferReq, Op, np.ndarray]] | threading.Event | None] = (
             queue.SimpleQueue()
         )
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
-        """Queue an async transfer; they start in submission order."""
+    def submit(self, transfers: list[tuple[TransferReq, Op, np.ndarray]]) -> None:
+        """Queue validated async transfers (descriptors not yet merged); they start in order."""
         with self._lock:
             if self._worker is None:
                 self._worker = threading.Thread(
                     target=self._work, name=f"hixl-async-{self.link.remote_engine}", daemon=True
                 )
                 self._worker.start()
-            self._queue.put((req, op, descs))
+            self._queue.put(transfers)
 
     def flush(self, timeout: float) -> None:
         """Wait until every async transfer queued so far has been started."""
@@ -111,13 +111,14 @@ class _Peer:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            req, op, descs = item
-            if req.status is TransferStatus.WAITING:
-                try:
-                    self.channel.start(req, op, descs)
-                except Exception as exc:  # never leave a request WAITING forever
-                    log.exception("hixl: transfer crashed")
-                    req.fail(HixlError(f"internal error: {exc!r}"))
+            for req, op, descs in item:
+                if req.status is TransferStatus.WAITING:
+                    try:
+                        # Merged here, not by the caller: the caller returns sooner.
+                        self.channel.start(req, op, merge_adjacent(descs))
+                    except Exception as exc:  # never leave a request WAITING forever
+                        log.exception("hixl: transfer crashed")
+                        req.fail(HixlError(f"internal error: {exc!r}"))
 
     def close(self) -> None:
         """Stop the async worker and close the link."""
@@ -344,7 +345,7 @@ class Engine:
         if type(op_descs) in _SMALL_TYPES and 0 < len(op_descs) <= _SMALL_BATCH and self._run_small(remote_engine, op, op_descs, timeout):
             return
         peer, req, op, descs = self._prepare(remote_engine, op, op_descs, timeout)
-        peer.channel.start(req, op, descs)
+        peer.channel.start(req, op, merge_adjacent(descs))
         req.wait()
 
     def transfer_async(
@@ -357,8 +358,29 @@ class Engine:
         start in submission order.
         """
         peer, req, op, descs = self._prepare(remote_engine, op, op_descs, timeout)
-        peer.submit(req, op, descs)
+        peer.submit([(req, op, descs)])
         return req
+
+    def transfer_async_split(
+        self, remote_engine: str, op: Op, op_descs: Any, counts: Sequence[int], timeout: float | None = None
+    ) -> list[TransferReq]:
+        """Start consecutive groups of ``op_descs`` as separate requests, in order, in one call.
+
+        Group ``i`` is the next ``counts[i]`` descriptors. Everything is validated
+        at once, here, and handed to the peer's async worker as one item: the
+        call returns at once and the first group starts while later ones are
+        still queued behind it. This is how DataDist streams a cache layer by
+        layer — ``reqs[i].wait()`` returns as soon as group ``i`` landed.
+        """
+        peer, op, descs, timeout = self._validate(remote_engine, op, op_descs, timeout)
+        sizes = np.asarray(counts, dtype=np.int64)
+        if sizes.ndim != 1 or len(sizes) == 0 or (sizes <= 0).any() or int(sizes.sum()) != len(descs):
+            raise ParamInvalid(f"counts must be positive and add up to the {len(descs)} descriptors")
+        groups = np.split(descs, np.cumsum(sizes)[:-1])
+        name = peer.link.remote_engine
+        reqs = [TransferReq(name, op, len(g), int(g[:, 2].sum()), timeout) for g in groups]
+        peer.submit([(req, op, group) for req, group in zip(reqs, groups)])
+        return reqs
 
     def get_transfer_status(self, req: TransferReq) -> TransferStatus:
         """The current status of ``req`` (same as ``req.status``)."""
@@ -401,6 +423,14 @@ class Engine:
     def _prepare(
         self, remote_engine: str, op: Op, op_descs: Any, timeout: float | None
     ) -> tuple[_Peer, TransferReq, Op, np.ndarray]:
+        """Validate a transfer and make its request; descriptors come back not yet merged."""
+        peer, op, descs, timeout = self._validate(remote_engine, op, op_descs, timeout)
+        req = TransferReq(peer.link.remote_engine, op, len(descs), int(descs[:, 2].sum()), timeout)
+        return peer, req, op, descs
+
+    def _validate(
+        self, remote_engine: str, op: Op, op_descs: Any, timeout: float | None
+    ) -> tuple[_Peer, Op, np.ndarray, float]:
         peer = self._peer(remote_engine)
         try:
             op = Op(op)
@@ -412,9 +442,7 @@ class Engine:
         descs = as_desc_array(op_descs)
         self._registry.table.check(descs[:, 0], descs[:, 2], "local")
         peer.channel.check_remote(descs[:, 1], descs[:, 2], timeout)
-        merged = merge_adjacent(descs)
-        req = TransferReq(peer.link.remote_engine, op, len(descs), int(descs[:, 2].sum()), timeout)
-        return peer, req, op, merged
+        return peer, op, descs, timeout
 
     # -- published metadata ------------------------------------------------------------
     def set_metadata(self, key: str, value: bytes) -> None:

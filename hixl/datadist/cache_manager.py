@@ -538,19 +538,19 @@ class CacheManager:
     def _run_async(self, plan: _Plan, req_id: int | None, timeout: float | None) -> CacheTask:
         timeout = self._timeout(timeout)
         task = CacheTask(plan.layers, timeout)
-        engine = self._dd.engine
-        # The catalog check rides in the same ordered queue, ahead of layer 0,
-        # instead of costing a round trip before the first layer may start.
-        desc, current = self._dd.generation_read(plan.catalog)
-        with translate_errors("check catalog"):
-            task._guard = (engine.transfer_async(plan.remote_engine, Op.READ, [desc], timeout), current)
-        for position, layer in enumerate(plan.layers):
-            try:
-                with translate_errors(f"layer {layer}"):
-                    task._submit(layer, [engine.transfer_async(plan.remote_engine, plan.op, plan.layer_slice(position), timeout)])
-            except LLMException as exc:
-                task._fail_from(position, exc)
-                break
+        # One engine call, validated once: the engine's worker starts layer 0 while we
+        # return, instead of racing this thread for the GIL through per-layer calls.
+        # The catalog check rides in the same ordered queue, ahead of layer 0, rather
+        # than costing a round trip before the first layer may start.
+        guard, current = self._dd.generation_read(plan.catalog)
+        per_layer = len(plan.descs) // len(plan.layers)
+        descs = np.concatenate([np.array([guard], dtype=np.uint64), plan.descs])
+        counts = [1] + [per_layer] * len(plan.layers)
+        with translate_errors("pull"):
+            reqs = self._dd.engine.transfer_async_split(plan.remote_engine, plan.op, descs, counts, timeout)
+        task._guard = (reqs[0], current)
+        for layer, req in zip(plan.layers, reqs[1:]):
+            task._submit(layer, [req])
         if req_id is not None:
             task._watch(lambda: self._notify_done(plan, req_id, "pull"))
         return task
