@@ -538,19 +538,29 @@ class CacheManager:
     def _run_async(self, plan: _Plan, req_id: int | None, timeout: float | None) -> CacheTask:
         timeout = self._timeout(timeout)
         task = CacheTask(plan.layers, timeout)
-        # One engine call, validated once: the engine's worker starts layer 0 while we
-        # return, instead of racing this thread for the GIL through per-layer calls.
-        # The catalog check rides in the same ordered queue, ahead of layer 0, rather
-        # than costing a round trip before the first layer may start.
-        guard, current = self._dd.generation_read(plan.catalog)
+        engine = self._dd.engine
         per_layer = len(plan.descs) // len(plan.layers)
-        descs = np.concatenate([np.array([guard], dtype=np.uint64), plan.descs])
-        counts = [1] + [per_layer] * len(plan.layers)
+        # The catalog check rides in the same ordered queue just ahead of layer 0,
+        # rather than costing a round trip before the first layer may start.
+        guard, current = self._dd.generation_read(plan.catalog)
+        head = np.concatenate([np.array([guard], dtype=np.uint64), plan.layer_slice(0)])
+        # Two engine calls: layer 0 is queued (and starts copying) while the rest
+        # are still being validated; each call validates its layers in one pass.
         with translate_errors("pull"):
-            reqs = self._dd.engine.transfer_async_split(plan.remote_engine, plan.op, descs, counts, timeout)
-        task._guard = (reqs[0], current)
-        for layer, req in zip(plan.layers, reqs[1:]):
-            task._submit(layer, [req])
+            guard_req, first = engine.transfer_async_split(plan.remote_engine, plan.op, head, [1, per_layer], timeout)
+        task._guard = (guard_req, current)
+        task._submit(plan.layers[0], [first])
+        if len(plan.layers) > 1:
+            try:
+                with translate_errors("pull"):
+                    rest = engine.transfer_async_split(
+                        plan.remote_engine, plan.op, plan.descs[per_layer:], [per_layer] * (len(plan.layers) - 1), timeout
+                    )
+            except LLMException as exc:
+                task._fail_from(1, exc)
+            else:
+                for layer, req in zip(plan.layers[1:], rest):
+                    task._submit(layer, [req])
         if req_id is not None:
             task._watch(lambda: self._notify_done(plan, req_id, "pull"))
         return task
