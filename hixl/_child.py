@@ -14,10 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["ChildProcess", "child_connection"]
+__all__ = ["ChildProcess", "child_connection", "serve_commands"]
 
 
 def _package_root() -> str:
@@ -27,6 +28,35 @@ def _package_root() -> str:
 def child_connection() -> Connection:
     """In the child: the connection to the parent (from ``sys.argv[1]``)."""
     return Connection(int(sys.argv[1]))
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def serve_commands(
+    conn: Connection,
+    handler: Callable[[str, Any], Any],
+    error_reply: Callable[[Exception], Any] = _describe,
+) -> None:
+    """In the child: answer ``(command, args)`` messages until ``("exit", ...)`` or the parent hangs up.
+
+    Each reply is ``("ok", handler(command, args))`` or, if that raised,
+    ``("error", error_reply(exc))``: a failing command is reported to the
+    parent, which decides what to raise, and the child keeps serving.
+    """
+    try:
+        while True:
+            command, args = conn.recv()
+            if command == "exit":
+                return
+            try:
+                reply = ("ok", handler(command, args))
+            except Exception as exc:  # reported to the parent; the child keeps serving
+                reply = ("error", error_reply(exc))
+            conn.send(reply)
+    except (EOFError, KeyboardInterrupt):
+        return
 
 
 class ChildProcess:

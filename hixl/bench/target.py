@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .._child import ChildProcess
+from .._child import ChildProcess, serve_commands
 
 __all__ = ["RAW_HEADER", "BenchTarget", "RemoteBuffer", "sample_bytes"]
 
@@ -137,17 +137,7 @@ def _serve(conn: Connection) -> None:
 
     commands: dict[str, Callable[..., Any]] = {"alloc": alloc, "free": free, "read": read}
     try:
-        while True:
-            command, args = conn.recv()
-            if command == "exit":
-                break
-            try:
-                reply = ("ok", commands[command](*args))
-            except Exception as exc:  # noqa: BLE001  (reported to the parent, which raises it)
-                reply = ("error", f"{type(exc).__name__}: {exc}")
-            conn.send(reply)
-    except (EOFError, KeyboardInterrupt):
-        pass
+        serve_commands(conn, lambda command, args: commands[command](*args))
     finally:
         raw.listener.close()
         engine.finalize()

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .. import empty
-from .._child import child_connection
+from .._child import child_connection, serve_commands
 from ..datadist import (
     BlocksCacheKey,
     CacheDesc,
@@ -162,16 +162,7 @@ def main() -> None:
     worker = DemoWorker(**conn.recv())
     conn.send(worker.info())
     try:
-        while True:
-            command, kwargs = conn.recv()
-            if command == "exit":
-                break
-            try:
-                conn.send(("ok", getattr(worker, command)(**kwargs)))
-            except Exception as exc:  # report to the parent, keep serving
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    except EOFError:
-        pass
+        serve_commands(conn, lambda command, kwargs: getattr(worker, command)(**kwargs))
     finally:
         worker.close()
 

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -22,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .._child import ChildProcess, serve_commands
 from ..datadist import (
     BlocksCacheKey,
     Cache,
@@ -145,20 +143,11 @@ def _serve(conn: Connection) -> None:
     try:
         child = _Child(role, cluster_id, config)
     except Exception as exc:  # noqa: BLE001  (reported to the parent, which raises it)
-        conn.send(("err", _error_tuple(exc)))
+        conn.send(("error", _error_tuple(exc)))
         return
     conn.send(("ok", (child.dd.local_ip_info, os.getpid())))
     try:
-        while True:
-            command, args = conn.recv()
-            if command == "exit":
-                break
-            try:
-                conn.send(("ok", getattr(child, command)(*args)))
-            except Exception as exc:  # noqa: BLE001  (reported to the parent, which raises it)
-                conn.send(("err", _error_tuple(exc)))
-    except (EOFError, KeyboardInterrupt):
-        pass
+        serve_commands(conn, lambda command, args: getattr(child, command)(*args), _error_tuple)
     finally:
         child.dd.finalize()
 
@@ -184,35 +173,23 @@ class DataDistProcess:
         self.role = role
         self.cluster_id = cluster_id
         self.timeout = timeout
-        ours, theirs = socket.socketpair()
-        path = os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))
-        with ours, theirs:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "hixl.testing._datadist_main", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                env={**os.environ, "PYTHONPATH": path},
-            )
-            self._conn = Connection(ours.detach())
+        self._child = ChildProcess("hixl.testing._datadist_main", timeout)
         try:
-            self._conn.send((role, cluster_id, config))
-            self.ip_info, self.pid = self._recv()
+            self.ip_info, self.pid = self._unwrap(self._child.request((role, cluster_id, config)))
         except BaseException:
             self.close()
             raise
         self.descs: dict[str, CacheDesc] = {}
 
-    def _recv(self) -> Any:
-        if not self._conn.poll(self.timeout):
-            self.kill()
-            raise TimeoutError(f"DataDist child did not answer within {self.timeout} s")
-        status, value = self._conn.recv()
-        if status == "err":
+    @staticmethod
+    def _unwrap(reply: tuple[str, Any]) -> Any:
+        status, value = reply
+        if status == "error":
             raise PeerError(*value)
         return value
 
     def _do(self, command: str, *args: Any) -> Any:
-        self._conn.send((command, args))
-        return self._recv()
+        return self._unwrap(self._child.request((command, args)))
 
     def cluster_info(self) -> LLMClusterInfo:
         """What to pass to ``link_clusters`` to link to this child."""
@@ -273,32 +250,20 @@ class DataDistProcess:
 
     def stop(self, signum: int = signal.SIGSTOP) -> None:
         """Freeze (SIGSTOP) or resume (SIGCONT) the child."""
-        self._process.send_signal(signum)
+        self._child.signal(signum)
 
     def kill(self) -> None:
         """SIGKILL the child, as a crash would."""
-        if self._process.poll() is None:
-            self._process.send_signal(signal.SIGCONT)
-            self._process.kill()
-        self._process.wait(10)
+        self._child.kill()
 
     def close(self) -> None:
         """Ask the child to finalize and exit; kill it if it doesn't."""
-        if self._process.poll() is None:
-            self._process.send_signal(signal.SIGCONT)
-            try:
-                self._conn.send(("exit", ()))
-                self._process.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        if self._process.poll() is None:
-            self.kill()
-        self._conn.close()
+        self._child.close(goodbye=("exit", ()))
 
     @property
     def exitcode(self) -> int | None:
         """The child's exit code once it ended."""
-        return self._process.poll()
+        return self._child.process.poll()
 
     def __enter__(self) -> DataDistProcess:
         return self
@@ -307,8 +272,4 @@ class DataDistProcess:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<DataDistProcess cluster={self.cluster_id} {getattr(self, 'ip_info', '?')} pid={self._process.pid}>"
-
-
-def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return f"<DataDistProcess cluster={self.cluster_id} {getattr(self, 'ip_info', '?')} pid={self._child.pid}>"

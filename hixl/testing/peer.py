@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .._child import ChildProcess
+from .._child import ChildProcess, serve_commands
 
 __all__ = ["TargetProcess"]
 
@@ -25,30 +25,18 @@ def _serve(conn: Connection) -> None:
     handles = [engine.register_mem(buf) for buf in buffers]
     conn.send((engine.local_engine, [int(b.ctypes.data) for b in buffers], os.getpid()))
     try:
-        while True:
-            command, args = conn.recv()
-            if command == "exit":
-                break
-            try:
-                reply = _COMMANDS[command](engine, buffers, handles, *args)
-            except Exception as exc:  # noqa: BLE001  (the parent re-raises it; the target keeps running)
-                reply = _Raised(exc)
-            conn.send(reply)
-    except (EOFError, KeyboardInterrupt):
-        pass
+        serve_commands(conn, lambda command, args: _COMMANDS[command](engine, buffers, handles, *args), _picklable)
     finally:
         engine.finalize()
 
 
-class _Raised:
-    """What the child sends back when a command raised."""
-
-    def __init__(self, error: Exception) -> None:
-        try:
-            pickle.dumps(error)
-        except Exception:  # noqa: BLE001  (any unpicklable error still reaches the parent as text)
-            error = RuntimeError(f"{type(error).__name__}: {error}")
-        self.error = error
+def _picklable(error: Exception) -> Exception:
+    """``error`` itself if it can travel to the parent, else a RuntimeError with its text."""
+    try:
+        pickle.dumps(error)
+    except Exception:  # noqa: BLE001  (any unpicklable error still reaches the parent as text)
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 def _fill(engine: Any, buffers: list[np.ndarray], handles: list[Any], index: int, seed: int) -> None:
@@ -149,10 +137,10 @@ class TargetProcess:
         self.engine, self.addrs, self.pid = self._child.request((address, options or {}, sizes))
 
     def _do(self, command: str, *args: Any) -> Any:
-        reply = self._child.request((command, args))
-        if isinstance(reply, _Raised):
-            raise reply.error
-        return reply
+        status, value = self._child.request((command, args))
+        if status == "error":
+            raise value
+        return value
 
     def fill(self, index: int, seed: int) -> None:
         """Fill buffer ``index`` with seeded random bytes (``expected(...)`` recreates them)."""
