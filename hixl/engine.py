@@ -54,8 +54,8 @@ log = logging.getLogger("hixl")
 #: Up to this many descriptors given as a list, ``transfer_sync`` validates and
 #: builds iovecs in plain Python: for small transfers numpy's per-call overhead
 #: would cost more than the copy itself.
+#: (Any size: up to IOV_MAX descriptors are one syscall on either path.)
 _SMALL_BATCH = 8
-_SMALL_BYTES = 1 << 20
 _SMALL_TYPES = (np.ndarray, list, tuple, TransferOpDesc)
 
 DEFAULT_OPTIONS: dict[str, Any] = {
@@ -417,8 +417,7 @@ class Engine:
             ):
                 return False
             total += nbytes
-        # Large copies take the general path, which honours the timeout between chunks.
-        return total <= _SMALL_BYTES and not self._finalized and peer.channel.run_small(op, op_descs, total)
+        return not self._finalized and peer.channel.run_small(op, op_descs, total)
 
     def _prepare(
         self, remote_engine: str, op: Op, op_descs: Any, timeout: float | None
