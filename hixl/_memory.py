@@ -32,6 +32,9 @@ __all__ = [
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
+# A registered range is writable by every connected peer (one-sided WRITE); writing
+# into an immutable object (bytes, a read-only array) would corrupt the process.
+_READ_ONLY = "cannot register a read-only buffer: connected peers may WRITE into registered memory"
 _U64_MAX = (1 << 64) - 1
 
 
@@ -71,6 +74,8 @@ def buffer_range(buf: Any, mem_type: MemType = MemType.HOST) -> tuple[int, int, 
             raise ParamInvalid("numpy array must be C-contiguous to be registered")
         if buf.nbytes == 0:
             raise ParamInvalid("cannot register an empty array")
+        if not buf.flags.writeable:
+            raise ParamInvalid(_READ_ONLY)
         return int(buf.ctypes.data), int(buf.nbytes), buf
     try:
         view = np.frombuffer(buf, dtype=np.uint8)
@@ -78,6 +83,8 @@ def buffer_range(buf: Any, mem_type: MemType = MemType.HOST) -> tuple[int, int, 
         raise ParamInvalid(f"cannot register object of type {type(buf).__name__}: {exc}") from exc
     if view.size == 0:
         raise ParamInvalid("cannot register an empty buffer")
+    if not view.flags.writeable:
+        raise ParamInvalid(_READ_ONLY)
     return int(view.ctypes.data), int(view.nbytes), view
 
 

@@ -284,3 +284,28 @@ def test_as_desc_array_at_the_top_of_the_address_space() -> None:
 def test_as_desc_array_refuses(given: object) -> None:
     with pytest.raises(ParamInvalid):
         as_desc_array(given)
+
+
+
+def _readonly() -> np.ndarray:
+    arr = np.zeros(64, dtype=np.uint8)
+    arr.flags.writeable = False
+    return arr
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: b"immutable bytes",
+        lambda: memoryview(bytearray(64)).toreadonly(),
+        lambda: np.frombuffer(b"x" * 64, dtype=np.uint8),
+        _readonly,
+    ],
+    ids=["bytes", "readonly-memoryview", "array-over-bytes", "readonly-array"],
+)
+def test_read_only_buffers_are_refused(make) -> None:
+    """A peer may WRITE into anything registered: immutable memory must never be offered."""
+    with hixl.Engine("127.0.0.1") as engine:
+        with pytest.raises(hixl.ParamInvalid, match="read-only"):
+            engine.register_mem(make())
+        assert engine.local_mems() == []
