@@ -56,7 +56,8 @@ log = logging.getLogger("hixl")
 #: would cost more than the copy itself.
 #: (Any size: up to IOV_MAX descriptors are one syscall on either path.)
 _SMALL_BATCH = 8
-_SMALL_TYPES = (np.ndarray, list, tuple, TransferOpDesc)
+_DESC_TYPES = (list, tuple, TransferOpDesc)
+_SMALL_TYPES = (np.ndarray, *_DESC_TYPES)
 
 DEFAULT_OPTIONS: dict[str, Any] = {
     "transport": "auto",
@@ -404,7 +405,7 @@ class Engine:
         local_table, remote_table = self._registry.table, peer.link.table
         total = 0
         for desc in op_descs:
-            if type(desc) not in _SMALL_TYPES[1:] or len(desc) != 3:
+            if type(desc) not in _DESC_TYPES or len(desc) != 3:
                 return False
             local, remote, nbytes = desc
             if not (
