@@ -89,12 +89,12 @@ class ChildProcess:
         limit = self.timeout if timeout is None else timeout
         if not self.conn.poll(limit):
             self.kill()
-            raise TimeoutError(f"child {self.process.args} did not answer within {limit} s")
+            raise TimeoutError(f"child {self.process.args!r} did not answer within {limit} s")
         try:
             return self.conn.recv()
         except EOFError:
             code = self.process.wait(10)
-            raise ChildProcessError(f"child {self.process.args} exited (code {code}) without answering") from None
+            raise ChildProcessError(f"child {self.process.args!r} exited (code {code}) without answering") from None
 
     def request(self, message: Any, timeout: float | None = None) -> Any:
         """Send ``message`` and return the reply."""

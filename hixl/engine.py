@@ -291,7 +291,7 @@ class Engine:
 
     def _choose_transport(self, link: PeerLink) -> Transport:
         wanted = self.options["transport"]
-        reasons = []
+        reasons: list[str] = []
         for transport in self._transports:
             tname = transport.capabilities.name
             if wanted not in ("auto", tname):

@@ -291,7 +291,7 @@ def parse_body(header: Header, body: bytes | memoryview) -> Message:
     if kind in empty_bodied:
         if body:
             raise ProtocolError(f"{kind.name} must have an empty body")
-        return empty_bodied[kind](rid)  # type: ignore[no-any-return]
+        return empty_bodied[kind](rid)  # type: ignore[return-value]
     if kind is FrameType.HELLO:
         return Hello(_json(body, "HELLO"), rid)
     if kind is FrameType.WELCOME:

@@ -415,7 +415,12 @@ class CacheManager:
 
         threading.Thread(target=push, name="hixl-datadist-push", daemon=True).start()
         if req_id is not None:
-            task._watch(lambda: [self._notify_done(p, req_id, "push") for p in plans])
+
+            def notify_every_destination() -> None:
+                for plan in plans:
+                    self._notify_done(plan, req_id, "push")
+
+            task._watch(notify_every_destination)
         return task
 
     # -- completion notifications -----------------------------------------------------------

@@ -6,6 +6,7 @@ import os
 import pickle
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -85,7 +86,7 @@ def _call(engine: Any, buffers: list[np.ndarray], handles: list[Any], method: st
     return getattr(engine, method)(*args)
 
 
-_COMMANDS = {
+_COMMANDS: dict[str, Callable[..., Any]] = {
     "fill": _fill,
     "read": _read,
     "write": _write,
