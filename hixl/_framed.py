@@ -111,7 +111,7 @@ class FramedSocket:
         """Send a frame and (for WRITE/DATA) its data as one unit on the wire."""
         self.check_alive()
         with self.send_lock:
-            self.move(bytes_cursor(frame), write=True, deadline=deadline, sign_of_life=False)
+            self._send_frame(frame, deadline)
             if data is not None:
                 self.move(data, write=True, deadline=deadline)
 
@@ -120,12 +120,30 @@ class FramedSocket:
         if self.dead_reason or not self.send_lock.acquire(blocking=False):
             return False
         try:
-            self.move(bytes_cursor(frame), write=True, sign_of_life=False)
+            self._send_frame(frame, None)
         except PeerDisconnected:
             return False
         finally:
             self.send_lock.release()
         return True
+
+    def _send_frame(self, frame: bytes, deadline: float | None) -> None:
+        """Send a header and body (caller holds ``send_lock``).
+
+        Frames are small and the socket buffer is usually free, so one
+        non-blocking ``send`` nearly always takes the whole frame; the iovec
+        machinery of :meth:`move` is kept for the rest. That halves a control
+        round trip's Python cost.
+        """
+        try:
+            sent = self.sock.send(frame, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self.mark_dead(f"socket error: {exc}")
+            raise PeerDisconnected(f"connection to {self.peer} failed: {exc}") from exc
+        if sent < len(frame):
+            self.move(bytes_cursor(frame[sent:]), write=True, deadline=deadline, sign_of_life=False)
 
     def move(
         self,
