@@ -21,7 +21,7 @@ from .._exceptions import (
     ResourceExhausted,
 )
 
-__all__ = ["LLMException", "LLMStatusCode", "translate_errors"]
+__all__ = ["LLMException", "LLMStatusCode", "status_of", "translate_errors"]
 
 
 class LLMStatusCode(enum.Enum):
@@ -60,22 +60,22 @@ class LLMException(HixlError):
         return f"LLMException({str(self)!r}, status_code={self.status_code.name})"
 
 
-def _code_for(exc: HixlError) -> LLMStatusCode:
+# Most specific first: TransferTimeout is a HixlTimeout, MemoryRangeError a ParamInvalid.
+_CODES: tuple[tuple[type[HixlError], LLMStatusCode], ...] = (
+    (HixlTimeout, LLMStatusCode.TIMEOUT),
+    (NotConnected, LLMStatusCode.NOT_YET_LINK),
+    (PeerDisconnected, LLMStatusCode.LINK_FAILED),
+    (MemoryRangeError, LLMStatusCode.KV_CACHE_NOT_EXIST),
+    (ParamInvalid, LLMStatusCode.PARAM_INVALID),
+    (ResourceExhausted, LLMStatusCode.RESOURCE_EXHAUSTED),
+)
+
+
+def status_of(exc: HixlError) -> LLMStatusCode:
+    """The status code an engine (or DataDist) error maps to."""
     if isinstance(exc, LLMException):
         return exc.status_code
-    if isinstance(exc, HixlTimeout):
-        return LLMStatusCode.TIMEOUT
-    if isinstance(exc, NotConnected):
-        return LLMStatusCode.NOT_YET_LINK
-    if isinstance(exc, PeerDisconnected):
-        return LLMStatusCode.LINK_FAILED
-    if isinstance(exc, MemoryRangeError):
-        return LLMStatusCode.KV_CACHE_NOT_EXIST
-    if isinstance(exc, ParamInvalid):
-        return LLMStatusCode.PARAM_INVALID
-    if isinstance(exc, ResourceExhausted):
-        return LLMStatusCode.RESOURCE_EXHAUSTED
-    return LLMStatusCode.FAILED
+    return next((code for kind, code in _CODES if isinstance(exc, kind)), LLMStatusCode.FAILED)
 
 
 @contextlib.contextmanager
@@ -86,9 +86,5 @@ def translate_errors(what: str) -> Iterator[None]:
     except LLMException:
         raise
     except HixlError as exc:
-        raise LLMException(f"{what}: {exc}", _code_for(exc)) from exc
+        raise LLMException(f"{what}: {exc}", status_of(exc)) from exc
 
-
-def status_of(exc: HixlError) -> LLMStatusCode:
-    """The status code an engine error maps to."""
-    return _code_for(exc)
