@@ -288,7 +288,8 @@ class CacheManager:
         With ``req_id``, the source is told (:meth:`completed_requests`) once the
         data has landed, so it may free those blocks.
         """
-        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=self._timeout(timeout))
+        timeout = self._timeout(timeout)
+        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=timeout)
         self._run(plan, req_id, timeout, "pull_blocks")
 
     def pull_blocks_async(
@@ -305,7 +306,8 @@ class CacheManager:
         timeout: float | None = None,
     ) -> CacheTask:
         """:meth:`pull_blocks` layer by layer: returns at once; ``task.wait_layer(i)`` waits for layer i."""
-        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=self._timeout(timeout), verify=False)
+        timeout = self._timeout(timeout)
+        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=timeout, verify=False)
         return self._run_async(plan, req_id, timeout)
 
     def pull_cache(
@@ -326,7 +328,8 @@ class CacheManager:
         ``size`` > 0 copies only the first ``size`` positions along ``shape[1]``
         (e.g. the prompt's tokens); -1 copies the whole entry.
         """
-        plan = self._cache_plan(Op.READ, cache_key, cache, batch_index, size, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=self._timeout(timeout))
+        timeout = self._timeout(timeout)
+        plan = self._cache_plan(Op.READ, cache_key, cache, batch_index, size, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=timeout)
         self._run(plan, req_id, timeout, "pull_cache")
 
     # -- pushes (WRITE) --------------------------------------------------------------------
@@ -344,7 +347,8 @@ class CacheManager:
         timeout: float | None = None,
     ) -> None:
         """Write blocks of the local ``src_cache`` into the remote blocks cache ``dst_key``."""
-        plan = self._blocks_plan(Op.WRITE, dst_key, src_cache, dst_blocks, src_blocks, dst_layer_range, src_layer_range, tensor_num_per_layer, timeout=self._timeout(timeout))
+        timeout = self._timeout(timeout)
+        plan = self._blocks_plan(Op.WRITE, dst_key, src_cache, dst_blocks, src_blocks, dst_layer_range, src_layer_range, tensor_num_per_layer, timeout=timeout)
         self._run(plan, req_id, timeout, "push_blocks")
 
     def push_cache(
@@ -361,7 +365,8 @@ class CacheManager:
         timeout: float | None = None,
     ) -> None:
         """Write entry ``batch_index`` of the local ``src_cache`` into the remote entry ``dst_key``."""
-        plan = self._cache_plan(Op.WRITE, dst_key, src_cache, batch_index, size, dst_layer_range, src_layer_range, tensor_num_per_layer, timeout=self._timeout(timeout))
+        timeout = self._timeout(timeout)
+        plan = self._cache_plan(Op.WRITE, dst_key, src_cache, batch_index, size, dst_layer_range, src_layer_range, tensor_num_per_layer, timeout=timeout)
         self._run(plan, req_id, timeout, "push_cache")
 
     def transfer_cache_async(
@@ -383,15 +388,15 @@ class CacheManager:
         to every destination in ``transfer_configs`` — so the transfer of layer
         i overlaps the compute of layer i+1. ``task.synchronize()`` waits for all.
         """
+        timeout = self._timeout(timeout)
         if not transfer_configs:
             raise ValueError("transfer_configs is empty")
         plans = [
-            self._blocks_plan(Op.WRITE, cfg.dst_key, src_cache, dst_blocks, src_blocks, cfg.dst_layer_range, cfg.src_layer_range, tensor_num_per_layer, cfg.dst_cluster_id, timeout=self._timeout(timeout))
+            self._blocks_plan(Op.WRITE, cfg.dst_key, src_cache, dst_blocks, src_blocks, cfg.dst_layer_range, cfg.src_layer_range, tensor_num_per_layer, cfg.dst_cluster_id, timeout=timeout)
             for cfg in transfer_configs
         ]
         if len({tuple(p.layers) for p in plans}) != 1:
             raise ValueError("every transfer config must cover the same source layers")
-        timeout = self._timeout(timeout)
         task = CacheTask(plans[0].layers, timeout)
         engine = self._dd.engine
 
@@ -545,14 +550,13 @@ class CacheManager:
         return _Plan(remote_engine, cluster, op, list(local_layers), descs, catalog)
 
     # -- execution ---------------------------------------------------------------------------
-    def _run(self, plan: _Plan, req_id: int | None, timeout: float | None, what: str) -> None:
+    def _run(self, plan: _Plan, req_id: int | None, timeout: float, what: str) -> None:
         with translate_errors(what):
-            self._dd.engine.transfer_sync(plan.remote_engine, plan.op, plan.descs, self._timeout(timeout))
+            self._dd.engine.transfer_sync(plan.remote_engine, plan.op, plan.descs, timeout)
         if req_id is not None:
             self._notify_done(plan, req_id, "pull" if plan.op is Op.READ else "push")
 
-    def _run_async(self, plan: _Plan, req_id: int | None, timeout: float | None) -> CacheTask:
-        timeout = self._timeout(timeout)
+    def _run_async(self, plan: _Plan, req_id: int | None, timeout: float) -> CacheTask:
         task = CacheTask(plan.layers, timeout)
         engine = self._dd.engine
         per_layer = len(plan.descs) // len(plan.layers)
