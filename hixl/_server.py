@@ -105,11 +105,6 @@ class TargetServer:
         for conn in connections:
             conn.push_regions(table)
 
-    def connection_count(self) -> int:
-        """Connections currently served."""
-        with self._lock:
-            return len(self._connections)
-
     def close(self, timeout: float = 2.0) -> None:
         """Stop accepting, end every connection and join every thread; idempotent."""
         with self._lock:

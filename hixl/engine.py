@@ -159,7 +159,6 @@ class Engine:
                 transport.close()
             raise
         self._id = secrets.token_hex(8)
-        self._host = host
         self._registry = Registry(int(self.options["max_registrations"]))
         self._registry.listeners.append(self._regions_changed)
         self._notifies: collections.deque[NotifyDesc] = collections.deque()

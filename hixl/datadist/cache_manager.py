@@ -185,7 +185,6 @@ class _Plan:
     """Validated descriptors of one transfer, grouped by layer."""
 
     remote_engine: str
-    remote_cluster: int
     op: Op
     layers: list[int]  # local layer indices, in order
     descs: np.ndarray  # (layers * tensors_per_layer * rows, 3), layer-major
@@ -479,7 +478,7 @@ class CacheManager:
         remote_rows = rows_array(remote_blocks, remote.cache_desc.shape[0], "remote block indices")
         if len(local_rows) != len(remote_rows):
             raise ValueError(f"{len(remote_rows)} source blocks but {len(local_rows)} destination blocks")
-        return self._plan(op, remote_engine, cluster, local, remote, local_rows, remote_rows, local_layer_range, remote_layer_range, tensor_num_per_layer, local.cache_desc.row_bytes, catalog)
+        return self._plan(op, remote_engine, local, remote, local_rows, remote_rows, local_layer_range, remote_layer_range, tensor_num_per_layer, local.cache_desc.row_bytes, catalog)
 
     def _cache_plan(
         self,
@@ -521,7 +520,7 @@ class CacheManager:
         local_rows = rows_array([batch_index], shape[0], "batch_index")
         remote_rows = rows_array([remote_index], remote.cache_desc.shape[0], "remote batch index")
         # Rows are ``row_bytes`` apart; only their first ``nbytes`` move.
-        plan = self._plan(op, remote_engine, cluster, local, remote, local_rows * np.uint64(local.cache_desc.row_bytes), remote_rows * np.uint64(local.cache_desc.row_bytes), local_layer_range, remote_layer_range, tensor_num_per_layer, 1, catalog)
+        plan = self._plan(op, remote_engine, local, remote, local_rows * np.uint64(local.cache_desc.row_bytes), remote_rows * np.uint64(local.cache_desc.row_bytes), local_layer_range, remote_layer_range, tensor_num_per_layer, 1, catalog)
         plan.descs[:, 2] = nbytes
         return plan
 
@@ -529,7 +528,6 @@ class CacheManager:
         self,
         op: Op,
         remote_engine: str,
-        cluster: int,
         local: Cache,
         remote: RemoteCache,
         local_rows: np.ndarray,
@@ -547,7 +545,7 @@ class CacheManager:
         local_addrs = np.asarray(local.tensor_addrs, dtype=np.uint64)[layer_tensors(local_layers, tensor_num_per_layer)]
         remote_addrs = np.asarray(remote.tensor_addrs, dtype=np.uint64)[layer_tensors(remote_layers, tensor_num_per_layer)]
         descs = row_descs(local_addrs, remote_addrs, local_rows, remote_rows, row_bytes)
-        return _Plan(remote_engine, cluster, op, list(local_layers), descs, catalog)
+        return _Plan(remote_engine, op, list(local_layers), descs, catalog)
 
     # -- execution ---------------------------------------------------------------------------
     def _run(self, plan: _Plan, req_id: int | None, timeout: float, what: str) -> None:
