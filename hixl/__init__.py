@@ -6,7 +6,9 @@ The KV-cache layer on top lives in :mod:`hixl.datadist`.
 """
 
 from ._exceptions import (
+    AccessDenied,
     AlreadyConnected,
+    AuthenticationFailed,
     HixlError,
     HixlTimeout,
     MemoryRangeError,
@@ -29,7 +31,9 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_OPTIONS",
     "PAGE_SIZE",
+    "AccessDenied",
     "AlreadyConnected",
+    "AuthenticationFailed",
     "Engine",
     "HixlError",
     "HixlTimeout",

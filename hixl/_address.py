@@ -6,7 +6,7 @@ import ipaddress
 
 from ._exceptions import ParamInvalid
 
-__all__ = ["format_address", "parse_address"]
+__all__ = ["boot_id", "format_address", "parse_address"]
 
 
 def parse_address(name: str, require_port: bool = False) -> tuple[str, int | None]:
@@ -45,3 +45,12 @@ def parse_address(name: str, require_port: bool = False) -> tuple[str, int | Non
 def format_address(host: str, port: int) -> str:
     """The canonical ``"ip:port"`` (bracketed for IPv6)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def boot_id() -> str:
+    """This kernel's boot id: two engines that report the same one share a host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

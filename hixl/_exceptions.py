@@ -9,6 +9,8 @@
     ├── AlreadyConnected                      ALREADY_CONNECTED
     ├── Unsupported                           UNSUPPORTED
     ├── ResourceExhausted                     RESOURCE_EXHAUSTED
+    ├── AuthenticationFailed (PermissionError) AUTH_FAILED, a peer failed the shared-secret proof
+    ├── AccessDenied (PermissionError)        ACCESS_DENIED, e.g. a WRITE into a read-only region
     ├── TransferError                         FAILED
     │   └── PeerDisconnected (ConnectionError) the peer died or closed the link
     └── ProtocolError                         FAILED, a malformed or unexpected frame
@@ -22,7 +24,9 @@ from __future__ import annotations
 from ._types import Status
 
 __all__ = [
+    "AccessDenied",
     "AlreadyConnected",
+    "AuthenticationFailed",
     "HixlError",
     "HixlTimeout",
     "MemoryRangeError",
@@ -92,6 +96,18 @@ class ResourceExhausted(HixlError):
     status = Status.RESOURCE_EXHAUSTED
 
 
+class AuthenticationFailed(HixlError, PermissionError):
+    """The peer (or this engine) failed the shared-secret proof of the handshake."""
+
+    status = Status.AUTH_FAILED
+
+
+class AccessDenied(HixlError, PermissionError):
+    """The operation is not allowed on that memory (a WRITE into a region registered read-only)."""
+
+    status = Status.ACCESS_DENIED
+
+
 class TransferError(HixlError):
     """A transfer failed after it was accepted."""
 
@@ -119,6 +135,8 @@ _BY_STATUS: dict[Status, type[HixlError]] = {
     Status.ALREADY_CONNECTED: AlreadyConnected,
     Status.UNSUPPORTED: Unsupported,
     Status.RESOURCE_EXHAUSTED: ResourceExhausted,
+    Status.AUTH_FAILED: AuthenticationFailed,
+    Status.ACCESS_DENIED: AccessDenied,
     Status.FAILED: TransferError,
 }
 

@@ -73,6 +73,47 @@ class IovCursor:
         ptrs = [int(w.ctypes.data) + i * _IOVEC_BYTES for w in self._work]
         return ptrs, count, end - self.done
 
+    def vector_call(self, call: object, fd: int, limit: int) -> int:
+        """One ``readv``/``writev`` (``call``) on ``fd`` over at most ``limit`` pending bytes.
+
+        Returns the bytes moved, 0 if the socket was not ready; ``ConnectionError`` at
+        end of stream (a read of 0), ``OSError`` on errors.
+        """
+        ptrs, count, nbytes = self.window()
+        trimmed = -1
+        if nbytes > limit:
+            # The kernel takes a count of iovecs, not bytes: shorten the last one for this call.
+            i = self._index
+            count = int(np.searchsorted(self._ends[i : i + count], self.done + limit, side="left")) + 1
+            trimmed = i + count - 1
+            saved = int(self._work[0][trimmed, 1])
+            self._work[0][trimmed, 1] = saved - (int(self._ends[trimmed]) - (self.done + limit))
+        try:
+            moved = call(fd, ptrs[0], count)  # type: ignore[operator]
+            err = ctypes.get_errno()
+        finally:
+            if trimmed >= 0:
+                self._work[0][trimmed, 1] = saved
+        if moved > 0:
+            self.advance(moved)
+            return int(moved)
+        if moved == 0:
+            raise ConnectionError("peer closed the connection")
+        if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+            return 0
+        raise OSError(err, os.strerror(err))
+
+    def copy_in(self, data: bytes) -> None:
+        """Copy ``data`` (bytes already received) into the pending memory and advance past it."""
+        base = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+        offset = 0
+        while offset < len(data):
+            addr, room = (int(v) for v in self._work[0][self._index])
+            n = min(room, len(data) - offset)
+            ctypes.memmove(addr, base + offset, n)
+            offset += n
+            self.advance(n)
+
     def advance(self, nbytes: int) -> None:
         """Record that the kernel moved ``nbytes`` more bytes."""
         self.done += nbytes
@@ -86,6 +127,19 @@ class IovCursor:
         for orig, work in zip(self._orig, self._work):
             work[i, 0] = int(orig[i, 0]) + skip
             work[i, 1] = int(orig[i, 1]) - skip
+
+
+def readv(fd: int, cursor: IovCursor, limit: int) -> int:
+    """One non-blocking ``readv`` of at most ``limit`` bytes into ``cursor``; 0 if none were ready.
+
+    Raises ``ConnectionError`` at end of stream and ``OSError`` on errors.
+    """
+    return cursor.vector_call(_readv, fd, limit)
+
+
+def writev(fd: int, cursor: IovCursor, limit: int) -> int:
+    """One non-blocking ``writev`` of at most ``limit`` bytes from ``cursor``; 0 if the socket is full."""
+    return cursor.vector_call(_writev, fd, limit)
 
 
 def _wait_ready(fd: int, events: int, timeout: float | None) -> bool:

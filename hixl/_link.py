@@ -1,13 +1,24 @@
-"""The initiator's end of a connection: one TCP control socket per peer.
+"""The initiator's end of a connection: one authenticated socket per peer.
 
-Theory of operation. ``connect`` opens a socket, sends HELLO and gets WELCOME
-(the peer's identity, what its transports advertise, and its registered
-regions). From then on a *reader thread* owns the receiving half: it applies
-REGIONS updates, hands replies to the :class:`Pending` entry registered under
-their ``req_id``, and lets a READ reply's data flow from the socket straight
-into local memory. Senders share the sending half (:class:`FramedSocket`).
+Theory of operation. ``connect`` runs the handshake (see
+:mod:`hixl._protocol.connection`); from then on the link owns the socket's
+:class:`~hixl._wire.Wire`. Replies reach the :class:`Pending` entry registered
+under their ``req_id``; a READ reply's data flows from the socket straight into
+local memory.
 
-When the peer dies its socket closes and the reader notices at once; a peer
+Who reads the socket? Whoever needs to, one at a time (``wire.read_lock``):
+
+- A synchronous caller with nothing else in flight takes the read role itself:
+  it sends its request and reads the reply on its own thread — no hand-off to
+  another thread, which is what makes a small ``transfer_sync`` cost about one
+  network round trip.
+- Otherwise the link's *reader thread* reads. It sleeps in ``epoll`` with the
+  socket armed one-shot; a caller holding the read role disarms it first, so
+  the reader is not even woken by replies the caller reads, and re-arms it
+  when done (after releasing the role, so nothing that arrived meanwhile is
+  missed: re-arming a readable socket fires at once).
+
+When the peer dies its socket closes and whoever reads notices at once; a peer
 that hangs is caught by heartbeats. Either way the link turns BROKEN, every
 pending request fails with :class:`PeerDisconnected`, and later calls fail
 immediately instead of hanging.
@@ -18,6 +29,8 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import os
+import select
 import threading
 import time
 from typing import Any
@@ -25,11 +38,23 @@ from typing import Any
 import numpy as np
 
 from . import _protocol as proto
-from ._exceptions import HixlError, PeerDisconnected, ProtocolError, TransferTimeout, error_for_status
-from ._framed import FramedSocket
-from ._memory import RegionTable
+from ._exceptions import (
+    HixlError,
+    HixlTimeout,
+    PeerDisconnected,
+    ProtocolError,
+    TransferTimeout,
+    error_for_status,
+)
+from ._memory import RemoteRegions
+from ._protocol.connection import ConnectionClosed
+from ._wire import Wire
+
+__all__ = ["LinkState", "Pending", "PeerLink", "handshake"]
 
 log = logging.getLogger("hixl")
+
+_ARMED = select.EPOLLIN | select.EPOLLONESHOT
 
 
 class LinkState(enum.Enum):
@@ -43,11 +68,13 @@ class LinkState(enum.Enum):
 class Pending:
     """Something waiting for the reply with a given ``req_id``; subclasses override."""
 
+    done = False
+
     def on_reply(self, message: proto.Message) -> None:
-        """Called on the reader thread with the reply frame."""
+        """Called by the reading thread with the reply frame."""
 
     def on_data(self, link: PeerLink, nbytes: int) -> None:
-        """Called on the reader thread when ``nbytes`` of data for this request follow."""
+        """Called by the reading thread when ``nbytes`` of data for this request follow."""
         raise ProtocolError("unexpected DATA frame")
 
     def on_failure(self, error: HixlError) -> None:
@@ -55,7 +82,7 @@ class Pending:
 
 
 class _Call(Pending):
-    """A synchronous request/reply (QUERY_REGIONS, NOTIFY)."""
+    """A synchronous request/reply (QUERY_REGIONS, QUERY_META, NOTIFY)."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -64,26 +91,32 @@ class _Call(Pending):
 
     def on_reply(self, message: proto.Message) -> None:
         self.reply = message
+        self.done = True
         self.event.set()
 
     def on_failure(self, error: HixlError) -> None:
         self.error = error
+        self.done = True
         self.event.set()
 
 
 class PeerLink:
-    """A live connection to one remote engine (see the module docstring)."""
+    """A live, authenticated connection to one remote engine (see the module docstring)."""
 
-    def __init__(self, remote_engine: str, framed: FramedSocket, welcome: dict[str, Any]) -> None:
+    def __init__(self, remote_engine: str, wire: Wire) -> None:
         self.remote_engine = remote_engine
-        self.framed = framed
-        self.welcome = welcome
+        self.wire = wire
+        self.welcome = wire.conn.peer_info
         self.state = LinkState.CONNECTED
-        self.table = RegionTable(tuple(map(tuple, welcome.get("regions", []))))
+        self.table = RemoteRegions.from_rows(self.welcome.get("regions", []))
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
         self._pending_lock = threading.Lock()
         self._closing = False
+        self._epoll = select.epoll()
+        self._wake_r, self._wake_w = os.pipe()
+        self._epoll.register(wire.fd, _ARMED)
+        self._epoll.register(self._wake_r, select.EPOLLIN)
         self._reader = threading.Thread(target=self._read_loop, name=f"hixl-link-{remote_engine}", daemon=True)
         self._reader.start()
 
@@ -94,9 +127,7 @@ class PeerLink:
     def ensure_alive(self) -> None:
         """Raise :class:`PeerDisconnected` unless the link is CONNECTED."""
         if self.state is not LinkState.CONNECTED:
-            raise PeerDisconnected(
-                f"link to {self.remote_engine} is {self.state.name}: {self.framed.dead_reason or 'closed'}"
-            )
+            raise PeerDisconnected(f"link to {self.remote_engine} is {self.state.name}: {self.wire.dead_reason or 'closed'}")
 
     def expect(self, req_id: int, pending: Pending) -> None:
         """Route the reply for ``req_id`` to ``pending``."""
@@ -109,17 +140,66 @@ class PeerLink:
         with self._pending_lock:
             self._pending.pop(req_id, None)
 
+    @property
+    def in_flight(self) -> int:
+        """Requests sent on this link and not yet answered."""
+        return len(self._pending)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def submit(
+        self,
+        message: proto.Message,
+        pending: Pending,
+        data: Any = None,
+        deadline: float | None = None,
+        read_reply: bool = False,
+    ) -> None:
+        """Send a request (and its bulk ``data``) whose reply goes to ``pending``.
+
+        With ``read_reply``, if this thread can take the read role (nothing else is
+        being read), it reads until ``pending`` is done or ``deadline`` passes;
+        otherwise the reply is left to whoever reads.
+        """
+        req_id = message.req_id
+        self.expect(req_id, pending)
+        if not read_reply or not self.wire.read_lock.acquire(blocking=False):
+            self._send(message, data, deadline, req_id)
+            return
+        try:
+            self._epoll.modify(self.wire.fd, 0)  # park the reader: replies are ours to read now
+            self._send(message, data, deadline, req_id)
+            try:
+                while not pending.done and self.state is LinkState.CONNECTED:
+                    self._dispatch(self.wire.next_event(deadline))
+            except TransferTimeout:
+                pass  # the request's own deadline reports it; the reader takes over the socket
+            except HixlError as exc:
+                self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
+        finally:
+            self.wire.read_lock.release()
+            self._rearm()
+
+    def _send(self, message: proto.Message, data: Any, deadline: float | None, req_id: int) -> None:
+        try:
+            self.wire.send(message, data, deadline)
+        except HixlError as exc:
+            self.forget(req_id)
+            with self.wire.conn_lock:
+                self.wire.conn.forget_request(req_id)
+            if self.wire.dead_reason:  # e.g. a send that ran out of time mid-frame
+                self._end(LinkState.BROKEN, self.wire.dead_reason)
+            raise exc
+
     def call(self, message: proto.Message, timeout: float) -> proto.Message:
         """Send a request and wait for its reply; an ERROR reply is raised as its error."""
         pending = _Call()
-        req_id = message.req_id
-        self.expect(req_id, pending)
+        deadline = time.monotonic() + timeout
         try:
-            self.framed.send(proto.encode(message), deadline=time.monotonic() + timeout)
-            if not pending.event.wait(timeout):
+            self.submit(message, pending, deadline=deadline, read_reply=True)
+            if not pending.event.wait(max(0.0, deadline - time.monotonic())):
                 raise TransferTimeout(f"{type(message).__name__} to {self.remote_engine}: no reply in {timeout} s")
         finally:
-            self.forget(req_id)
+            self.forget(message.req_id)
         if pending.error is not None:
             raise pending.error
         reply = pending.reply
@@ -133,67 +213,110 @@ class PeerLink:
         reply = self.call(proto.QueryRegions(self.next_id()), timeout)
         if not isinstance(reply, proto.Regions):
             raise ProtocolError(f"expected REGIONS, got {type(reply).__name__}")
-        self.table = RegionTable(map(tuple, reply.regions.tolist()))
+        self.table = RemoteRegions.from_rows(reply.regions)
 
-    def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float) -> None:
-        """Refuse descriptors outside the peer's regions, refreshing a stale view once.
+    def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float, write: bool = False) -> None:
+        """Refuse descriptors outside the peer's regions (or, for ``write``, its writable ones).
 
-        The refresh makes a registration that the peer made a moment ago usable
-        even if its REGIONS update is still on the wire.
+        A miss refreshes a stale view once first, so a registration the peer made a
+        moment ago is usable even if its REGIONS update is still on the wire.
         """
-        if len(self.table.outside(addrs, lens)):
+        if len(self.table.outside(addrs, lens, write)):
             self.refresh_regions(timeout)
-            self.table.check(addrs, lens, "remote")
+            self.table.check(addrs, lens, write)
 
+    # -- reading ----------------------------------------------------------------------------------
     def _read_loop(self) -> None:
         try:
-            while self._dispatch(self.framed.recv_frame()):
-                pass
+            while not self._closing:
+                events = self._epoll.poll(self.wire.interval)
+                if any(fd == self._wake_r for fd, _ in events):
+                    return
+                if not self.wire.read_lock.acquire(blocking=False):
+                    continue  # a caller reads; it re-arms the socket when it is done
+                try:
+                    if events:
+                        self._pump()
+                    else:
+                        self.wire.on_idle()
+                finally:
+                    self.wire.read_lock.release()
+                    if events:
+                        self._rearm()
         except HixlError as exc:
             self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
         except Exception as exc:  # a bug must still not strand waiters
             log.exception("hixl link reader crashed")
             self._end(LinkState.BROKEN, f"internal error: {exc!r}")
 
-    def _dispatch(self, message: proto.Message) -> bool:
+    def _pump(self) -> None:
+        """Handle every frame that is already readable (reader holds the read role)."""
+        while self.state is LinkState.CONNECTED:
+            event = self.wire.next_event(block=False)
+            if event is proto.NEED_DATA:
+                return
+            self._dispatch(event)
+
+    def _rearm(self) -> None:
+        try:
+            self._epoll.modify(self.wire.fd, _ARMED)
+        except (OSError, ValueError):
+            pass  # closed meanwhile
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, ConnectionClosed):
+            raise PeerDisconnected(f"{self.remote_engine} closed the connection")
         if isinstance(message, proto.Regions) and message.req_id == 0:
-            self.table = RegionTable(map(tuple, message.regions.tolist()))
-            return True
-        if isinstance(message, (proto.Ping, proto.Pong)):
-            return True
+            self.table = RemoteRegions.from_rows(message.regions)
+            return
+        if isinstance(message, proto.Ping):
+            self.wire.try_send(proto.Pong(message.req_id))
+            return
+        if isinstance(message, proto.Pong):
+            return
         if isinstance(message, proto.Bye):
             # An orderly goodbye: the link is unusable, but nothing went wrong.
             log.info("hixl: %s closed the link (%s)", self.remote_engine, message.reason or "no reason given")
             self._end(LinkState.BROKEN, f"peer closed the link ({message.reason or 'no reason given'})", quiet=True)
-            return False
-        if not isinstance(message, (proto.Data, proto.Ack, proto.Error, proto.Regions, proto.Meta)):
-            raise ProtocolError(f"unexpected {type(message).__name__} from the target")
+            return
+        if isinstance(message, proto.Error) and message.req_id == 0:
+            raise PeerDisconnected(f"{self.remote_engine} reported a fatal error: {message.message}")
         with self._pending_lock:
             pending = self._pending.pop(message.req_id, None)
         if isinstance(message, proto.Data):
             if pending is None:
-                self.framed.drain(message.data_len)
-            else:
-                try:
-                    pending.on_data(self, message.data_len)
-                except HixlError as exc:
-                    # Popped already, so _end() would not reach it: fail it here,
-                    # or a link dying mid-data strands its request WAITING.
-                    pending.on_failure(exc)
-                    raise
+                self.wire.drain()
+                return
+            try:
+                pending.on_data(self, message.data_len)
+            except HixlError as exc:
+                # Popped already, so _end() would not reach it: fail it here,
+                # or a link dying mid-data strands its request WAITING.
+                pending.on_failure(exc)
+                raise
         elif pending is not None:
             pending.on_reply(message)
-        return True
 
+    # -- ending -----------------------------------------------------------------------------------
     def close(self, timeout: float = 1.0) -> None:
         """Say BYE, close the socket and join the reader; idempotent."""
         self._closing = True  # the peer's reaction to BYE is not a failure
         if self.state is LinkState.CONNECTED:
-            self.framed.try_send(proto.encode(proto.Bye(0, "disconnect")))
+            self.wire.try_send(proto.Bye(0, "disconnect"))
         self._end(LinkState.CLOSED, "disconnected")
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
         if threading.current_thread() is not self._reader:
             self._reader.join(timeout)
-        self.framed.close()
+        self.wire.close()
+        self._epoll.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _end(self, state: LinkState, reason: str, quiet: bool = False) -> None:
         with self._pending_lock:
@@ -201,7 +324,7 @@ class PeerLink:
                 return
             self.state = state
             pending, self._pending = self._pending, {}
-        self.framed.mark_dead(reason)
+        self.wire.mark_dead(reason)
         if state is LinkState.BROKEN and not quiet:
             log.warning("hixl: link to %s broken: %s", self.remote_engine, reason)
         error = PeerDisconnected(f"link to {self.remote_engine} {state.name.lower()}: {reason}")
@@ -209,7 +332,32 @@ class PeerLink:
             entry.on_failure(error)
 
     def __repr__(self) -> str:
-        return (
-            f"<PeerLink {self.remote_engine} {self.state.name} "
-            f"regions={len(self.table)} pending={len(self._pending)}>"
-        )
+        return f"<PeerLink {self.remote_engine} {self.state.name} regions={len(self.table)} pending={len(self._pending)}>"
+
+
+def handshake(wire: Wire, info: dict[str, Any], deadline: float) -> None:
+    """Initiator side of the handshake on a fresh ``wire``; raises on refusal or timeout.
+
+    :class:`AuthenticationFailed` if either proof fails, :class:`HixlTimeout` past
+    ``deadline``, :class:`ProtocolError` for a peer that is not a compatible hixl engine.
+    """
+    try:
+        wire.send_raw(wire.conn.initiate(), deadline)
+        _expect(wire, proto.Challenge, deadline)
+        with wire.conn_lock:
+            frame = wire.conn.authenticate(info)
+        wire.send_raw(frame, deadline)
+        _expect(wire, proto.Welcome, deadline)
+    except TransferTimeout as exc:
+        raise HixlTimeout(f"{wire.peer} did not complete the handshake in time") from exc
+
+
+def _expect(wire: Wire, kind: type, deadline: float) -> None:
+    event = wire.next_event(deadline)
+    if isinstance(event, proto.Error):
+        raise error_for_status(event.status, f"{wire.peer} refused the connection: {event.message}")
+    if isinstance(event, ConnectionClosed):
+        raise PeerDisconnected(f"{wire.peer} closed the connection during the handshake")
+    if not isinstance(event, kind):  # pragma: no cover - the connection's state table refuses it first
+        raise ProtocolError(f"{wire.peer} answered with {type(event).__name__}")
+

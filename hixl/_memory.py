@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._exceptions import MemoryRangeError, ParamInvalid, ResourceExhausted
+from ._exceptions import AccessDenied, MemoryRangeError, ParamInvalid, ProtocolError, ResourceExhausted
 from ._types import MemDesc, MemHandle, MemType, TransferOpDesc
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "Region",
     "RegionTable",
     "Registry",
+    "RemoteRegions",
     "as_desc_array",
     "buffer_range",
     "empty",
@@ -32,10 +33,15 @@ __all__ = [
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
-# A registered range is writable by every connected peer (one-sided WRITE); writing
+# A range registered "rw" is writable by every connected peer (one-sided WRITE); writing
 # into an immutable object (bytes, a read-only array) would corrupt the process.
-_READ_ONLY = "cannot register a read-only buffer: connected peers may WRITE into registered memory"
+_READ_ONLY = (
+    "cannot register a read-only buffer for writing: peers may WRITE into memory registered "
+    "with access='rw'; register it with access='r'"
+)
+ACCESS_MODES = ("rw", "r")
 _U64_MAX = (1 << 64) - 1
+_WRITABLE = np.uint64(1)
 
 
 def empty(shape: int | Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
@@ -55,12 +61,13 @@ def empty(shape: int | Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
     return np.frombuffer(mapping, dtype=np.uint8, count=nbytes).view(dt).reshape(dims)
 
 
-def buffer_range(buf: Any, mem_type: MemType = MemType.HOST) -> tuple[int, int, Any]:
+def buffer_range(buf: Any, mem_type: MemType = MemType.HOST, writable: bool = True) -> tuple[int, int, Any]:
     """Return ``(address, nbytes, keepalive)`` for anything hixl can register.
 
     Accepts numpy arrays, torch tensors (duck-typed, so torch stays optional),
     objects with the buffer protocol (bytearray, memoryview, mmap) and
     :class:`MemDesc`. ``keepalive`` must be held while the range is registered.
+    With ``writable``, read-only buffers are refused.
     """
     if isinstance(buf, MemDesc):
         addr, nbytes = int(buf.addr), int(buf.len)
@@ -74,7 +81,7 @@ def buffer_range(buf: Any, mem_type: MemType = MemType.HOST) -> tuple[int, int, 
             raise ParamInvalid("numpy array must be C-contiguous to be registered")
         if buf.nbytes == 0:
             raise ParamInvalid("cannot register an empty array")
-        if not buf.flags.writeable:
+        if writable and not buf.flags.writeable:
             raise ParamInvalid(_READ_ONLY)
         return int(buf.ctypes.data), int(buf.nbytes), buf
     try:
@@ -83,7 +90,7 @@ def buffer_range(buf: Any, mem_type: MemType = MemType.HOST) -> tuple[int, int, 
         raise ParamInvalid(f"cannot register object of type {type(buf).__name__}: {exc}") from exc
     if view.size == 0:
         raise ParamInvalid("cannot register an empty buffer")
-    if not view.flags.writeable:
+    if writable and not view.flags.writeable:
         raise ParamInvalid(_READ_ONLY)
     return int(view.ctypes.data), int(view.nbytes), view
 
@@ -166,6 +173,59 @@ class RegionTable:
             )
 
 
+class RemoteRegions:
+    """Registered ranges with their access rights: which may be read, which also written.
+
+    Used for a peer's regions (as its REGIONS frames list them) and for this
+    engine's own. ``rows`` is the ``(N, 3)`` uint64 array ``(addr, len, flags)``.
+    """
+
+    __slots__ = ("readable", "rows", "writable")
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self.readable = RegionTable(rows[:, :2].tolist())
+        self.writable = RegionTable(rows[rows[:, 2] & _WRITABLE != 0][:, :2].tolist())
+
+    @classmethod
+    def from_rows(cls, rows: Any) -> RemoteRegions:
+        """From an ``(N, 3)`` array or a list of ``[addr, len, flags]`` (as in WELCOME)."""
+        try:
+            array = np.array(rows, dtype=np.uint64).reshape(-1, 3)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ProtocolError(f"malformed region list: {exc}") from None
+        return cls(array)
+
+    @property
+    def regions(self) -> tuple[MemDesc, ...]:
+        """Every region, in the order the owner listed them."""
+        return self.readable.regions
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def contains(self, addr: int, nbytes: int, write: bool) -> bool:
+        """Whether ``[addr, addr+nbytes)`` may be read (or, with ``write``, written)."""
+        return (self.writable if write else self.readable).contains(addr, nbytes)
+
+    def outside(self, addrs: np.ndarray, lens: np.ndarray, write: bool = False) -> np.ndarray:
+        """Indices of ranges that may not be read (or, with ``write``, written)."""
+        return (self.writable if write else self.readable).outside(addrs, lens)
+
+    def check(self, addrs: np.ndarray, lens: np.ndarray, write: bool = False, what: str = "remote") -> None:
+        """Raise :class:`MemoryRangeError` for a range outside every region, and
+        :class:`AccessDenied` for one that would write into a read-only region."""
+        self.readable.check(addrs, lens, what)
+        if write:
+            bad = self.writable.outside(addrs, lens)
+            if len(bad):
+                i = int(bad[0])
+                raise AccessDenied(
+                    f"{what} range [{int(addrs[i]):#x}, +{int(lens[i])}) of descriptor {i} lies in memory "
+                    f"registered read-only (access='r'); it may be read, not written"
+                )
+
+
 class Registry:
     """This engine's registrations; thread-safe, notifies listeners on every change."""
 
@@ -175,23 +235,28 @@ class Registry:
         self._keepalive: dict[int, Any] = {}
         self._next_id = 1
         self._max = max_registrations
-        self.table = RegionTable(())
+        self.table = RemoteRegions(np.empty((0, 3), dtype=np.uint64))
+        """Every registration with its access; replaced (never mutated) on each change."""
         self.listeners: list[Any] = []
 
-    def register(self, buf: Any, mem_type: MemType = MemType.HOST) -> MemHandle:
-        """Register ``buf``; the same range and type give back the same handle."""
+    def register(self, buf: Any, mem_type: MemType = MemType.HOST, access: str = "rw") -> MemHandle:
+        """Register ``buf``; the same range, type and access give back the same handle."""
         if not isinstance(mem_type, MemType):
             raise ParamInvalid(f"mem_type must be a MemType, not {mem_type!r}")
         if mem_type is not MemType.HOST:
             raise ParamInvalid(f"{mem_type.name} memory needs a device transport; none is installed")
-        addr, nbytes, keepalive = buffer_range(buf, mem_type)
+        if access not in ACCESS_MODES:
+            raise ParamInvalid(f"access must be 'rw' (peers may read and write) or 'r' (read only), not {access!r}")
+        addr, nbytes, keepalive = buffer_range(buf, mem_type, writable=access == "rw")
         key = (addr, nbytes, mem_type)
         with self._lock:
             handle = self._by_range.get(key)
+            if handle is not None and handle.access != access:
+                raise ParamInvalid(f"{handle!r} is registered already with access={handle.access!r}")
             if handle is None:
                 if len(self._by_range) >= self._max:
                     raise ResourceExhausted(f"at most {self._max} registrations per engine")
-                handle = MemHandle(self._next_id, addr, nbytes, mem_type)
+                handle = MemHandle(self._next_id, addr, nbytes, mem_type, access)
                 self._next_id += 1
                 self._by_range[key] = handle
                 self._keepalive[handle.id] = keepalive
@@ -215,12 +280,12 @@ class Registry:
             self._keepalive.clear()
             self._rebuild()
 
-    def regions(self) -> list[tuple[int, int]]:
-        """Every registered ``(addr, len)``."""
-        return [(h.addr, h.len) for h in self._by_range.values()]
+    def regions(self) -> list[tuple[int, int, int]]:
+        """Every registered ``(addr, len, flags)`` (flags: :data:`~hixl._protocol.REGION_WRITABLE`)."""
+        return [(h.addr, h.len, int(h.access == "rw")) for h in self._by_range.values()]
 
     def _rebuild(self) -> None:
-        self.table = RegionTable(self.regions())
+        self.table = RemoteRegions(np.array(self.regions(), dtype=np.uint64).reshape(-1, 3))
         for listener in list(self.listeners):
             listener(self.table)
 

@@ -1,34 +1,62 @@
-"""The target's side: a listener and one I/O thread per accepted connection.
+"""The target's side: a listener, limits, and one I/O thread per authenticated connection.
 
-Each :class:`_ServedConnection` answers HELLO with WELCOME, then serves frames
-in arrival order: READ (``writev`` from registered memory), WRITE (``readv``
-into it), NOTIFY (queued for ``get_notifies``), QUERY_REGIONS, PING. Because a
-connection is served strictly in order, a notification sent after a transfer
-is seen after that transfer's data. Every descriptor is checked against this
-engine's registrations before a byte moves; a bad request gets an ERROR reply
-and the connection stays usable. A malformed frame ends only that connection.
+Every accepted socket is checked against the allow-list of peer networks and
+the connection limits (total, and per peer address) before anything else; a
+refusal is one ERROR frame, then close. The handshake (see
+:mod:`hixl._protocol.connection`) must finish within one deadline counted from
+``accept``; a peer that fails the shared-secret proof is refused and logged,
+and learns nothing about this engine. Then each :class:`_ServedConnection`
+serves frames in arrival order: the data frames (READ, WRITE) go to the
+transport that declares it serves them; NOTIFY, QUERY_REGIONS, QUERY_META and
+PING are answered here. Because a connection is served strictly in order, a
+notification sent after a transfer is seen after that transfer's data. A bad
+request gets an ERROR reply and the connection stays usable; a malformed frame,
+or a frame that does not complete within ``frame_timeout``, ends only that
+connection. The accept loop survives running out of file descriptors: it
+logs, backs off and keeps accepting.
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import logging
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from . import _protocol as proto
-from ._exceptions import HixlError, ProtocolError, ResourceExhausted
-from ._framed import FramedSocket
-from ._memory import Registry, RegionTable
+from ._exceptions import AuthenticationFailed, HixlError, ProtocolError, ResourceExhausted, TransferTimeout
+from ._memory import Registry, RemoteRegions
+from ._protocol.auth import Secret
+from ._protocol.connection import Connection, ConnectionClosed, Role
 from ._types import NotifyDesc, Status
-from ._iov import IovCursor, iovecs
+from ._wire import Wire
 from .transports.base import Transport
 
+__all__ = ["ServerLimits", "TargetServer"]
+
 log = logging.getLogger("hixl")
+
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What a target accepts; each field is an engine option (see ``DEFAULT_OPTIONS``)."""
+
+    heartbeat_interval: float
+    heartbeat_misses: int
+    handshake_timeout: float
+    frame_timeout: float
+    request_time_cap: float
+    max_connections: int
+    max_connections_per_peer: int
+    allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
 
 
 class TargetServer:
@@ -41,17 +69,21 @@ class TargetServer:
         registry: Registry,
         on_notify: Callable[[NotifyDesc], None],
         transports: Sequence[Transport],
-        heartbeat: tuple[float, int],
-        handshake_timeout: float,
-        engine_id: str,
+        limits: ServerLimits,
+        secret: Secret | None,
+        identity: dict[str, Any],
     ) -> None:
-        self.engine_id = engine_id
+        self.identity = identity
         self.metadata: dict[str, bytes] = {}
         self.registry = registry
         self.on_notify = on_notify
         self.transports = transports
-        self.heartbeat = heartbeat
-        self.handshake_timeout = handshake_timeout
+        self.limits = limits
+        self.secret = secret
+        self.servers_of: dict[proto.FrameType, Transport] = {}
+        for transport in transports:
+            for kind in transport.capabilities.serves:
+                self.servers_of.setdefault(kind, transport)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -65,45 +97,88 @@ class TargetServer:
         self.address = f"[{host}]:{bound_port}" if family == socket.AF_INET6 else f"{host}:{bound_port}"
         self._lock = threading.Lock()
         self._connections: set[_ServedConnection] = set()
+        self._per_peer: Counter[str] = Counter()
         self._closed = False
         registry.listeners.append(self._push_regions)
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"hixl-accept-{self.address}", daemon=True)
         self._acceptor.start()
 
-    def welcome_info(self) -> dict[str, Any]:
-        """What a new initiator learns about this engine."""
-        return {
-            "engine": self.address,
-            "engine_id": self.engine_id,
-            "version": proto.frames.VERSION,
-            "regions": self.registry.regions(),
-            "transports": {t.capabilities.name: t.advertise() for t in self.transports},
-        }
+    @property
+    def connection_count(self) -> int:
+        """Connections being served right now (handshakes included)."""
+        return len(self._connections)
 
     def _accept_loop(self) -> None:
+        backoff = 0.05
         while True:
             try:
                 sock, peer = self._listener.accept()
-            except OSError:
-                return  # the listener was shut down by close()
-            with self._lock:
+            except OSError as exc:
                 if self._closed:
-                    sock.close()
-                    return
-                conn = _ServedConnection(self, sock, f"{peer[0]}:{peer[1]}")
+                    return  # the listener was shut down by close()
+                if exc.errno in _OUT_OF_RESOURCES:
+                    log.warning("hixl: %s cannot accept (%s); retrying in %.2f s", self.address, exc.strerror, backoff)
+                    time.sleep(backoff)
+                    backoff = min(1.0, backoff * 2)
+                    continue
+                log.warning("hixl: %s: accept failed: %s", self.address, exc)
+                time.sleep(backoff)
+                continue
+            backoff = 0.05
+            self._admit(sock, peer[0], f"{peer[0]}:{peer[1]}")
+
+    def _admit(self, sock: socket.socket, host: str, name: str) -> None:
+        reason = self._refusal(host)
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            if reason is None:
+                conn = _ServedConnection(self, sock, host, name)
                 self._connections.add(conn)
-            conn.thread.start()
+                self._per_peer[host] += 1
+        if reason is not None:
+            log.warning("hixl: %s refused a connection from %s: %s", self.address, name, reason)
+            _refuse_now(sock, Status.RESOURCE_EXHAUSTED if "limit" in reason else Status.AUTH_FAILED, reason)
+            return
+        conn.thread.start()
+
+    def _refusal(self, host: str) -> str | None:
+        networks = self.limits.allowed_networks
+        if networks:
+            address = ipaddress.ip_address(host.split("%")[0])
+            if not any(address in net for net in networks):
+                return f"{host} is not in allowed_networks"
+        with self._lock:
+            if len(self._connections) >= self.limits.max_connections:
+                return f"max_connections limit ({self.limits.max_connections}) reached"
+            if self._per_peer[host] >= self.limits.max_connections_per_peer:
+                return f"max_connections_per_peer limit ({self.limits.max_connections_per_peer}) reached for {host}"
+        return None
 
     def forget(self, conn: _ServedConnection) -> None:
         """Called by a connection thread when it ends."""
         with self._lock:
-            self._connections.discard(conn)
+            if conn in self._connections:
+                self._connections.discard(conn)
+                self._per_peer[conn.host] -= 1
+                if not self._per_peer[conn.host]:
+                    del self._per_peer[conn.host]
 
-    def _push_regions(self, table: RegionTable) -> None:
+    def _push_regions(self, table: RemoteRegions) -> None:
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
             conn.push_regions(table)
+
+    def welcome_info(self, session: _ServedConnection) -> dict[str, Any]:
+        """What an authenticated initiator learns about this engine."""
+        return {
+            **self.identity,
+            "engine": self.address,
+            "regions": self.registry.table.rows.tolist(),
+            "transports": {t.capabilities.name: t.advertise(session) for t in self.transports},
+        }
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop accepting, end every connection and join every thread; idempotent."""
@@ -120,112 +195,144 @@ class TargetServer:
         self._listener.close()
         self._acceptor.join(timeout)
         for conn in connections:
-            conn.framed.try_send(proto.encode(proto.Bye(0, "target finalized")))
-            conn.framed.mark_dead("target finalized")
+            conn.wire.try_send(proto.Bye(0, "target finalized"))
+            conn.wire.mark_dead("target finalized")
         for conn in connections:
             conn.thread.join(timeout)
 
 
-class _ServedConnection:
-    """One initiator's connection, served on its own thread."""
+def _refuse_now(sock: socket.socket, status: int, reason: str) -> None:
+    """Refuse a connection before its handshake: one ERROR frame, then close."""
+    try:
+        sock.setblocking(False)
+        sock.send(Connection(Role.TARGET).refuse(status, reason))
+    except OSError:
+        pass
+    sock.close()
 
-    def __init__(self, server: TargetServer, sock: socket.socket, peer: str) -> None:
+
+class _ServedConnection:
+    """One initiator's connection, served on its own thread (a :class:`ServedSession`)."""
+
+    def __init__(self, server: TargetServer, sock: socket.socket, host: str, peer: str) -> None:
         self.server = server
-        interval, misses = server.heartbeat
+        self.host = host
+        self.accepted_at = time.monotonic()
+        limits = server.limits
+        self.conn = Connection(Role.TARGET, server.secret)
         # Initiators ping every ``interval`` when idle; allow twice their patience.
-        self.framed = FramedSocket(sock, peer, interval, misses * 2)
+        self.wire = Wire(sock, self.conn, peer, limits.heartbeat_interval, limits.heartbeat_misses * 2)
+        self.keepalive: list[Any] = []
         self.thread = threading.Thread(target=self._run, name=f"hixl-serve-{peer}", daemon=True)
         self._regions_dirty = False
 
-    def push_regions(self, table: RegionTable) -> None:
+    # -- the ServedSession protocol ----------------------------------------------------------------
+    def regions(self) -> RemoteRegions:
+        """This engine's registrations as of now."""
+        return self.server.registry.table
+
+    def expired(self, deadline_us: int) -> bool:
+        """Whether a carried deadline (our clock, microseconds; 0: none) has passed."""
+        return bool(deadline_us) and time.monotonic() * 1e6 >= deadline_us
+
+    def local_deadline(self, deadline_us: int) -> float:
+        """A carried deadline in ``time.monotonic()`` seconds, capped by ``request_time_cap``."""
+        cap = time.monotonic() + self.server.limits.request_time_cap
+        return min(cap, deadline_us / 1e6) if deadline_us else cap
+
+    # -- serving ----------------------------------------------------------------------------------
+    def push_regions(self, table: RemoteRegions) -> None:
         """Tell the initiator about changed registrations, without waiting on a busy socket."""
-        frame = proto.encode(proto.Regions(np.array(table.regions, dtype=np.uint64).reshape(-1, 2)))
-        if not self.framed.try_send(frame):
+        if self.conn.state is not proto.ConnState.OPEN or not self.wire.try_send(proto.Regions(table.rows)):
             self._regions_dirty = True  # sent by the serving thread after its current reply
 
     def _run(self) -> None:
+        wire = self.wire
         try:
-            self._handshake()
-            while self._serve(self.framed.recv_frame()):
+            if not self._handshake():
+                return
+            frame_timeout = self.server.limits.frame_timeout
+            while self._serve(wire.next_event(frame_timeout=frame_timeout)):
                 if self._regions_dirty:
                     self._regions_dirty = False
                     self.push_regions(self.server.registry.table)
         except ProtocolError as exc:
-            log.warning("hixl: dropping connection from %s: %s", self.framed.peer, exc)
-            self.framed.try_send(proto.encode(proto.Error(0, Status.FAILED, f"protocol error: {exc}")))
+            log.warning("hixl: dropping connection from %s: %s", wire.peer, exc)
+            _send_fatal(wire, Status.FAILED, f"protocol error: {exc}")
+        except TransferTimeout as exc:
+            log.warning("hixl: dropping connection from %s: %s", wire.peer, exc)
         except HixlError:
             pass  # the peer went away; nothing to tell anyone
         except Exception:
-            log.exception("hixl: serving %s crashed", self.framed.peer)
+            log.exception("hixl: serving %s crashed", wire.peer)
         finally:
-            self.framed.close()
+            wire.close()
             self.server.forget(self)
 
-    def _handshake(self) -> None:
-        self.framed.sock.settimeout(self.server.handshake_timeout)
+    def _handshake(self) -> bool:
+        """Run the target's side of the handshake; False if the peer was refused."""
+        wire, conn = self.wire, self.conn
+        deadline = self.accepted_at + self.server.limits.handshake_timeout
         try:
-            # A client that connects but never says HELLO is dropped (HixlTimeout) after this.
-            hello = self.framed.recv_frame(time.monotonic() + self.server.handshake_timeout)
-        finally:
-            self.framed.sock.settimeout(self.framed.interval)
-        if not isinstance(hello, proto.Hello):
-            raise ProtocolError(f"expected HELLO, got {type(hello).__name__}")
-        self.framed.send(proto.encode(proto.Welcome(self.server.welcome_info(), hello.req_id)))
-
-    def _serve(self, message: proto.Message) -> bool:
-        if isinstance(message, proto.ReadRequest):
-            self._serve_read(message)
-        elif isinstance(message, proto.WriteRequest):
-            self._serve_write(message)
-        elif isinstance(message, proto.Notify):
-            self._serve_notify(message)
-        elif isinstance(message, proto.QueryRegions):
-            table = self.server.registry.table
-            regions = np.array(table.regions, dtype=np.uint64).reshape(-1, 2)
-            self.framed.send(proto.encode(proto.Regions(regions, message.req_id)))
-        elif isinstance(message, proto.QueryMeta):
-            value = self.server.metadata.get(message.key)
-            if value is None:
-                reply: proto.Message = proto.Error(message.req_id, Status.PARAM_INVALID, f"no metadata {message.key!r}")
-            else:
-                reply = proto.Meta(message.req_id, value)
-            self.framed.send(proto.encode(reply))
-        elif isinstance(message, proto.Ping):
-            self.framed.send(proto.encode(proto.Pong(message.req_id)))
-        elif isinstance(message, proto.Bye):
+            if not isinstance(wire.next_event(deadline), proto.Hello):
+                return False
+            wire.send_raw(conn.challenge(), deadline)
+            try:
+                if not isinstance(wire.next_event(deadline), proto.Auth):
+                    return False  # it hung up: it did not accept our proof
+            except AuthenticationFailed as exc:
+                log.warning("hixl: refused %s: %s", wire.peer, exc)
+                _send_fatal(wire, Status.AUTH_FAILED, "authentication failed")
+                return False
+            with wire.conn_lock:
+                frame = conn.welcome(self.server.welcome_info(self))
+            wire.send_raw(frame, deadline)
+        except TransferTimeout:
+            log.warning("hixl: dropped %s: no complete handshake within %.1f s", wire.peer, self.server.limits.handshake_timeout)
             return False
-        elif not isinstance(message, proto.Pong):
-            raise ProtocolError(f"unexpected {type(message).__name__} from an initiator")
+        except ProtocolError as exc:
+            log.warning("hixl: refused %s: %s", wire.peer, exc)
+            _send_fatal(wire, Status.UNSUPPORTED if "version" in str(exc) else Status.FAILED, str(exc))
+            return False
         return True
 
-    def _refusal(self, descs: np.ndarray) -> str | None:
-        bad = self.server.registry.table.outside(descs[:, 0], descs[:, 1])
-        if len(bad) == 0:
-            return None
-        i = int(bad[0])
-        return f"range [{int(descs[i, 0]):#x}, +{int(descs[i, 1])}) is not registered here"
-
-    def _serve_read(self, message: proto.ReadRequest) -> None:
-        refusal = self._refusal(message.descs)
-        if refusal:
-            self.framed.send(proto.encode(proto.Error(message.req_id, Status.PARAM_INVALID, refusal)))
-            return
-        data = IovCursor(iovecs(message.descs[:, 0], message.descs[:, 1]))
-        self.framed.send(proto.encode(proto.Data(message.req_id, data.total)), data=data)
-
-    def _serve_write(self, message: proto.WriteRequest) -> None:
-        refusal = self._refusal(message.descs)
-        if refusal:
-            self.framed.drain(message.data_len)  # keep the stream in step
-            self.framed.send(proto.encode(proto.Error(message.req_id, Status.PARAM_INVALID, refusal)))
-            return
-        self.framed.move(IovCursor(iovecs(message.descs[:, 0], message.descs[:, 1])), write=False)
-        self.framed.send(proto.encode(proto.Ack(message.req_id)))
+    def _serve(self, message: Any) -> bool:
+        wire = self.wire
+        kind = proto.kind_of(message) if not isinstance(message, ConnectionClosed) else None
+        if kind is None or kind is proto.FrameType.BYE:
+            return False
+        transport = self.server.servers_of.get(kind)
+        if transport is not None:
+            transport.serve(self, message)
+        elif kind in (proto.FrameType.READ, proto.FrameType.WRITE):
+            wire.drain()
+            wire.send(proto.Error(message.req_id, Status.UNSUPPORTED, f"this engine serves no {kind.name}"))
+        elif kind is proto.FrameType.NOTIFY:
+            self._serve_notify(message)
+        elif kind is proto.FrameType.QUERY_REGIONS:
+            wire.send(proto.Regions(self.server.registry.table.rows, message.req_id))
+        elif kind is proto.FrameType.QUERY_META:
+            value = self.server.metadata.get(message.key)
+            if value is None:
+                wire.send(proto.Error(message.req_id, Status.PARAM_INVALID, f"no metadata {message.key!r}"))
+            else:
+                wire.send(proto.Meta(message.req_id, value))
+        elif kind is proto.FrameType.PING:
+            wire.send(proto.Pong(message.req_id, time.monotonic()))
+        return True
 
     def _serve_notify(self, message: proto.Notify) -> None:
         try:
             self.server.on_notify(NotifyDesc(message.name, message.msg))
         except ResourceExhausted as exc:
-            self.framed.send(proto.encode(proto.Error(message.req_id, exc.status, str(exc))))
+            self.wire.send(proto.Error(message.req_id, exc.status, str(exc)))
             return
-        self.framed.send(proto.encode(proto.Ack(message.req_id)))
+        self.wire.send(proto.Ack(message.req_id))
+
+
+def _send_fatal(wire: Wire, status: int, message: str) -> None:
+    """A last ERROR (request id 0) before the connection closes; best effort."""
+    try:
+        wire.send_raw(proto.encode(proto.Error(0, status, message)))
+    except (HixlError, OSError):
+        pass

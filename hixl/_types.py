@@ -34,6 +34,8 @@ class Status(enum.IntEnum):
     UNSUPPORTED = 5
     RESOURCE_EXHAUSTED = 6
     FAILED = 7
+    AUTH_FAILED = 8
+    ACCESS_DENIED = 9
 
 
 class Op(enum.IntEnum):
@@ -97,3 +99,5 @@ class MemHandle:
     addr: int
     len: int
     mem_type: MemType = MemType.HOST
+    access: str = "rw"
+    """``"rw"``: peers may READ and WRITE it; ``"r"``: peers may only READ it."""

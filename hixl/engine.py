@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import _protocol as proto
+from ._address import boot_id as _boot_id
 from ._address import format_address, parse_address
 from ._exceptions import (
     AlreadyConnected,
@@ -38,12 +39,14 @@ from ._exceptions import (
     ResourceExhausted,
     Unsupported,
 )
-from ._framed import FramedSocket
-from ._link import LinkState, PeerLink
+from ._link import LinkState, PeerLink, handshake
 from ._memory import Registry, as_desc_array, merge_adjacent
+from ._options import DEFAULT_OPTIONS, EngineOptions, is_loopback
+from ._protocol.connection import Connection, Role
 from ._request import TransferReq
-from ._server import TargetServer
+from ._server import ServerLimits, TargetServer
 from ._types import MemDesc, MemHandle, MemType, NotifyDesc, Op, TransferOpDesc, TransferStatus
+from ._wire import Wire
 from .transports import default_transports
 from .transports.base import Channel, Transport
 
@@ -59,29 +62,15 @@ _SMALL_BATCH = 8
 _DESC_TYPES = (list, tuple, TransferOpDesc)
 _SMALL_TYPES = (np.ndarray, *_DESC_TYPES)
 
-DEFAULT_OPTIONS: dict[str, Any] = {
-    "transport": "auto",
-    "connect_timeout": 5.0,
-    "transfer_timeout": 30.0,
-    "heartbeat_interval": 1.0,
-    "heartbeat_misses": 5,
-    "max_notifies": 4096,
-    "max_registrations": 65536,
-}
-"""Engine options and their defaults (times in seconds).
-
-``transport``: ``"auto"`` (best reachable), or a transport name to force it
-(``"cma"``, ``"tcp"``); ``max_notifies``: notifications held for
-``get_notifies`` before senders get RESOURCE_EXHAUSTED."""
-
-
 class _Peer:
     """What the engine keeps per connected target: link, channel, async queue."""
 
-    def __init__(self, link: PeerLink, channel: Channel, transport: Transport) -> None:
+    def __init__(self, link: PeerLink, channel: Channel, transport: Transport, max_inflight: int) -> None:
         self.link = link
         self.channel = channel
         self.transport = transport
+        self.max_inflight = max_inflight
+        self._inflight: set[TransferReq] = set()
         self._queue: queue.SimpleQueue[list[tuple[TransferReq, Op, np.ndarray]] | threading.Event | None] = (
             queue.SimpleQueue()
         )
@@ -89,8 +78,19 @@ class _Peer:
         self._lock = threading.Lock()
 
     def submit(self, transfers: list[tuple[TransferReq, Op, np.ndarray]]) -> None:
-        """Queue validated async transfers (descriptors not yet merged); they start in order."""
+        """Queue validated async transfers (descriptors not yet merged); they start in order.
+
+        Raises :class:`ResourceExhausted` (queuing nothing) if that would put more than
+        ``max_inflight`` unfinished requests in flight to this peer.
+        """
         with self._lock:
+            self._inflight = {r for r in self._inflight if not r.done()}
+            if len(self._inflight) + len(transfers) > self.max_inflight:
+                raise ResourceExhausted(
+                    f"{len(self._inflight)} requests to {self.link.remote_engine} are still in flight "
+                    f"(max_inflight={self.max_inflight}); wait for some first"
+                )
+            self._inflight.update(req for req, _, _ in transfers)
             if self._worker is None:
                 self._worker = threading.Thread(
                     target=self._work, name=f"hixl-async-{self.link.remote_engine}", daemon=True
@@ -146,11 +146,19 @@ class Engine:
         *,
         transports: Sequence[Transport] | None = None,
     ) -> None:
-        unknown = set(options or {}) - set(DEFAULT_OPTIONS)
-        if unknown:
-            raise ParamInvalid(f"unknown engine option(s) {sorted(unknown)}; known: {sorted(DEFAULT_OPTIONS)}")
-        self.options = {**DEFAULT_OPTIONS, **(options or {})}
+        self._server: TargetServer | None = None
+        self._finalized = True  # until constructed: nothing for finalize() to do
+        parsed = EngineOptions.parse(options)
+        self.options = parsed.public
+        """The options in force (``auth_secret`` shows as a redacted placeholder)."""
+        self._secret = parsed.secret
         host, port = parse_address(local_engine)
+        if port is not None and self._secret is None and not is_loopback(host) and not self.options["allow_unauthenticated"]:
+            raise ParamInvalid(
+                f"refusing to listen on {local_engine!r} without a shared secret: anyone who can reach it could "
+                "read and write registered memory. Set the auth_secret option (or HIXL_AUTH_SECRET) on every "
+                "engine, listen on a loopback address, or pass allow_unauthenticated=True to accept the risk"
+            )
         self._transports = list(transports) if transports is not None else default_transports()
         try:
             self._check_transport_option()
@@ -162,22 +170,26 @@ class Engine:
         self._registry = Registry(int(self.options["max_registrations"]))
         self._registry.listeners.append(self._regions_changed)
         self._notifies: collections.deque[NotifyDesc] = collections.deque()
+        self._notify_bytes = 0
         self._notify_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._peers_lock = threading.Lock()
-        self._finalized = False
-        self._server: TargetServer | None = None
         if port is not None:
+            o = self.options
+            limits = ServerLimits(
+                heartbeat_interval=o["heartbeat_interval"],
+                heartbeat_misses=o["heartbeat_misses"],
+                handshake_timeout=o["handshake_timeout"],
+                frame_timeout=o["frame_timeout"],
+                request_time_cap=o["transfer_timeout"],
+                max_connections=o["max_connections"],
+                max_connections_per_peer=o["max_connections_per_peer"],
+                allowed_networks=parsed.networks,
+            )
+            identity = {"engine_id": self._id, "boot_id": _boot_id()}
             try:
                 self._server = TargetServer(
-                    host,
-                    port,
-                    self._registry,
-                    self._accept_notify,
-                    self._transports,
-                    (float(self.options["heartbeat_interval"]), int(self.options["heartbeat_misses"])),
-                    float(self.options["connect_timeout"]),
-                    self._id,
+                    host, port, self._registry, self._accept_notify, self._transports, limits, self._secret, identity
                 )
             except OSError as exc:
                 for transport in self._transports:
@@ -185,6 +197,7 @@ class Engine:
                 raise ParamInvalid(f"cannot listen on {local_engine!r}: {exc}") from exc
         self.local_engine = self._server.address if self._server else host
         """The real ``"ip:port"`` this engine listens on (or ``"ip"`` if client-only)."""
+        self._finalized = False
 
     def _check_transport_option(self) -> None:
         wanted = self.options["transport"]
@@ -193,16 +206,19 @@ class Engine:
             raise ParamInvalid(f"unknown transport {wanted!r}; choose 'auto' or one of {names}")
 
     # -- memory --------------------------------------------------------------------------
-    def register_mem(self, buf: Any, mem_type: MemType = MemType.HOST) -> MemHandle:
-        """Register memory that peers may read and write; idempotent for the same range.
+    def register_mem(self, buf: Any, mem_type: MemType = MemType.HOST, access: str = "rw") -> MemHandle:
+        """Register memory that connected peers may read and (with ``access="rw"``) write.
 
         ``buf`` is a numpy array, a torch CPU tensor, a bytearray/memoryview/mmap,
-        or a :class:`MemDesc`. Peers already connected see the new region too.
-        The caller keeps ``buf`` alive while it is registered (hixl holds a
+        or a :class:`MemDesc`. ``access="r"`` lets peers only READ it (a WRITE into
+        it is refused with :class:`AccessDenied`, on every transport) and accepts
+        read-only buffers; this engine may still WRITE *from* it. Idempotent for
+        the same range. Peers already connected see the new region too. The
+        caller keeps ``buf`` alive while it is registered (hixl holds a
         reference for objects, not for a raw :class:`MemDesc`).
         """
         self._check_open()
-        return self._registry.register(buf, mem_type)
+        return self._registry.register(buf, mem_type, access)
 
     def deregister_mem(self, handle: MemHandle) -> None:
         """Withdraw a registration; peers' later transfers to it are refused."""
@@ -217,16 +233,21 @@ class Engine:
 
     def local_mems(self) -> list[MemDesc]:
         """This engine's registered regions."""
-        return [MemDesc(a, n) for a, n in self._registry.regions()]
+        return [MemDesc(a, n) for a, n, _ in self._registry.regions()]
 
     # -- connections ---------------------------------------------------------------------
     def connect(self, remote_engine: str, timeout: float | None = None) -> None:
-        """Connect to the target ``"ip:port"`` and pick a transport for it.
+        """Connect to the target ``"ip:port"``, authenticate, and pick a transport for it.
 
-        Raises :class:`ParamInvalid` for a malformed address or for this engine
-        itself, :class:`AlreadyConnected`, :class:`NotConnected` if nobody
-        answers, :class:`HixlTimeout` if the handshake is too slow, and
-        :class:`Unsupported` if a forced transport can't reach the peer.
+        A refused connection (the target not listening yet) is retried until
+        ``timeout`` (default: the ``connect_timeout`` option) unless the
+        ``connect_fail_fast`` option is set. Raises :class:`ParamInvalid` for a
+        malformed address or for this engine itself, :class:`AlreadyConnected`,
+        :class:`NotConnected` if nobody answers, :class:`AuthenticationFailed` if
+        either side fails the shared-secret proof, :class:`HixlTimeout` if the
+        handshake is too slow, :class:`ResourceExhausted` if the target is at its
+        connection limit, and :class:`Unsupported` if a forced transport can't
+        reach the peer.
         """
         self._check_open()
         host, port = parse_address(remote_engine, require_port=True)
@@ -235,6 +256,8 @@ class Engine:
         if self._server is not None and name == self.local_engine:
             raise ParamInvalid(f"an engine cannot connect to itself ({name})")
         timeout = float(self.options["connect_timeout"] if timeout is None else timeout)
+        if timeout <= 0:
+            raise ParamInvalid(f"timeout must be positive, not {timeout}")
         with self._peers_lock:
             if name in self._peers:
                 raise AlreadyConnected(f"already connected to {name}")
@@ -248,60 +271,65 @@ class Engine:
         with self._peers_lock:
             self._peers[name] = peer
 
+    def _dial(self, name: str, host: str, port: int, deadline: float) -> socket.socket:
+        """A connected socket, retrying a refused connection until ``deadline`` (unless fail-fast)."""
+        pause = 0.01
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return socket.create_connection((host, port), timeout=max(0.001, left))
+            except TimeoutError as exc:
+                raise HixlTimeout(f"connecting to {name} timed out") from exc
+            except ConnectionRefusedError as exc:
+                if self.options["connect_fail_fast"] or time.monotonic() + pause >= deadline:
+                    raise NotConnected(f"cannot connect to {name}: nobody listens there ({exc.strerror})") from exc
+            except OSError as exc:
+                raise NotConnected(f"cannot connect to {name}: {exc.strerror or exc}") from exc
+            time.sleep(pause)
+            pause = min(0.2, pause * 2)
+
     def _open_peer(self, name: str, host: str, port: int, timeout: float) -> _Peer:
         deadline = time.monotonic() + timeout
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except TimeoutError as exc:
-            raise HixlTimeout(f"connecting to {name} timed out after {timeout} s") from exc
-        except OSError as exc:
-            raise NotConnected(f"cannot connect to {name}: {exc.strerror or exc}") from exc
+        sock = self._dial(name, host, port, deadline)
         interval, misses = float(self.options["heartbeat_interval"]), int(self.options["heartbeat_misses"])
-        framed = FramedSocket(sock, name, interval, misses)
+        wire = Wire(sock, Connection(Role.INITIATOR, self._secret), name, interval, misses)
         try:
-            welcome = self._handshake(framed, name, deadline)
+            handshake(wire, {"engine": self.local_engine, "engine_id": self._id}, deadline)
+            if wire.conn.peer_info.get("engine_id") == self._id:
+                raise ParamInvalid(f"an engine cannot connect to itself ({name})")
         except BaseException:
-            framed.close()
+            wire.close()
             raise
-        link = PeerLink(name, framed, welcome)
+        link = PeerLink(name, wire)
         try:
             transport = self._choose_transport(link)
+            channel = transport.open(link)
         except BaseException:
             link.close()
             raise
-        return _Peer(link, transport.open(link), transport)
-
-    def _handshake(self, framed: FramedSocket, name: str, deadline: float) -> dict[str, Any]:
-        framed.sock.settimeout(max(0.001, deadline - time.monotonic()))
-        try:
-            framed.send(proto.encode(proto.Hello({"engine": self.local_engine, "engine_id": self._id})))
-            welcome = framed.recv_frame(deadline)
-        except TimeoutError as exc:
-            raise HixlTimeout(f"{name} did not answer the handshake in time") from exc
-        except HixlError as exc:
-            raise NotConnected(f"handshake with {name} failed: {exc}") from exc
-        finally:
-            framed.sock.settimeout(framed.interval)
-        if not isinstance(welcome, proto.Welcome):
-            raise ProtocolError(f"{name} answered HELLO with {type(welcome).__name__}")
-        if welcome.info.get("engine_id") == self._id:
-            raise ParamInvalid(f"an engine cannot connect to itself ({name})")
-        return welcome.info
+        return _Peer(link, channel, transport, int(self.options["max_inflight"]))
 
     def _choose_transport(self, link: PeerLink) -> Transport:
+        """The first transport, in order of preference, whose declared capabilities fit and whose probe passes."""
         wanted = self.options["transport"]
+        same_host = link.welcome.get("boot_id") == _boot_id()
         reasons: list[str] = []
         for transport in self._transports:
-            tname = transport.capabilities.name
-            if wanted not in ("auto", tname):
+            caps = transport.capabilities
+            if wanted not in ("auto", caps.name):
                 continue
-            reason = transport.probe(link)
+            if caps.same_host_only and not same_host:
+                reason: str | None = "the peer runs on another host"
+            elif MemType.HOST not in caps.mem_types:
+                reason = "it moves no host memory"
+            else:
+                reason = transport.probe(link)
             if reason is None:
                 if reasons:
-                    log.info("hixl: %s uses %s (%s)", link.remote_engine, tname, "; ".join(reasons))
+                    log.info("hixl: %s uses %s (%s)", link.remote_engine, caps.name, "; ".join(reasons))
                 return transport
-            reasons.append(f"{tname} unusable: {reason}")
-            log.info("hixl: %s: %s unusable: %s", link.remote_engine, tname, reason)
+            reasons.append(f"{caps.name} unusable: {reason}")
+            log.info("hixl: %s: %s unusable: %s", link.remote_engine, caps.name, reason)
         raise Unsupported(f"no transport reaches {link.remote_engine}: {'; '.join(reasons)}")
 
     def disconnect(self, remote_engine: str) -> None:
@@ -345,7 +373,7 @@ class Engine:
         if type(op_descs) in _SMALL_TYPES and 0 < len(op_descs) <= _SMALL_BATCH and self._run_small(remote_engine, op, op_descs, timeout):
             return
         peer, req, op, descs = self._prepare(remote_engine, op, op_descs, timeout)
-        peer.channel.start(req, op, merge_adjacent(descs))
+        peer.channel.run(req, op, merge_adjacent(descs))
         req.wait()
 
     def transfer_async(
@@ -402,6 +430,7 @@ class Engine:
         elif type(op_descs) is not list:
             return False
         local_table, remote_table = self._registry.table, peer.link.table
+        write = op is Op.WRITE
         total = 0
         for desc in op_descs:
             if type(desc) not in _DESC_TYPES or len(desc) != 3:
@@ -412,8 +441,8 @@ class Engine:
                 and type(remote) is int
                 and type(nbytes) is int
                 and nbytes > 0
-                and local_table.contains(local, nbytes)
-                and remote_table.contains(remote, nbytes)
+                and local_table.contains(local, nbytes, not write)
+                and remote_table.contains(remote, nbytes, write)
             ):
                 return False
             total += nbytes
@@ -439,8 +468,8 @@ class Engine:
         if timeout <= 0:
             raise ParamInvalid(f"timeout must be positive, not {timeout}")
         descs = as_desc_array(op_descs)
-        self._registry.table.check(descs[:, 0], descs[:, 2], "local")
-        peer.channel.check_remote(descs[:, 1], descs[:, 2], timeout)
+        self._registry.table.check(descs[:, 0], descs[:, 2], op is Op.READ, "local")
+        peer.channel.check_remote(descs[:, 1], descs[:, 2], timeout, op is Op.WRITE)
         return peer, op, descs, timeout
 
     # -- published metadata ------------------------------------------------------------
@@ -455,7 +484,7 @@ class Engine:
             raise Unsupported("a client-only engine has no peers to publish to")
         if not isinstance(key, str) or not isinstance(value, (bytes, bytearray)):
             raise ParamInvalid("metadata key must be str and value bytes")
-        if len(value) > proto.frames.MAX_BODY - proto.HEADER_SIZE:
+        if len(value) > proto.frames.MAX_META:
             raise ParamInvalid(f"metadata value of {len(value)} bytes is too large")
         self._server.metadata[key] = bytes(value)
 
@@ -493,13 +522,18 @@ class Engine:
         with self._notify_lock:
             drained = list(self._notifies)
             self._notifies.clear()
+            self._notify_bytes = 0
         return drained
 
     def _accept_notify(self, notify: NotifyDesc) -> None:
+        size = len(notify.name.encode()) + len(notify.msg.encode())
         with self._notify_lock:
             if len(self._notifies) >= int(self.options["max_notifies"]):
                 raise ResourceExhausted(f"{self.local_engine} holds {len(self._notifies)} unread notifications")
+            if self._notify_bytes + size > int(self.options["max_notify_bytes"]):
+                raise ResourceExhausted(f"{self.local_engine} holds {self._notify_bytes} bytes of unread notifications")
             self._notifies.append(notify)
+            self._notify_bytes += size
 
     # -- lifecycle -----------------------------------------------------------------------
     def finalize(self) -> None:
@@ -554,3 +588,4 @@ class Engine:
         role = "target+initiator" if self._server else "initiator"
         state = "finalized" if self._finalized else f"{len(self._peers)} peer(s)"
         return f"<Engine {self.local_engine} {role} {state} regions={len(self._registry.table)}>"
+

@@ -3,9 +3,13 @@
 See :mod:`hixl._protocol.frames` for the frame layout.
 """
 
+from .connection import NEED_DATA, ConnState, Connection, ConnectionClosed, Role
 from .frames import (
     HEADER_SIZE,
+    REGION_WRITABLE,
     Ack,
+    Auth,
+    Challenge,
     Bye,
     Data,
     Error,
@@ -24,13 +28,22 @@ from .frames import (
     Welcome,
     WriteRequest,
     encode,
+    encode_header,
+    kind_of,
     parse_body,
     parse_header,
 )
 
 __all__ = [
     "HEADER_SIZE",
+    "NEED_DATA",
+    "REGION_WRITABLE",
     "Ack",
+    "Auth",
+    "Challenge",
+    "ConnState",
+    "Connection",
+    "ConnectionClosed",
     "Bye",
     "Data",
     "Error",
@@ -45,10 +58,13 @@ __all__ = [
     "QueryMeta",
     "QueryRegions",
     "ReadRequest",
+    "Role",
     "Regions",
     "Welcome",
     "WriteRequest",
     "encode",
+    "encode_header",
+    "kind_of",
     "parse_body",
     "parse_header",
 ]

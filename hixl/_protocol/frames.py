@@ -14,11 +14,15 @@ bulk transfers only, *data*::
 
 The body is parsed here into a :class:`Message`. The data is *not*: it is the
 payload of a READ reply or a WRITE request, and the transport moves it straight
-between the socket and registered memory (``recv_into``/``sendmsg``), which is
-the whole point of the design. Descriptor lists travel as raw ``uint64`` pairs
-(remote address, length) so that 10^5 of them parse with one ``frombuffer``.
-Control bodies (hello/welcome) are small JSON objects: they are sent once per
-connection, so readability beats a few microseconds.
+between the socket and registered memory (``readv``/``writev``), which is the
+whole point of the design. Descriptor lists travel as raw ``uint64`` words
+so that 10^5 of them parse with one ``frombuffer``. Handshake bodies are small
+JSON objects: they are sent once per connection, so readability beats a few
+microseconds.
+
+Every frame type has its own body limit (:data:`BODY_LIMITS`), checked on the
+header alone — before a byte of the body is buffered — so a peer cannot make
+us allocate more than the frame it may legitimately send.
 """
 
 from __future__ import annotations
@@ -34,15 +38,29 @@ import numpy as np
 from .._exceptions import ProtocolError
 
 MAGIC = b"HXL1"
-VERSION = 1
+VERSION = 2
+"""Protocol version spoken by this hixl; negotiated in the handshake (HELLO offers a range)."""
+MIN_VERSION = 2
 _HEADER = struct.Struct("<4sBBHQIQ")
 HEADER_SIZE = _HEADER.size
-MAX_BODY = 64 << 20
 MAX_NAME = 1024
+"""Most bytes (UTF-8) of a notification's name, and of its message."""
+MAX_DESCS = 1 << 16
+"""Most descriptors one READ/WRITE frame carries; larger requests are split into several frames."""
+MAX_REGIONS = 1 << 17
+"""Most regions a REGIONS frame lists."""
+MAX_META = 16 << 20
+"""Largest published metadata value."""
+_HANDSHAKE_BODY = 4096
 _U64_MAX = (1 << 64) - 1
 _ERROR_HEAD = struct.Struct("<I")
 _NOTIFY_HEAD = struct.Struct("<H")
-_PAIR = np.dtype("<u8")
+_DEADLINE = struct.Struct("<q")
+_CLOCK = struct.Struct("<d")
+_WORD = np.dtype("<u8")
+
+REGION_WRITABLE = 1
+"""Flag bit of a region row: peers may WRITE into it (else READ only)."""
 
 
 class FrameType(enum.IntEnum):
@@ -63,6 +81,32 @@ class FrameType(enum.IntEnum):
     BYE = 13
     QUERY_META = 14
     META = 15
+    CHALLENGE = 16
+    AUTH = 17
+
+
+BODY_LIMITS: dict[FrameType, int] = {
+    FrameType.HELLO: _HANDSHAKE_BODY,
+    FrameType.CHALLENGE: _HANDSHAKE_BODY,
+    FrameType.AUTH: _HANDSHAKE_BODY,
+    FrameType.WELCOME: 64 * 1024 + 24 * MAX_REGIONS,
+    FrameType.REGIONS: 24 * MAX_REGIONS,
+    FrameType.QUERY_REGIONS: 0,
+    FrameType.READ: _DEADLINE.size + 16 * MAX_DESCS,
+    FrameType.WRITE: _DEADLINE.size + 16 * MAX_DESCS,
+    FrameType.DATA: 0,
+    FrameType.ACK: 0,
+    FrameType.ERROR: _ERROR_HEAD.size + 4096,
+    FrameType.NOTIFY: _NOTIFY_HEAD.size + 2 * MAX_NAME,
+    FrameType.PING: 0,
+    FrameType.PONG: _CLOCK.size,
+    FrameType.BYE: 1024,
+    FrameType.QUERY_META: MAX_NAME,
+    FrameType.META: MAX_META,
+}
+"""Largest body each frame type may have; checked before the body is read."""
+
+MAX_BODY = max(BODY_LIMITS.values())
 
 
 @dataclass(frozen=True)
@@ -77,7 +121,26 @@ class Header:
 
 @dataclass(frozen=True)
 class Hello:
-    """Client -> server, first frame: who the client is (for the same-host probe)."""
+    """Initiator -> target, first frame: offered versions, a fresh nonce, the initiator's clock.
+
+    Nothing about the initiator's identity: that goes in AUTH, after the target proved itself.
+    """
+
+    info: dict[str, Any]
+    req_id: int = 0
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """Target -> initiator: chosen version, the target's nonce and its proof of the secret."""
+
+    info: dict[str, Any]
+    req_id: int = 0
+
+
+@dataclass(frozen=True)
+class Auth:
+    """Initiator -> target: its proof of the secret, then who it is."""
 
     info: dict[str, Any]
     req_id: int = 0
@@ -85,7 +148,7 @@ class Hello:
 
 @dataclass(frozen=True)
 class Welcome:
-    """Server -> client reply to HELLO: identity, probe location, current regions."""
+    """Target -> initiator once both proofs passed: identity, transports, regions (MAC'd)."""
 
     info: dict[str, Any]
     req_id: int = 0
@@ -93,10 +156,10 @@ class Welcome:
 
 @dataclass(frozen=True)
 class Regions:
-    """The server's registered regions, as an ``(N, 2)`` array of (addr, len).
+    """The target's registered regions, an ``(N, 3)`` array of (addr, len, flags).
 
     Sent unsolicited (``req_id`` 0) whenever registrations change, and as the
-    reply to QUERY_REGIONS.
+    reply to QUERY_REGIONS. ``flags`` bit :data:`REGION_WRITABLE`: peers may WRITE.
     """
 
     regions: np.ndarray
@@ -105,31 +168,40 @@ class Regions:
 
 @dataclass(frozen=True)
 class QueryRegions:
-    """Client asks for the server's current regions."""
+    """Initiator asks for the target's current regions."""
 
     req_id: int
 
 
 @dataclass(frozen=True)
 class ReadRequest:
-    """Client asks the server to send the bytes of ``descs`` (N, 2: remote addr, len)."""
+    """Initiator asks the target to send the bytes of ``descs`` (N, 2: remote addr, len).
+
+    ``deadline`` is in the *target's* monotonic clock, microseconds (0: none):
+    a target that gets the request after it passed answers TIMEOUT, moving nothing.
+    """
 
     req_id: int
     descs: np.ndarray
+    deadline: int = 0
 
 
 @dataclass(frozen=True)
 class WriteRequest:
-    """Client sends ``data_len`` bytes, right after this body, into ``descs`` on the server."""
+    """Initiator sends ``data_len`` bytes, right after this body, into ``descs`` on the target.
+
+    ``deadline`` as for READ: the target lands no byte once it has passed.
+    """
 
     req_id: int
     descs: np.ndarray
     data_len: int
+    deadline: int = 0
 
 
 @dataclass(frozen=True)
 class Data:
-    """Server's reply to READ: ``data_len`` raw bytes follow."""
+    """Target's reply to READ: ``data_len`` raw bytes follow."""
 
     req_id: int
     data_len: int
@@ -153,7 +225,7 @@ class Error:
 
 @dataclass(frozen=True)
 class Notify:
-    """A small notification for the server's ``get_notifies`` queue."""
+    """A small notification for the target's ``get_notifies`` queue."""
 
     req_id: int
     name: str
@@ -169,9 +241,10 @@ class Ping:
 
 @dataclass(frozen=True)
 class Pong:
-    """Heartbeat answer."""
+    """Heartbeat answer; ``clock`` is the sender's monotonic clock (seconds), 0 if not given."""
 
     req_id: int = 0
+    clock: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -184,7 +257,7 @@ class Bye:
 
 @dataclass(frozen=True)
 class QueryMeta:
-    """Client asks for the metadata value the target published under ``key``."""
+    """Initiator asks for the metadata value the target published under ``key``."""
 
     req_id: int
     key: str
@@ -200,6 +273,8 @@ class Meta:
 
 Message = Union[
     Hello,
+    Challenge,
+    Auth,
     Welcome,
     Regions,
     QueryRegions,
@@ -230,40 +305,47 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
         raise ProtocolError(f"unknown frame type {ftype}") from None
     if flags or reserved:
         raise ProtocolError(f"reserved header bits set ({flags:#x}, {reserved:#x})")
-    if body_len > MAX_BODY:
-        raise ProtocolError(f"body of {body_len} bytes exceeds the {MAX_BODY}-byte limit")
+    if body_len > BODY_LIMITS[kind]:
+        raise ProtocolError(f"{kind.name} body of {body_len} bytes exceeds its {BODY_LIMITS[kind]}-byte limit")
     if data_len and kind not in (FrameType.WRITE, FrameType.DATA):
         raise ProtocolError(f"{kind.name} frame must not carry data")
     return Header(kind, req_id, body_len, data_len)
 
 
-def _pairs(body: bytes | memoryview, what: str) -> np.ndarray:
-    if len(body) % 16:
-        raise ProtocolError(f"{what} body of {len(body)} bytes is not a list of (addr, len) pairs")
-    return np.frombuffer(body, dtype=_PAIR).reshape(-1, 2)
+def _words(body: bytes | memoryview, width: int, what: str) -> np.ndarray:
+    if len(body) % (8 * width):
+        raise ProtocolError(f"{what} body of {len(body)} bytes is not a list of {width}-word rows")
+    return np.frombuffer(body, dtype=_WORD).reshape(-1, width)
 
 
-def _descs(header: Header, body: bytes | memoryview) -> np.ndarray:
-    descs = _pairs(body, header.type.name)
+def _request(header: Header, body: bytes | memoryview) -> tuple[np.ndarray, int]:
+    """Deadline and descriptors of a READ/WRITE body, validated."""
+    name = header.type.name
+    if len(body) < _DEADLINE.size:
+        raise ProtocolError(f"{name} body too short")
+    (deadline,) = _DEADLINE.unpack_from(body)
+    if deadline < 0:
+        raise ProtocolError(f"{name} has a negative deadline")
+    descs = _words(body[_DEADLINE.size :], 2, name)
     if len(descs) == 0:
-        raise ProtocolError(f"{header.type.name} without descriptors")
+        raise ProtocolError(f"{name} without descriptors")
     lens = descs[:, 1]
     if not lens.all():
-        raise ProtocolError(f"{header.type.name} has a zero-length descriptor")
+        raise ProtocolError(f"{name} has a zero-length descriptor")
     # A range past 2**64 would wrap and pass the target's region check (addr + len
     # compared modulo 2**64); so would a byte count whose sum wraps.
     if (descs[:, 0] > np.uint64(_U64_MAX) - lens).any():
-        raise ProtocolError(f"{header.type.name} has a descriptor that wraps around the address space")
+        raise ProtocolError(f"{name} has a descriptor that wraps around the address space")
     ends = np.cumsum(lens, dtype=np.uint64)
     if (ends[1:] < ends[:-1]).any():
-        raise ProtocolError(f"{header.type.name} descriptors add up to more than 2**64 bytes")
-    return descs
+        raise ProtocolError(f"{name} descriptors add up to more than 2**64 bytes")
+    return descs, deadline
 
 
 def _json(body: bytes | memoryview, what: str) -> dict[str, Any]:
     try:
         info = json.loads(bytes(body))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"{what} body is not JSON: {exc}") from None
     if not isinstance(info, dict):
         raise ProtocolError(f"{what} body must be a JSON object")
@@ -277,53 +359,56 @@ def _text(raw: bytes | memoryview, what: str) -> str:
         raise ProtocolError(f"{what} is not UTF-8") from None
 
 
+_JSON_BODIED = {
+    FrameType.HELLO: Hello,
+    FrameType.CHALLENGE: Challenge,
+    FrameType.AUTH: Auth,
+    FrameType.WELCOME: Welcome,
+}
+_EMPTY_BODIED = {
+    FrameType.QUERY_REGIONS: QueryRegions,
+    FrameType.ACK: Ack,
+    FrameType.PING: Ping,
+}
+
+
 def parse_body(header: Header, body: bytes | memoryview) -> Message:
     """Decode a frame body into its :data:`Message`, validating it against the header."""
     if len(body) != header.body_len:
         raise ProtocolError(f"body is {len(body)} bytes, header said {header.body_len}")
     kind, rid = header.type, header.req_id
-    empty_bodied = {
-        FrameType.QUERY_REGIONS: QueryRegions,
-        FrameType.ACK: Ack,
-        FrameType.PING: Ping,
-        FrameType.PONG: Pong,
-    }
-    if kind in empty_bodied:
+    if kind in _EMPTY_BODIED:
         if body:
             raise ProtocolError(f"{kind.name} must have an empty body")
-        return empty_bodied[kind](rid)  # type: ignore[return-value]
-    if kind is FrameType.HELLO:
-        return Hello(_json(body, "HELLO"), rid)
-    if kind is FrameType.WELCOME:
-        return Welcome(_json(body, "WELCOME"), rid)
+        return _EMPTY_BODIED[kind](rid)  # type: ignore[return-value]
+    if kind in _JSON_BODIED:
+        return _JSON_BODIED[kind](_json(body, kind.name), rid)  # type: ignore[return-value]
     if kind is FrameType.REGIONS:
-        return Regions(_pairs(body, "REGIONS"), rid)
+        return Regions(_words(body, 3, "REGIONS"), rid)
     if kind is FrameType.READ:
-        return ReadRequest(rid, _descs(header, body))
+        descs, deadline = _request(header, body)
+        return ReadRequest(rid, descs, deadline)
     if kind is FrameType.WRITE:
-        descs = _descs(header, body)
+        descs, deadline = _request(header, body)
         total = int(descs[:, 1].sum(dtype=np.uint64))
         if total != header.data_len:
             raise ProtocolError(f"WRITE descriptors cover {total} bytes, frame carries {header.data_len}")
-        return WriteRequest(rid, descs, header.data_len)
+        return WriteRequest(rid, descs, header.data_len, deadline)
     if kind is FrameType.DATA:
         if body:
             raise ProtocolError("DATA must have an empty body")
         return Data(rid, header.data_len)
+    if kind is FrameType.PONG:
+        if len(body) not in (0, _CLOCK.size):
+            raise ProtocolError("PONG body must be empty or one clock reading")
+        return Pong(rid, _CLOCK.unpack(body)[0] if body else 0.0)
     if kind is FrameType.ERROR:
         if len(body) < _ERROR_HEAD.size:
             raise ProtocolError("ERROR body too short")
         (status,) = _ERROR_HEAD.unpack_from(body)
         return Error(rid, status, _text(body[_ERROR_HEAD.size :], "ERROR message"))
     if kind is FrameType.NOTIFY:
-        if len(body) < _NOTIFY_HEAD.size:
-            raise ProtocolError("NOTIFY body too short")
-        (name_len,) = _NOTIFY_HEAD.unpack_from(body)
-        rest = body[_NOTIFY_HEAD.size :]
-        if name_len > len(rest):
-            raise ProtocolError("NOTIFY name runs past the body")
-        name, msg = _text(rest[:name_len], "NOTIFY name"), _text(rest[name_len:], "NOTIFY msg")
-        return Notify(rid, name, msg)
+        return _parse_notify(rid, body)
     if kind is FrameType.QUERY_META:
         return QueryMeta(rid, _text(body, "QUERY_META key"))
     if kind is FrameType.META:
@@ -332,40 +417,91 @@ def parse_body(header: Header, body: bytes | memoryview) -> Message:
     return Bye(rid, _text(body, "BYE reason"))
 
 
+def _parse_notify(rid: int, body: bytes | memoryview) -> Notify:
+    if len(body) < _NOTIFY_HEAD.size:
+        raise ProtocolError("NOTIFY body too short")
+    (name_len,) = _NOTIFY_HEAD.unpack_from(body)
+    rest = body[_NOTIFY_HEAD.size :]
+    if name_len > len(rest):
+        raise ProtocolError("NOTIFY name runs past the body")
+    if name_len > MAX_NAME or len(rest) - name_len > MAX_NAME:
+        raise ProtocolError(f"NOTIFY name and msg must each be at most {MAX_NAME} bytes")
+    return Notify(rid, _text(rest[:name_len], "NOTIFY name"), _text(rest[name_len:], "NOTIFY msg"))
+
+
 def _frame(kind: FrameType, req_id: int, body: bytes = b"", data_len: int = 0) -> bytes:
+    if len(body) > BODY_LIMITS[kind]:
+        raise ValueError(f"{kind.name} body of {len(body)} bytes exceeds its {BODY_LIMITS[kind]}-byte limit")
     return _HEADER.pack(MAGIC, kind, 0, 0, req_id, len(body), data_len) + body
 
 
-def _pairs_bytes(pairs: np.ndarray) -> bytes:
-    return np.ascontiguousarray(pairs, dtype=_PAIR).tobytes()
+def _words_bytes(rows: np.ndarray) -> bytes:
+    return np.ascontiguousarray(rows, dtype=_WORD).tobytes()
+
+
+def encode_header(kind: FrameType, req_id: int, body_len: int, data_len: int = 0) -> bytes:
+    """A bare header; for tests and fault injection that need frames no encoder would make."""
+    return _HEADER.pack(MAGIC, kind, 0, 0, req_id, body_len, data_len)
 
 
 def encode(message: Message) -> bytes:
-    """Header and body of ``message`` as one ``bytes``; bulk data is sent separately."""
-    if isinstance(message, (Hello, Welcome)):
-        kind = FrameType.HELLO if isinstance(message, Hello) else FrameType.WELCOME
-        return _frame(kind, message.req_id, json.dumps(message.info, separators=(",", ":")).encode())
+    """Header and body of ``message`` as one ``bytes``; bulk data is sent separately.
+
+    Raises ``ValueError`` for a message no peer would accept (a body over its limit).
+    """
+    kind = _KIND_OF[type(message)]
+    if kind in _JSON_BODIED:
+        body = json.dumps(message.info, separators=(",", ":")).encode()  # type: ignore[union-attr]
+        return _frame(kind, message.req_id, body)
     if isinstance(message, Regions):
-        return _frame(FrameType.REGIONS, message.req_id, _pairs_bytes(message.regions))
+        return _frame(kind, message.req_id, _words_bytes(message.regions))
     if isinstance(message, ReadRequest):
-        return _frame(FrameType.READ, message.req_id, _pairs_bytes(message.descs))
+        return _frame(kind, message.req_id, _DEADLINE.pack(message.deadline) + _words_bytes(message.descs))
     if isinstance(message, WriteRequest):
-        return _frame(FrameType.WRITE, message.req_id, _pairs_bytes(message.descs), message.data_len)
+        body = _DEADLINE.pack(message.deadline) + _words_bytes(message.descs)
+        return _frame(kind, message.req_id, body, message.data_len)
     if isinstance(message, Data):
-        return _frame(FrameType.DATA, message.req_id, b"", message.data_len)
+        return _frame(kind, message.req_id, b"", message.data_len)
+    if isinstance(message, Pong):
+        return _frame(kind, message.req_id, _CLOCK.pack(message.clock) if message.clock else b"")
     if isinstance(message, Error):
-        body = _ERROR_HEAD.pack(message.status) + message.message.encode("utf-8", "replace")
-        return _frame(FrameType.ERROR, message.req_id, body)
+        text = message.message.encode("utf-8", "replace")[: BODY_LIMITS[kind] - _ERROR_HEAD.size]
+        return _frame(kind, message.req_id, _ERROR_HEAD.pack(message.status) + text.decode("utf-8", "ignore").encode())
     if isinstance(message, Notify):
         name = message.name.encode()
         if len(name) > MAX_NAME or len(message.msg.encode()) > MAX_NAME:
             raise ValueError(f"notify name and msg must each be at most {MAX_NAME} bytes")
-        return _frame(FrameType.NOTIFY, message.req_id, _NOTIFY_HEAD.pack(len(name)) + name + message.msg.encode())
+        return _frame(kind, message.req_id, _NOTIFY_HEAD.pack(len(name)) + name + message.msg.encode())
     if isinstance(message, Bye):
-        return _frame(FrameType.BYE, message.req_id, message.reason.encode())
+        return _frame(kind, message.req_id, message.reason.encode()[:1024].decode("utf-8", "ignore").encode())
     if isinstance(message, QueryMeta):
-        return _frame(FrameType.QUERY_META, message.req_id, message.key.encode())
+        return _frame(kind, message.req_id, message.key.encode())
     if isinstance(message, Meta):
-        return _frame(FrameType.META, message.req_id, message.value)
-    simple = {QueryRegions: FrameType.QUERY_REGIONS, Ack: FrameType.ACK, Ping: FrameType.PING, Pong: FrameType.PONG}
-    return _frame(simple[type(message)], message.req_id)
+        return _frame(kind, message.req_id, message.value)
+    return _frame(kind, message.req_id)
+
+
+_KIND_OF: dict[type, FrameType] = {
+    Hello: FrameType.HELLO,
+    Challenge: FrameType.CHALLENGE,
+    Auth: FrameType.AUTH,
+    Welcome: FrameType.WELCOME,
+    Regions: FrameType.REGIONS,
+    QueryRegions: FrameType.QUERY_REGIONS,
+    ReadRequest: FrameType.READ,
+    WriteRequest: FrameType.WRITE,
+    Data: FrameType.DATA,
+    Ack: FrameType.ACK,
+    Error: FrameType.ERROR,
+    Notify: FrameType.NOTIFY,
+    Ping: FrameType.PING,
+    Pong: FrameType.PONG,
+    Bye: FrameType.BYE,
+    QueryMeta: FrameType.QUERY_META,
+    Meta: FrameType.META,
+}
+
+
+def kind_of(message: Message) -> FrameType:
+    """The frame type that carries ``message``."""
+    return _KIND_OF[type(message)]

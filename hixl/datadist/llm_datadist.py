@@ -66,7 +66,8 @@ class LLMDataDist:
             raise LLMException("already initialised", LLMStatusCode.PARAM_INVALID)
         if not isinstance(config, LLMConfig):
             raise TypeError(f"init takes an LLMConfig, not {type(config).__name__}")
-        options = {"transport": config.transport, **config.engine_options}
+        # DataDist retries links itself (link_retry_count), so the engine's connect fails fast.
+        options = {"transport": config.transport, "connect_fail_fast": True, **config.engine_options}
         with translate_errors("init"):
             self._engine = Engine(config.listen_ip_info or config.local_ip, options)
             # Where we read peers' catalog generations into, and where they read ours.

@@ -1,28 +1,57 @@
 """The transport contract: what a transport declares and what it must do.
 
-A :class:`Transport` has two faces. On the *target* side it may ``advertise``
-facts the initiator needs (sent in WELCOME). On the *initiator* side it
-``probe``\\s a fresh :class:`~hixl._link.PeerLink` — can I reach this peer? —
-and, if so, ``open``\\s a :class:`Channel` bound to it. The engine walks its
-transports in order of preference and takes the first whose probe passes, so
-new transports (shared memory, RDMA, GPU) plug in without touching the engine.
+A :class:`Transport` is one thing with two halves. Its *target* half may
+``advertise`` facts the initiator needs (sent in the WELCOME of each
+authenticated connection), and ``serve``\\s the frame types it declares in
+:attr:`Capabilities.serves` on the target engine's I/O thread. Its *initiator*
+half ``probe``\\s a fresh :class:`~hixl._link.PeerLink` — can I reach this
+peer? — and, if so, ``open``\\s a :class:`Channel` bound to it. The engine reads
+the declared capabilities (a same-host-only transport is not even probed for a
+peer on another host; memory kinds must match), walks its transports in order
+of preference and takes the first whose probe passes, so new transports (shared
+memory, RDMA, GPU) plug in without touching the engine.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from .._protocol.frames import FrameType
 from .._types import MemType, Op
 
 if TYPE_CHECKING:
     from .._link import PeerLink
+    from .._memory import RemoteRegions
+    from .._protocol.connection import Connection
     from .._request import TransferReq
+    from .._wire import Wire
 
-__all__ = ["Capabilities", "Channel", "Transport"]
+__all__ = ["Capabilities", "Channel", "ServedSession", "Transport"]
+
+
+class ServedSession(Protocol):
+    """What a transport's target half sees of one authenticated initiator's connection."""
+
+    wire: Wire
+    """The connection's I/O driver (send replies, move bulk data)."""
+    conn: Connection
+    """Its protocol state (``binding()`` for per-connection secrets)."""
+    keepalive: list[Any]
+    """Objects to keep alive as long as the connection lasts."""
+
+    def regions(self) -> RemoteRegions:
+        """This engine's registrations, with access rights, as of now."""
+
+    def expired(self, deadline_us: int) -> bool:
+        """Whether a deadline carried in a request (our clock, microseconds) has passed."""
+
+    def local_deadline(self, deadline_us: int) -> float:
+        """A carried deadline as ``time.monotonic()`` seconds, capped by this engine's limit."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +68,8 @@ class Capabilities:
     """The target's CPU takes no part in moving the bytes (true one-sidedness)."""
     zero_copy: bool
     """Bytes go straight between the two registered buffers (no staging copy)."""
+    serves: frozenset[FrameType] = field(default_factory=frozenset)
+    """Frame types its target half answers (:meth:`Transport.serve`); none for one-sided ones."""
 
 
 class Channel(abc.ABC):
@@ -56,6 +87,13 @@ class Channel(abc.ABC):
         before each chunk it writes into local memory.
         """
 
+    def run(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
+        """Like :meth:`start`, for a caller that waits for ``req`` right after (``transfer_sync``).
+
+        A transport may use the calling thread to finish the job; the default starts it.
+        """
+        self.start(req, op, descs)
+
     def run_small(self, op: Op, descs: list[tuple[int, int, int]], nbytes: int) -> bool:
         """Try to move a few small, validated descriptors synchronously, right now.
 
@@ -66,14 +104,15 @@ class Channel(abc.ABC):
         """
         return False
 
-    def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float) -> None:
-        """Raise :class:`~hixl.MemoryRangeError` unless every range is inside the peer's regions.
+    def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float, write: bool) -> None:
+        """Raise :class:`~hixl.MemoryRangeError` unless every range is inside the peer's regions
+        (and :class:`~hixl.AccessDenied` if ``write`` and one is read-only).
 
         Called before any byte moves. The default checks the link's copy of the
         peer's regions; a transport whose target can't refuse a request itself
         (CMA) makes sure that copy is current first.
         """
-        self.link.check_remote(addrs, lens, timeout)
+        self.link.check_remote(addrs, lens, timeout, write)
 
     def close(self) -> None:
         """Release per-peer resources (the link itself is closed by the engine)."""
@@ -84,9 +123,13 @@ class Transport(abc.ABC):
 
     capabilities: Capabilities
 
-    def advertise(self) -> dict[str, Any]:
-        """Target side: JSON-able facts for WELCOME (keyed by nothing; merged under the name)."""
+    def advertise(self, session: ServedSession) -> dict[str, Any]:
+        """Target side: JSON-able facts for this connection's WELCOME (sent under the name)."""
         return {}
+
+    def serve(self, session: ServedSession, message: Any) -> None:
+        """Target side: answer one frame of a type in :attr:`Capabilities.serves`."""
+        raise NotImplementedError(f"{self.capabilities.name} serves no frames")
 
     @abc.abstractmethod
     def probe(self, link: PeerLink) -> str | None:

@@ -5,11 +5,16 @@ process's, in one kernel copy per byte; the target's CPU and threads take no
 part — this is as one-sided as a host can be. Descriptors become two iovec
 arrays by slicing numpy columns, IOV_MAX at a time.
 
-Reachability is *probed*, not assumed: the target advertises its pid and a
-16-byte region filled with a random nonce; the initiator reads it through
-``process_vm_readv``. That fails (and the engine falls back to TCP, logging
-why) across hosts, across pid namespaces, and where ptrace permission is
-withheld (Yama, seccomp, containers without CAP_SYS_PTRACE, other users).
+Reachability is *probed*, not assumed, and the probe is bound to the
+connection: for each authenticated connection the target puts 16 bytes that
+only the two ends of that connection can compute (derived from its session
+key) in its own memory, and advertises their address and its pid; the
+initiator reads them through ``process_vm_readv`` and compares. So a copy can
+never be pointed at a process other than the authenticated peer — a replayed
+or forged WELCOME names a process that does not hold this connection's bytes.
+The probe fails (and the engine falls back to TCP, logging why) across hosts,
+across pid namespaces, and where ptrace permission is withheld (Yama, seccomp,
+containers without CAP_SYS_PTRACE, other users).
 
 As the target takes no part, it can't refuse a copy into memory it has just
 deregistered; so it counts its registration changes in a memfd page that the
@@ -23,13 +28,13 @@ import ctypes
 import errno
 import mmap
 import os
-import secrets
 import struct
 import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._address import boot_id as _boot_id
 from .._exceptions import HixlError, PeerDisconnected, TransferError
 from .._link import LinkState
 from .._types import MemType, Op
@@ -39,18 +44,11 @@ from .base import Capabilities, Channel, Transport
 if TYPE_CHECKING:
     from .._link import PeerLink
     from .._request import TransferReq
+    from .base import ServedSession
 
 __all__ = ["CmaTransport"]
 
 _NONCE_BYTES = 16
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _errno_error(err: int, pid: int) -> HixlError:
@@ -103,7 +101,7 @@ class CmaChannel(Channel):
         except ValueError:  # unmapped by close()
             raise PeerDisconnected(f"channel to {self.link.remote_engine} is closed") from None
 
-    def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float) -> None:
+    def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float, write: bool) -> None:
         """Check against the peer's regions, fetched again if it changed them since we last did.
 
         The target's CPU takes no part in a CMA copy, so nothing on its side would stop
@@ -115,7 +113,7 @@ class CmaChannel(Channel):
         if current != self._seen:
             self.link.refresh_regions(timeout)
             self._seen = current
-        self.link.check_remote(addrs, lens, timeout)
+        self.link.check_remote(addrs, lens, timeout, write)
 
     def start(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
         """Run the whole copy in the calling thread (no target involvement)."""
@@ -180,8 +178,6 @@ class CmaTransport(Transport):
     )
 
     def __init__(self) -> None:
-        self._nonce = secrets.token_bytes(_NONCE_BYTES)
-        self._probe_buf = ctypes.create_string_buffer(self._nonce, _NONCE_BYTES)
         # Registration generation, in a memfd that initiators map (see CmaChannel.check_remote).
         # Without one (memfd refused), initiators' probes fail and they use another transport.
         self._generation = 0
@@ -194,13 +190,14 @@ class CmaTransport(Transport):
         except OSError:
             self.close()
 
-    def advertise(self) -> dict[str, Any]:
-        """Pid, boot id and where the nonce lives, for the initiator's probe; the generation fd."""
+    def advertise(self, session: ServedSession) -> dict[str, Any]:
+        """Pid, boot id and where this connection's probe bytes live; the generation fd."""
+        probe = ctypes.create_string_buffer(session.conn.binding("cma"), _NONCE_BYTES)
+        session.keepalive.append(probe)  # for as long as the connection lasts
         return {
             "pid": os.getpid(),
             "boot_id": _boot_id(),
-            "probe_addr": ctypes.addressof(self._probe_buf),
-            "nonce": self._nonce.hex(),
+            "probe_addr": ctypes.addressof(probe),
             "generation_fd": self._generation_fd if self._generation_map is not None else None,
         }
 
@@ -220,15 +217,14 @@ class CmaTransport(Transport):
             self._generation_fd = -1
 
     def probe(self, link: PeerLink) -> str | None:
-        """Read the peer's nonce through ``process_vm_readv``; ``None`` if it matches."""
+        """Read this connection's probe bytes in the peer through ``process_vm_readv``; ``None`` if they match."""
         info = link.welcome.get("transports", {}).get("cma")
         if not isinstance(info, dict):
             return "the peer does not offer cma"
         if info.get("boot_id") != _boot_id():
             return "the peer runs under another kernel (different boot id)"
         try:
-            pid, addr, nonce = int(info["pid"]), int(info["probe_addr"]), bytes.fromhex(info["nonce"])
-            generation_fd = int(info["generation_fd"])
+            pid, addr, generation_fd = int(info["pid"]), int(info["probe_addr"]), int(info["generation_fd"])
         except (KeyError, TypeError, ValueError):
             return "the peer's cma advertisement is malformed"
         got = ctypes.create_string_buffer(_NONCE_BYTES)
@@ -238,8 +234,10 @@ class CmaTransport(Transport):
         if moved != _NONCE_BYTES:
             err = ctypes.get_errno()
             return f"process_vm_readv on pid {pid} failed: {os.strerror(err)} (errno {err})"
-        if got.raw != nonce:
-            return f"pid {pid} here is another process (separate pid namespace)"
+        with link.wire.conn_lock:
+            expected = link.wire.conn.binding("cma")
+        if got.raw != expected:
+            return f"pid {pid} here does not hold this connection's probe bytes (another process, or another pid namespace)"
         try:
             _map_generation(pid, generation_fd).close()
         except (OSError, ValueError) as exc:

@@ -1,94 +1,141 @@
-"""TCP transport: READ/WRITE served by the target engine's I/O thread.
+"""TCP transport, both halves: READ/WRITE over the connection's own socket.
 
-Works across hosts. The initiator sends READ (descriptors) or WRITE
-(descriptors, then the data ``writev``-ed straight from registered memory) on
-the connection's socket; the target's I/O thread validates the descriptors
-against its registrations and answers with DATA (``writev`` from its registered
-memory) or ACK after ``readv``-ing straight into it. No staging buffers, no
-serialisation of payloads. The target's application code still takes no
-part; only its engine's thread does.
+Works across hosts. *Initiator half* (:class:`TcpChannel`): sends READ
+(descriptors) or WRITE (descriptors, then the data ``writev``-ed straight from
+registered memory); a READ's DATA reply is ``readv``-ed straight into local
+memory. Requests with more descriptors than a frame carries are split into
+several frames and complete together. *Target half* (:meth:`TcpTransport.serve`):
+the target engine's I/O thread checks the descriptors against its registrations
+(and their access rights), then answers with DATA (``writev`` from registered
+memory) or lands the WRITE's data (``readv`` into it) and ACKs. No staging
+buffers, no serialisation of payloads; the target's application code takes no
+part, only its engine's thread does.
+
+Deadlines travel in the request, converted to the target's clock (never later
+than the initiator's): the target lands no byte of a WRITE past it, and refuses
+a READ that arrives after it, so once the initiator reports TIMEOUT no byte of
+that request lands on either side.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _protocol as proto
 from .._exceptions import HixlError, MemoryRangeError, ProtocolError, TransferTimeout, error_for_status
+from .._iov import IovCursor, iovecs
 from .._link import Pending
 from .._types import MemType, Op, Status
-from .._iov import IovCursor, iovecs
 from .base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
     from .._link import PeerLink
     from .._request import TransferReq
+    from .base import ServedSession
 
-__all__ = ["TcpTransport"]
+__all__ = ["TcpChannel", "TcpTransport"]
+
+
+class _Parts:
+    """Completes one :class:`TransferReq` once every frame it was split into is answered."""
+
+    def __init__(self, req: TransferReq, count: int) -> None:
+        self.req = req
+        self.left = count
+        self._lock = threading.Lock()
+
+    def one_done(self) -> None:
+        with self._lock:
+            self.left -= 1
+            last = self.left == 0
+        if last and not self.req.cancelled:  # cancelled: it expired, and its status says TIMEOUT
+            self.req.complete()
 
 
 class _InFlight(Pending):
-    """Completes a :class:`TransferReq` from the reader thread."""
+    """One frame of a transfer; its reply arrives on whichever thread reads the socket."""
 
-    def __init__(self, req: TransferReq, local: IovCursor) -> None:
-        self.req = req
+    def __init__(self, parts: _Parts, local: IovCursor) -> None:
+        self.parts = parts
         self.local = local
 
     def on_data(self, link: PeerLink, nbytes: int) -> None:
         if nbytes != self.local.total:
             raise ProtocolError(f"DATA carries {nbytes} bytes, the READ asked for {self.local.total}")
-        link.framed.receive_into(self.local, self.req)
-        if not self.req.cancelled:  # else it expired mid-data, and _expire reports TIMEOUT
-            self.req.complete()
+        req = self.parts.req
+        if link.wire.receive_into(self.local, req):
+            self.parts.one_done()
+        self.done = True
 
     def on_reply(self, message: proto.Message) -> None:
+        self.done = True
+        req = self.parts.req
         if isinstance(message, proto.Ack):
-            self.req.complete()
+            self.parts.one_done()
         elif isinstance(message, proto.Error):
             text = f"peer refused the transfer: {message.message}"
             if message.status == Status.PARAM_INVALID:
                 # A target refuses READ/WRITE as PARAM_INVALID only for a range outside its
                 # registrations; we checked against our copy of them, which may lag behind
                 # a deregistration. Same error as when our own check catches it.
-                self.req.fail(MemoryRangeError(text))
+                req.fail(MemoryRangeError(text))
+            elif message.status == Status.TIMEOUT:
+                req.fail(TransferTimeout(text))
             else:
-                self.req.fail(error_for_status(message.status, text))
+                req.fail(error_for_status(message.status, text))
         else:
-            self.req.fail(ProtocolError(f"unexpected {type(message).__name__} reply to a transfer"))
+            req.fail(ProtocolError(f"unexpected {type(message).__name__} reply to a transfer"))
 
     def on_failure(self, error: HixlError) -> None:
-        if self.req.deadline is not None and time.monotonic() >= self.req.deadline:
+        self.done = True
+        req = self.parts.req
+        if req.deadline is not None and time.monotonic() >= req.deadline:
             # Past its deadline the request has timed out, as its status would say. This is
             # also the case where its own send ran out of time mid-frame, killing the link:
             # the reader failing it here must not turn that TIMEOUT into a disconnect.
-            error = TransferTimeout(f"{self.req!r} passed its deadline ({error})")
-        self.req.fail(error)
+            error = TransferTimeout(f"{req!r} passed its deadline ({error})")
+        req.fail(error)
 
 
 class TcpChannel(Channel):
-    """Sends transfer requests over the peer's control socket."""
+    """Sends transfer requests over the peer's authenticated socket."""
 
     def __init__(self, link: PeerLink) -> None:
         self.link = link
 
     def start(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
-        """Send the request (and WRITE data); the link's reader completes ``req``."""
-        local = IovCursor(iovecs(descs[:, 0], descs[:, 2]))
-        remote = np.ascontiguousarray(descs[:, 1:3])
-        req_id = self.link.next_id()
-        try:
-            self.link.expect(req_id, _InFlight(req, local))
+        """Send the request's frames (and WRITE data); replies complete ``req`` on the reading thread."""
+        self._send(req, op, descs, read_reply=False)
+
+    def run(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
+        """As :meth:`start`, and read the reply on this thread if nobody else is reading."""
+        self._send(req, op, descs, read_reply=True)
+
+    def _send(self, req: TransferReq, op: Op, descs: np.ndarray, read_reply: bool) -> None:
+        groups = [descs[i : i + proto.frames.MAX_DESCS] for i in range(0, len(descs), proto.frames.MAX_DESCS)]
+        parts = _Parts(req, len(groups))
+        wire = self.link.wire
+        for group in groups:
+            local = IovCursor(iovecs(group[:, 0], group[:, 2]))
+            remote = np.ascontiguousarray(group[:, 1:3])
+            req_id = self.link.next_id()
+            with wire.conn_lock:
+                deadline = wire.conn.peer_deadline(req.deadline)
             if op is Op.READ:
-                self.link.framed.send(proto.encode(proto.ReadRequest(req_id, remote)), deadline=req.deadline)
+                message: proto.Message = proto.ReadRequest(req_id, remote, deadline)
+                data = None
             else:
-                frame = proto.encode(proto.WriteRequest(req_id, remote, local.total))
-                self.link.framed.send(frame, data=local, deadline=req.deadline)
-        except HixlError as exc:
-            self.link.forget(req_id)
-            req.fail(exc)
+                message, data = proto.WriteRequest(req_id, remote, local.total, deadline), local
+            try:
+                pending = _InFlight(parts, local)
+                self.link.submit(message, pending, data, req.deadline, read_reply=read_reply and len(groups) == 1)
+            except HixlError as exc:
+                req.fail(exc)
+                return
 
 
 class TcpTransport(Transport):
@@ -100,12 +147,54 @@ class TcpTransport(Transport):
         mem_types=frozenset({MemType.HOST}),
         target_cpu_free=False,
         zero_copy=True,
+        serves=frozenset({proto.FrameType.READ, proto.FrameType.WRITE}),
     )
 
     def probe(self, link: PeerLink) -> str | None:
-        """Always reachable: the control connection is itself TCP."""
+        """Always reachable: the connection is itself TCP."""
         return None
 
     def open(self, link: PeerLink) -> Channel:
         """A channel over ``link``'s socket."""
         return TcpChannel(link)
+
+    # -- target half ----------------------------------------------------------------------------
+    def serve(self, session: ServedSession, message: Any) -> None:
+        """Answer one READ or WRITE on the target's I/O thread."""
+        if isinstance(message, proto.ReadRequest):
+            self._serve_read(session, message)
+        else:
+            self._serve_write(session, message)
+
+    @staticmethod
+    def _refusal(session: ServedSession, descs: np.ndarray, write: bool) -> proto.Error | None:
+        try:
+            session.regions().check(descs[:, 0], descs[:, 1], write, "requested")
+        except HixlError as exc:
+            return proto.Error(0, int(exc.status), str(exc))
+        return None
+
+    def _serve_read(self, session: ServedSession, message: proto.ReadRequest) -> None:
+        wire = session.wire
+        if session.expired(message.deadline):
+            wire.send(proto.Error(message.req_id, Status.TIMEOUT, "the READ arrived after its deadline"))
+            return
+        refusal = self._refusal(session, message.descs, write=False)
+        if refusal is not None:
+            wire.send(proto.Error(message.req_id, refusal.status, refusal.message))
+            return
+        data = IovCursor(iovecs(message.descs[:, 0], message.descs[:, 1]))
+        wire.send(proto.Data(message.req_id, data.total), data=data)
+
+    def _serve_write(self, session: ServedSession, message: proto.WriteRequest) -> None:
+        wire = session.wire
+        refusal = self._refusal(session, message.descs, write=True)
+        if refusal is not None:
+            wire.drain()  # keep the stream in step
+            wire.send(proto.Error(message.req_id, refusal.status, refusal.message))
+            return
+        cursor = IovCursor(iovecs(message.descs[:, 0], message.descs[:, 1]))
+        if wire.receive_into(cursor, deadline=session.local_deadline(message.deadline)):
+            wire.send(proto.Ack(message.req_id))
+        else:
+            wire.send(proto.Error(message.req_id, Status.TIMEOUT, "the WRITE passed its deadline; the rest was dropped"))

@@ -11,6 +11,8 @@ import pytest
 
 import hixl
 from hixl import (
+    AccessDenied,
+    AuthenticationFailed,
     AlreadyConnected,
     Engine,
     HixlError,
@@ -111,6 +113,8 @@ STATUS_CLASS = {
     Status.UNSUPPORTED: Unsupported,
     Status.RESOURCE_EXHAUSTED: ResourceExhausted,
     Status.FAILED: TransferError,
+    Status.AUTH_FAILED: AuthenticationFailed,
+    Status.ACCESS_DENIED: AccessDenied,
 }
 
 
@@ -171,7 +175,7 @@ def test_malformed_remote_address(address: object) -> None:
 
 def test_cannot_listen_on_a_foreign_address() -> None:
     with pytest.raises(ParamInvalid, match="cannot listen"):
-        Engine("192.0.2.1:0")  # TEST-NET-1: never a local address
+        Engine("192.0.2.1:0", {"allow_unauthenticated": True})  # TEST-NET-1: never a local address
 
 
 def test_connect_to_itself_by_its_name() -> None:
@@ -183,7 +187,7 @@ def test_connect_to_itself_by_its_name() -> None:
 
 def test_connect_to_itself_by_another_name(shared_target: TargetProcess) -> None:
     """Listening on every address, the engine is reached as 127.0.0.1: the handshake spots it."""
-    with Engine("0.0.0.0:0") as eng:
+    with Engine("0.0.0.0:0", {"allow_unauthenticated": True}) as eng:
         port = eng.local_engine.rsplit(":", 1)[1]
         with pytest.raises(ParamInvalid, match="itself"):
             eng.connect(f"127.0.0.1:{port}")

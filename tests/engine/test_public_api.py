@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 EXPORTED = [
     "DEFAULT_OPTIONS",
     "PAGE_SIZE",
+    "AccessDenied",
     "AlreadyConnected",
+    "AuthenticationFailed",
     "Engine",
     "HixlError",
     "HixlTimeout",
@@ -66,11 +68,21 @@ def test_default_options() -> None:
     assert hixl.DEFAULT_OPTIONS == {
         "transport": "auto",
         "connect_timeout": 5.0,
+        "connect_fail_fast": False,
         "transfer_timeout": 30.0,
         "heartbeat_interval": 1.0,
         "heartbeat_misses": 5,
+        "handshake_timeout": 5.0,
+        "frame_timeout": 10.0,
         "max_notifies": 4096,
+        "max_notify_bytes": 4 << 20,
         "max_registrations": 65536,
+        "max_connections": 128,
+        "max_connections_per_peer": 16,
+        "max_inflight": 4096,
+        "auth_secret": None,
+        "allow_unauthenticated": False,
+        "allowed_networks": None,
     }
 
 

@@ -1,0 +1,130 @@
+"""Engine options: defaults, and the range checks every value passes at ``Engine(...)``."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Any
+
+from ._exceptions import ParamInvalid
+from ._protocol.auth import Secret
+
+__all__ = ["DEFAULT_OPTIONS", "EngineOptions"]
+
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "transport": "auto",
+    "connect_timeout": 5.0,
+    "connect_fail_fast": False,
+    "transfer_timeout": 30.0,
+    "heartbeat_interval": 1.0,
+    "heartbeat_misses": 5,
+    "handshake_timeout": 5.0,
+    "frame_timeout": 10.0,
+    "max_notifies": 4096,
+    "max_notify_bytes": 4 << 20,
+    "max_registrations": 65536,
+    "max_connections": 128,
+    "max_connections_per_peer": 16,
+    "max_inflight": 4096,
+    "auth_secret": None,
+    "allow_unauthenticated": False,
+    "allowed_networks": None,
+}
+"""Engine options and their defaults (times in seconds, sizes in bytes).
+
+- ``transport``: ``"auto"`` (best reachable), or a transport name to force it (``"cma"``, ``"tcp"``).
+- ``connect_timeout``: how long ``connect`` keeps trying (a refused connection is retried
+  until then, unless ``connect_fail_fast``) and waits for the handshake.
+- ``transfer_timeout``: default timeout of transfers and notifications.
+- ``heartbeat_interval`` / ``heartbeat_misses``: an idle link is pinged every interval; a peer
+  that shows no progress for interval × misses is declared dead.
+- ``handshake_timeout`` (target): a connection must finish its handshake within this, from accept.
+- ``frame_timeout`` (target): a frame that has started arriving must complete within this.
+- ``max_notifies`` / ``max_notify_bytes`` (target): notifications held for ``get_notifies``
+  before senders get RESOURCE_EXHAUSTED.
+- ``max_registrations``: registrations per engine.
+- ``max_connections`` / ``max_connections_per_peer`` (target): connections served at once, in
+  all and from one peer address; more are refused with RESOURCE_EXHAUSTED.
+- ``max_inflight``: async requests per peer not yet finished; more raise ResourceExhausted.
+- ``auth_secret``: shared secret (str or bytes; default ``$HIXL_AUTH_SECRET``) both ends must know.
+- ``allow_unauthenticated``: listen on a non-loopback address without a secret (refused otherwise).
+- ``allowed_networks`` (target): CIDR strings; connections from elsewhere are refused.
+"""
+
+_POSITIVE_TIMES = ("connect_timeout", "transfer_timeout", "heartbeat_interval", "handshake_timeout", "frame_timeout")
+_POSITIVE_COUNTS = (
+    "heartbeat_misses",
+    "max_notifies",
+    "max_registrations",
+    "max_connections",
+    "max_connections_per_peer",
+    "max_inflight",
+)
+_FLAGS = ("connect_fail_fast", "allow_unauthenticated")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Validated options; :attr:`public` is what ``Engine.options`` shows (the secret redacted)."""
+
+    values: dict[str, Any]
+    secret: Secret | None
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+
+    @classmethod
+    def parse(cls, options: dict[str, Any] | None) -> EngineOptions:
+        """Merge ``options`` over the defaults and check every value; :class:`ParamInvalid` if one is off."""
+        if options is not None and not isinstance(options, dict):
+            raise ParamInvalid(f"options must be a dict, not {type(options).__name__}")
+        unknown = set(options or {}) - set(DEFAULT_OPTIONS)
+        if unknown:
+            raise ParamInvalid(f"unknown engine option(s) {sorted(unknown)}; known: {sorted(DEFAULT_OPTIONS)}")
+        values = {**DEFAULT_OPTIONS, **(options or {})}
+        for name in _POSITIVE_TIMES:
+            value = values[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+                raise ParamInvalid(f"option {name} must be a positive number of seconds, not {value!r}")
+            values[name] = float(value)
+        for name in _POSITIVE_COUNTS:
+            value = values[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ParamInvalid(f"option {name} must be a positive integer, not {value!r}")
+        if isinstance(values["max_notify_bytes"], bool) or not isinstance(values["max_notify_bytes"], int) or values["max_notify_bytes"] < 4096:
+            raise ParamInvalid(f"option max_notify_bytes must be an integer >= 4096, not {values['max_notify_bytes']!r}")
+        for name in _FLAGS:
+            if not isinstance(values[name], bool):
+                raise ParamInvalid(f"option {name} must be True or False, not {values[name]!r}")
+        if not isinstance(values["transport"], str):
+            raise ParamInvalid(f"option transport must be a string, not {values['transport']!r}")
+        try:
+            secret = Secret.from_option(values["auth_secret"])
+        except TypeError as exc:
+            raise ParamInvalid(str(exc)) from None
+        values["auth_secret"] = secret
+        return cls(values, secret, _networks(values["allowed_networks"]))
+
+    @property
+    def public(self) -> dict[str, Any]:
+        """The options as ``Engine.options`` shows them."""
+        return dict(self.values)
+
+
+def _networks(value: Any) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str) or not hasattr(value, "__iter__"):
+        raise ParamInvalid(f"option allowed_networks must be a list of CIDR strings, not {value!r}")
+    networks = []
+    for item in value:
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except (TypeError, ValueError) as exc:
+            raise ParamInvalid(f"allowed_networks: {item!r} is not a network ({exc})") from None
+    if not networks:
+        raise ParamInvalid("allowed_networks is empty: nobody could connect (use None to allow any)")
+    return tuple(networks)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an engine listening on ``host`` is reachable from this machine only."""
+    return ipaddress.ip_address(host).is_loopback

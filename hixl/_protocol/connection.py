@@ -1,0 +1,449 @@
+"""One hixl connection as a state machine: bytes in, events out, and frames to send. No I/O.
+
+Theory of operation (in the spirit of h11). A :class:`Connection` is one side
+(initiator or target) of one connection. The I/O driver feeds it what the
+socket gave (:meth:`Connection.receive_data`) and pulls events
+(:meth:`Connection.next_event`): each event is a decoded
+:mod:`~hixl._protocol.frames` message, :data:`NEED_DATA` when the buffer holds no
+complete frame, or :class:`ConnectionClosed`. To send, the driver asks the
+connection for the bytes of a message (:meth:`Connection.send`), which refuses
+anything this side may not send in the current state.
+
+States, the same on both sides::
+
+    HANDSHAKE ──proofs checked──> AUTHENTICATED ──WELCOME──> OPEN ──BYE sent──> CLOSING
+        │                              │                      │                   │
+        └───────── refusal, EOF, BYE received, protocol error ─┴───────────────────┴──> CLOSED
+
+The handshake is a mutual challenge–response (see :mod:`hixl._protocol.auth`)::
+
+    initiator                                 target
+    HELLO {versions, nonce_i, clock}   ->
+                                       <-     CHALLENGE {version, nonce_t, proof_t, clock}
+    (checks proof_t: AUTHENTICATED)
+    AUTH {proof_i, info}               ->     (checks proof_i: AUTHENTICATED)
+                                       <-     WELCOME {info, mac}        (both: OPEN)
+
+Nothing about either engine (pid, regions, nonces of the same-host probe,
+metadata) is sent before the other side's proof passed. The WELCOME carries a
+MAC under the session key, so a WELCOME recorded from another connection is
+refused.
+
+Bulk data (the payload of WRITE and DATA) is not turned into events: after such
+a frame the driver moves ``data_left`` bytes itself, straight between the socket
+and registered memory, first taking whatever the connection had already
+buffered (:meth:`Connection.take_data`) and reporting the rest
+(:meth:`Connection.data_moved`). That keeps transfers zero-copy while the
+parser stays byte-exact: feeding a stream one byte at a time yields the same
+events as feeding it whole.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .._exceptions import AuthenticationFailed, ProtocolError
+from . import auth
+from .frames import (
+    HEADER_SIZE,
+    MIN_VERSION,
+    VERSION,
+    Auth,
+    Challenge,
+    Error,
+    FrameType,
+    Hello,
+    Message,
+    Welcome,
+    encode,
+    kind_of,
+    parse_body,
+    parse_header,
+)
+
+__all__ = ["NEED_DATA", "ConnState", "Connection", "ConnectionClosed", "Role"]
+
+
+class Role(enum.Enum):
+    """Which side of a connection this is."""
+
+    INITIATOR = "initiator"
+    TARGET = "target"
+
+
+class ConnState(enum.Enum):
+    """Where a connection is in its life (see the module docstring)."""
+
+    HANDSHAKE = "HANDSHAKE"
+    AUTHENTICATED = "AUTHENTICATED"
+    OPEN = "OPEN"
+    CLOSING = "CLOSING"
+    CLOSED = "CLOSED"
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = _NeedData()
+"""Returned by :meth:`Connection.next_event` when no complete frame is buffered."""
+
+
+@dataclass(frozen=True)
+class ConnectionClosed:
+    """The peer closed its end (end of stream)."""
+
+
+Event = Message | ConnectionClosed | _NeedData
+
+_F = FrameType
+_OPEN_BY: dict[Role, frozenset[FrameType]] = {
+    Role.INITIATOR: frozenset(
+        {_F.READ, _F.WRITE, _F.NOTIFY, _F.QUERY_REGIONS, _F.QUERY_META, _F.PING, _F.PONG, _F.BYE}
+    ),
+    Role.TARGET: frozenset({_F.REGIONS, _F.DATA, _F.ACK, _F.ERROR, _F.META, _F.PING, _F.PONG, _F.BYE}),
+}
+# What each side may send in each state. During the handshake the target may answer with
+# ERROR (a refusal) and then closes; CLOSING allows the goodbye and heartbeats' answers only.
+_SENDABLE: dict[tuple[Role, ConnState], frozenset[FrameType]] = {
+    (Role.INITIATOR, ConnState.HANDSHAKE): frozenset({_F.HELLO}),
+    (Role.INITIATOR, ConnState.AUTHENTICATED): frozenset({_F.AUTH}),
+    (Role.INITIATOR, ConnState.OPEN): _OPEN_BY[Role.INITIATOR],
+    (Role.TARGET, ConnState.HANDSHAKE): frozenset({_F.CHALLENGE, _F.ERROR}),
+    (Role.TARGET, ConnState.AUTHENTICATED): frozenset({_F.WELCOME, _F.ERROR}),
+    (Role.TARGET, ConnState.OPEN): _OPEN_BY[Role.TARGET],
+    (Role.INITIATOR, ConnState.CLOSING): frozenset({_F.BYE, _F.PONG}),
+    (Role.TARGET, ConnState.CLOSING): frozenset({_F.BYE, _F.PONG}),
+}
+# The replies an initiator's request may get (ERROR always may come instead).
+_REPLIES: dict[FrameType, frozenset[FrameType]] = {
+    _F.READ: frozenset({_F.DATA}),
+    _F.WRITE: frozenset({_F.ACK}),
+    _F.NOTIFY: frozenset({_F.ACK}),
+    _F.QUERY_REGIONS: frozenset({_F.REGIONS}),
+    _F.QUERY_META: frozenset({_F.META}),
+}
+_UNSOLICITED: frozenset[FrameType] = frozenset({_F.REGIONS, _F.PING, _F.PONG, _F.BYE, _F.ERROR})
+_GUARD = 0.010
+"""Seconds by which a deadline sent to the target is moved earlier (chunk time, clock reads)."""
+
+
+class Connection:
+    """One side of one hixl connection; see the module docstring.
+
+    ``secret`` is the shared secret (``None``: no authentication).
+    ``clock`` is the monotonic clock (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        secret: auth.Secret | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.role = role
+        self.state = ConnState.HANDSHAKE
+        self.version = 0
+        """The negotiated protocol version (0 until the handshake chose one)."""
+        self.peer_info: dict[str, Any] = {}
+        """What the peer said about itself: AUTH's ``info`` (target side) or WELCOME's (initiator)."""
+        self.closed_reason = ""
+        self.data_left = 0
+        """Bytes of bulk data that follow the last event, for the driver to move."""
+        self._key = secret.key if secret is not None else b""
+        self._clock = clock
+        self._buf = bytearray()
+        self._pos = 0
+        self._nonce = auth.fresh_nonce()
+        self._peer_nonce = ""
+        self._session_key = b""
+        self._hello_seen = False
+        self._outstanding: dict[int, FrameType] = {}
+        self._clock_offset: float | None = None
+        self._offset_at = 0.0
+
+    # -- handshake ------------------------------------------------------------------------------
+    def initiate(self) -> bytes:
+        """Initiator: the HELLO that opens the handshake."""
+        info = {"versions": [MIN_VERSION, VERSION], "nonce": self._nonce, "clock": self._clock()}
+        return self.send(Hello(info))
+
+    def challenge(self) -> bytes:
+        """Target, after the HELLO event: the CHALLENGE with this side's proof."""
+        proof = auth.proof(self._key, "target", self._nonce, self._peer_nonce, self.version)
+        return self.send(Challenge({"version": self.version, "nonce": self._nonce, "proof": proof, "clock": self._clock()}))
+
+    def authenticate(self, info: dict[str, Any]) -> bytes:
+        """Initiator, after the CHALLENGE event (target proved itself): AUTH with our proof and ``info``."""
+        proof = auth.proof(self._key, "initiator", self._nonce, self._peer_nonce, self.version)
+        return self.send(Auth({"proof": proof, "info": info}))
+
+    def welcome(self, info: dict[str, Any]) -> bytes:
+        """Target, after the AUTH event: the WELCOME, MAC'd under the session key; the connection opens."""
+        return self.send(Welcome({"info": info, "mac": auth.mac(self._session_key, "welcome", _canonical(info))}))
+
+    def refuse(self, status: int, message: str) -> bytes:
+        """Target: the ERROR that refuses a handshake; the connection is CLOSED after it."""
+        data = self.send(Error(0, status, message))
+        self._close(f"refused: {message}")
+        return data
+
+    def binding(self, label: str) -> bytes:
+        """16 bytes only the two ends of this authenticated connection can compute.
+
+        Used to bind a same-host probe to this connection: the target puts them in
+        its memory, the initiator checks that the process it would copy into holds them.
+        """
+        if self.state not in (ConnState.AUTHENTICATED, ConnState.OPEN):
+            raise ProtocolError("no session key before the handshake's proofs passed")
+        return bytes.fromhex(auth.mac(self._session_key, "binding:" + label, b""))[:16]
+
+    # -- sending --------------------------------------------------------------------------------
+    def send(self, message: Message) -> bytes:
+        """The bytes of ``message``, after checking this side may send it now.
+
+        Requests (initiator) are remembered until their reply arrives; sending
+        BYE moves the connection to CLOSING. Raises :class:`ProtocolError`
+        for a frame this side may not send in this state.
+        """
+        kind = kind_of(message)
+        if kind not in _SENDABLE.get((self.role, self.state), ()):
+            raise ProtocolError(f"a {self.role.value} may not send {kind.name} while {self.state.name}")
+        if kind in _REPLIES and self.role is Role.INITIATOR:
+            if message.req_id == 0 or message.req_id in self._outstanding:
+                raise ProtocolError(f"request id {message.req_id} is zero or already in use")
+            self._outstanding[message.req_id] = kind
+        elif kind is _F.WELCOME:
+            self.state = ConnState.OPEN
+        elif kind is _F.BYE:
+            self.state = ConnState.CLOSING
+        return encode(message)
+
+    def forget_request(self, req_id: int) -> None:
+        """Stop expecting a reply to ``req_id`` (used when the request can never be answered)."""
+        self._outstanding.pop(req_id, None)
+
+    @property
+    def outstanding(self) -> int:
+        """Requests sent and not yet answered."""
+        return len(self._outstanding)
+
+    # -- receiving ------------------------------------------------------------------------------
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed bytes from the socket; ``b""`` means the peer closed its end."""
+        if not data:
+            self._eof = True
+            return
+        if self._pos and self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        self._buf += data
+
+    _eof = False
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet consumed."""
+        return len(self._buf) - self._pos
+
+    def next_event(self) -> Event:
+        """The next event: a message, :data:`NEED_DATA`, or :class:`ConnectionClosed`.
+
+        Raises :class:`ProtocolError` for a malformed or out-of-place frame and
+        :class:`~hixl.AuthenticationFailed` for a failed proof; the connection is
+        CLOSED after either.
+        """
+        if self.data_left:
+            raise RuntimeError(f"{self.data_left} bytes of data must be moved before the next frame")
+        if self.state is ConnState.CLOSED:
+            return ConnectionClosed()
+        if self.buffered < HEADER_SIZE:
+            return self._end_of_input()
+        try:
+            pos = self._pos
+            header = parse_header(bytes(self._buf[pos : pos + HEADER_SIZE]))
+            end = pos + HEADER_SIZE + header.body_len
+            if len(self._buf) < end:
+                return self._end_of_input()
+            self._check_incoming(header.type, header.req_id)
+            # A copy: parsed messages (numpy views of descriptors) must not alias the buffer.
+            message = parse_body(header, bytes(self._buf[pos + HEADER_SIZE : end]))
+            self._pos = end
+            self.data_left = header.data_len
+            return self._react(message)
+        except (ProtocolError, AuthenticationFailed) as exc:
+            self._close(str(exc))
+            raise
+
+    def _end_of_input(self) -> Event:
+        if self._eof:
+            if self.buffered:
+                self._close("the peer closed the connection in the middle of a frame")
+                raise ProtocolError(f"connection ended {self.buffered} bytes into a frame")
+            self._close("the peer closed the connection")
+            return ConnectionClosed()
+        return NEED_DATA
+
+    def take_data(self, limit: int) -> bytes:
+        """Up to ``limit`` bytes of the current bulk data that arrived with its frame."""
+        n = min(limit, self.data_left, self.buffered)
+        data = bytes(self._buf[self._pos : self._pos + n])
+        self._pos += n
+        self.data_left -= n
+        return data
+
+    def data_moved(self, nbytes: int) -> None:
+        """The driver moved ``nbytes`` of the current bulk data straight from the socket."""
+        if nbytes > self.data_left:
+            raise RuntimeError(f"moved {nbytes} bytes, only {self.data_left} were due")
+        self.data_left -= nbytes
+
+    def _check_incoming(self, kind: FrameType, req_id: int) -> None:
+        peer = Role.TARGET if self.role is Role.INITIATOR else Role.INITIATOR
+        if self.state is ConnState.HANDSHAKE and self.role is Role.TARGET:
+            allowed: frozenset[FrameType] = frozenset({_F.AUTH if self._hello_seen else _F.HELLO})
+        elif self.state in (ConnState.HANDSHAKE, ConnState.AUTHENTICATED) and self.role is Role.INITIATOR:
+            allowed = frozenset({_F.CHALLENGE if self.state is ConnState.HANDSHAKE else _F.WELCOME, _F.ERROR})
+        elif self.state in (ConnState.OPEN, ConnState.CLOSING):
+            allowed = _OPEN_BY[peer]
+        else:
+            allowed = frozenset()
+        if kind not in allowed:
+            raise ProtocolError(f"unexpected {kind.name} from the {peer.value} while {self.state.name}")
+        if self.role is Role.INITIATOR and self.state in (ConnState.OPEN, ConnState.CLOSING):
+            self._match_reply(kind, req_id)
+        elif self.role is Role.TARGET and kind in _REPLIES and req_id == 0:
+            raise ProtocolError(f"{kind.name} with request id 0")
+
+    def _match_reply(self, kind: FrameType, req_id: int) -> None:
+        if kind in _UNSOLICITED and (req_id == 0 or kind in (_F.PING, _F.PONG)):
+            return
+        request = self._outstanding.get(req_id)
+        if request is None or (kind is not _F.ERROR and kind not in _REPLIES[request]):
+            raise ProtocolError(f"{kind.name} answers no request of ours (id {req_id})")
+        del self._outstanding[req_id]
+
+    def _react(self, message: Message) -> Event:
+        """State changes the handshake and goodbyes bring."""
+        if isinstance(message, Hello):
+            self._on_hello(message.info)
+        elif isinstance(message, Challenge):
+            self._on_challenge(message.info)
+        elif isinstance(message, Auth):
+            self._on_auth(message.info)
+        elif isinstance(message, Welcome):
+            self._on_welcome(message.info)
+        elif isinstance(message, Error) and self.state in (ConnState.HANDSHAKE, ConnState.AUTHENTICATED):
+            self._close(f"refused: {message.message}")
+        elif kind_of(message) is _F.BYE:
+            self._close(f"the peer said goodbye ({getattr(message, 'reason', '') or 'no reason given'})")
+        elif kind_of(message) is _F.PONG and self.role is Role.INITIATOR and getattr(message, "clock", 0.0):
+            self._clock_sample(float(message.clock))  # type: ignore[union-attr]
+        return message
+
+    def _on_hello(self, info: dict[str, Any]) -> None:
+        versions = info.get("versions")
+        if not (isinstance(versions, list) and len(versions) == 2 and all(type(v) is int for v in versions)):
+            raise ProtocolError(f"HELLO offers no version range (hixl before protocol {MIN_VERSION}?)")
+        low, high = max(versions[0], MIN_VERSION), min(versions[1], VERSION)
+        if low > high:
+            raise ProtocolError(
+                f"no common protocol version: the initiator speaks {versions[0]}..{versions[1]}, "
+                f"this engine {MIN_VERSION}..{VERSION}"
+            )
+        self.version = high
+        self._peer_nonce = _nonce(info, "HELLO")
+        self._hello_seen = True
+
+    def _on_challenge(self, info: dict[str, Any]) -> None:
+        version = info.get("version")
+        if type(version) is not int or not MIN_VERSION <= version <= VERSION:
+            raise ProtocolError(f"the target chose protocol version {version!r}; this engine speaks {MIN_VERSION}..{VERSION}")
+        self.version = version
+        self._peer_nonce = _nonce(info, "CHALLENGE")
+        expected = auth.proof(self._key, "target", self._peer_nonce, self._nonce, version)
+        if not auth.verify(expected, info.get("proof")):
+            raise AuthenticationFailed(
+                "the target could not prove it knows the shared secret "
+                "(auth_secret / HIXL_AUTH_SECRET differ between the two engines?)"
+            )
+        clock = info.get("clock")
+        if isinstance(clock, (int, float)):
+            self._clock_sample(float(clock))
+        self._session_key = auth.session_key(self._key, self._nonce, self._peer_nonce, version)
+        self.state = ConnState.AUTHENTICATED
+
+    def _on_auth(self, info: dict[str, Any]) -> None:
+        expected = auth.proof(self._key, "initiator", self._peer_nonce, self._nonce, self.version)
+        if not auth.verify(expected, info.get("proof")):
+            raise AuthenticationFailed("the initiator could not prove it knows the shared secret")
+        peer_info = info.get("info")
+        if not isinstance(peer_info, dict):
+            raise ProtocolError("AUTH carries no info object")
+        self.peer_info = peer_info
+        self._session_key = auth.session_key(self._key, self._peer_nonce, self._nonce, self.version)
+        self.state = ConnState.AUTHENTICATED
+
+    def _on_welcome(self, info: dict[str, Any]) -> None:
+        peer_info = info.get("info")
+        if not isinstance(peer_info, dict):
+            raise ProtocolError("WELCOME carries no info object")
+        if not auth.verify(auth.mac(self._session_key, "welcome", _canonical(peer_info)), info.get("mac")):
+            raise AuthenticationFailed("the WELCOME was not made for this connection (replayed or forged)")
+        self.peer_info = peer_info
+        self.state = ConnState.OPEN
+
+    def _close(self, reason: str) -> None:
+        if self.state is not ConnState.CLOSED:
+            self.state = ConnState.CLOSED
+            self.closed_reason = reason
+            self._outstanding.clear()
+
+    # -- deadlines across two clocks --------------------------------------------------------------
+    def _clock_sample(self, peer_clock: float) -> None:
+        # The peer read ``peer_clock`` no later than now, so peer - ours >= peer_clock - now:
+        # a lower bound of the offset. The tightest recent one wins; old ones expire (drift).
+        now = self._clock()
+        sample = peer_clock - now
+        if self._clock_offset is None or sample > self._clock_offset or now - self._offset_at > 30.0:
+            self._clock_offset, self._offset_at = sample, now
+
+    def peer_deadline(self, deadline: float | None) -> int:
+        """Our monotonic ``deadline`` as the peer's clock in microseconds, never later than ours.
+
+        0 means none. The conversion uses a lower bound of the clock offset, so the
+        peer's deadline falls no later than ours (by the handshake's round trip at most
+        earlier): a target that lands nothing past it lands nothing after we report TIMEOUT.
+        """
+        if deadline is None:
+            return 0
+        offset = self._clock_offset if self._clock_offset is not None else 0.0
+        return max(1, int((deadline + offset - _GUARD) * 1e6))
+
+    def __repr__(self) -> str:
+        return (
+            f"<Connection {self.role.value} {self.state.name} v{self.version} "
+            f"outstanding={len(self._outstanding)} buffered={self.buffered}>"
+        )
+
+
+def _nonce(info: dict[str, Any], what: str) -> str:
+    nonce = info.get("nonce")
+    if not isinstance(nonce, str) or len(nonce) != auth.NONCE_HEX:
+        raise ProtocolError(f"{what} carries no valid nonce")
+    try:
+        bytes.fromhex(nonce)
+    except ValueError:
+        raise ProtocolError(f"{what} nonce is not hex") from None
+    return nonce
+
+
+def _canonical(info: dict[str, Any]) -> bytes:
+    return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()

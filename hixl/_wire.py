@@ -1,0 +1,321 @@
+"""The I/O driver: runs a sans-IO :class:`~hixl._protocol.connection.Connection` over one socket.
+
+It owns the byte-level concerns both ends share: frames out (one non-blocking
+``send`` nearly always takes a whole frame), events in, bulk data moved with
+``readv``/``writev`` straight between the socket and registered memory, and
+liveness. The socket is always non-blocking; every wait is a ``poll`` bounded
+by the heartbeat interval and the caller's deadline, so nothing waits inside a
+syscall that could land bytes later (a stopped process resumes in ``poll``,
+sees the time, and moves nothing).
+
+Liveness counts only real progress: bytes received from the peer, or our bulk
+data taken by its kernel while it reads. A peer that shows none for
+``interval * misses`` seconds is declared dead (:class:`PeerDisconnected`); when
+idle we PING it every ``interval`` so that a healthy one always has something
+to answer. ``TCP_USER_TIMEOUT`` tells the kernel the same budget for data it
+could not deliver (a cut cable, a downed link).
+
+Bytes that arrive in the same ``recv`` as a frame header (at most
+:data:`READ_SIZE`) are copied once from the read buffer; everything after is
+moved by the kernel straight into registered memory.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+
+import numpy as np
+
+from . import _protocol as proto
+from ._exceptions import AuthenticationFailed, PeerDisconnected, ProtocolError, TransferTimeout
+from ._iov import IovCursor, bytes_cursor, readv, writev
+from ._protocol.connection import NEED_DATA, Connection, ConnectionClosed, Event
+
+__all__ = ["CHUNK", "READ_SIZE", "Wire"]
+
+READ_SIZE = 16 * 1024
+"""Bytes asked of the socket per frame read."""
+CHUNK = 4 << 20
+"""Most bytes one ``readv`` may land; deadlines and cancellation are checked between chunks."""
+_POLLIN = select.POLLIN
+_POLLOUT = select.POLLOUT
+
+
+class Wire:
+    """One connected socket and its :class:`Connection` (see the module docstring).
+
+    One thread at a time reads (``read_lock``), one at a time sends (``send_lock``).
+    """
+
+    def __init__(self, sock: socket.socket, conn: Connection, peer: str, interval: float, misses: int) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(interval * misses * 1000)))
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.conn = conn
+        self.peer = peer
+        self.interval = interval
+        self.misses = misses
+        self.send_lock = threading.Lock()
+        self.read_lock = threading.Lock()
+        self.conn_lock = threading.Lock()
+        self.last_alive = time.monotonic()
+        self._last_ping = 0.0
+        self.dead_reason = ""
+        self._frame_started: float | None = None
+        self._scratch = bytearray(READ_SIZE)
+        self._scratch_view = memoryview(self._scratch)
+
+    # -- life -----------------------------------------------------------------------------------
+    def mark_dead(self, reason: str) -> None:
+        """Remember why the connection ended and wake anyone blocked on it."""
+        if not self.dead_reason:
+            self.dead_reason = reason
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def check_alive(self) -> None:
+        """Raise :class:`PeerDisconnected` if the connection has ended."""
+        if self.dead_reason:
+            raise PeerDisconnected(f"connection to {self.peer} is down: {self.dead_reason}")
+
+    def _fail(self, reason: str, cause: BaseException | None = None) -> PeerDisconnected:
+        self.mark_dead(reason)
+        error = PeerDisconnected(f"connection to {self.peer} failed: {reason}")
+        error.__cause__ = cause
+        return error
+
+    def close(self) -> None:
+        """Shut the socket down and release it."""
+        self.mark_dead("closed")
+        self.sock.close()
+
+    # -- waiting ----------------------------------------------------------------------------------
+    def wait(self, events: int, deadline: float | None, what: str) -> None:
+        """Block until the socket is ready for ``events``, the peer is dead, or ``deadline``.
+
+        Wakes at least every heartbeat interval to check liveness and PING an idle peer.
+        Raises :class:`TransferTimeout` (naming ``what``) once ``deadline`` passed.
+        """
+        poller = select.poll()
+        poller.register(self.fd, events)
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise TransferTimeout(f"{what} with {self.peer} timed out")
+            self.check_alive()
+            limit = self.interval if deadline is None else min(self.interval, deadline - now)
+            if poller.poll(max(0.0, limit) * 1000):
+                return
+            self.on_idle()
+
+    def on_idle(self) -> None:
+        """Heartbeat duty: declare a silent peer dead, PING one that has been quiet a while."""
+        self.check_alive()
+        now = time.monotonic()
+        silent = now - self.last_alive
+        if silent > self.interval * self.misses:
+            raise self._fail(f"no sign of life for {silent:.1f} s")
+        if silent >= self.interval and now - self._last_ping >= self.interval:
+            self._last_ping = now
+            self.try_send(proto.Ping())
+
+    # -- receiving --------------------------------------------------------------------------------
+    def next_event(
+        self, deadline: float | None = None, block: bool = True, frame_timeout: float | None = None
+    ) -> Event:
+        """The next event from the peer (reader holds ``read_lock``).
+
+        ``block=False`` returns :data:`NEED_DATA` instead of waiting. With ``deadline``
+        (handshakes), raise :class:`TransferTimeout` once it passes; with
+        ``frame_timeout``, once a frame has been arriving for that long without
+        completing (a peer trickling bytes is alive, but may not hold us forever).
+        Protocol and authentication errors end the connection and are raised as they are.
+        """
+        if self.conn.data_left:
+            self.drain()  # a reader before us gave up in the middle of some data
+        while True:
+            with self.conn_lock:
+                try:
+                    event = self.conn.next_event()
+                except (ProtocolError, AuthenticationFailed) as exc:
+                    self.mark_dead(str(exc))
+                    raise
+            if event is not NEED_DATA:
+                self._frame_started = None
+                if isinstance(event, ConnectionClosed):
+                    self.mark_dead(self.conn.closed_reason or "peer closed the connection")
+                return event
+            limit = deadline
+            if frame_timeout is not None and self.conn.buffered:
+                if self._frame_started is None:
+                    self._frame_started = time.monotonic()
+                ends = self._frame_started + frame_timeout
+                limit = ends if limit is None else min(limit, ends)
+            else:
+                self._frame_started = None
+            if not self._fill(limit, block):
+                return NEED_DATA
+
+    def _fill(self, deadline: float | None, block: bool) -> bool:
+        """One ``recv`` into the connection (end of stream included); False if none was possible
+        without blocking and ``block`` is false."""
+        while True:
+            try:
+                n = self.sock.recv_into(self._scratch_view, READ_SIZE)
+            except (BlockingIOError, InterruptedError):
+                if not block:
+                    return False
+                self.wait(_POLLIN, deadline, "receiving")
+                continue
+            except OSError as exc:
+                raise self._fail(f"socket error: {exc}", exc) from exc
+            with self.conn_lock:
+                self.conn.receive_data(self._scratch_view[:n] if n else b"")
+            if n:
+                self.last_alive = time.monotonic()
+            return True
+
+    def receive_into(self, cursor: IovCursor, owner: object | None = None, deadline: float | None = None) -> bool:
+        """Move the current bulk data into ``cursor``'s memory; True if all of it landed.
+
+        With ``owner`` (a :class:`~hixl.TransferReq`), each chunk lands under its
+        ``io_lock`` and only while it is not ``cancelled``; with ``deadline``, only
+        before it. Whatever is not landed is read and dropped, so the stream stays in
+        step either way. Waiting happens outside the lock, so expiring a request never
+        waits behind a stalled peer.
+        """
+        lock = getattr(owner, "io_lock", None)
+        while not cursor.finished and self.conn.data_left:
+            if lock is not None:
+                with lock:
+                    if owner.cancelled:  # type: ignore[union-attr]
+                        break
+                    moved = self._land_chunk(cursor, deadline)
+            else:
+                moved = self._land_chunk(cursor, deadline)
+            if moved < 0:
+                break
+            if moved == 0:
+                try:
+                    self.wait(_POLLIN, deadline, "receiving data")
+                except TransferTimeout:
+                    break
+        complete = cursor.finished
+        self.drain()
+        return complete
+
+    def _land_chunk(self, cursor: IovCursor, deadline: float | None) -> int:
+        """Land what is available now (at most :data:`CHUNK`); -1 if ``deadline`` passed, 0 if nothing."""
+        if deadline is not None and time.monotonic() >= deadline:
+            return -1
+        if self.conn.buffered:
+            with self.conn_lock:
+                view = self.conn.take_data(min(CHUNK, cursor.total - cursor.done))
+            cursor.copy_in(view)
+            self.last_alive = time.monotonic()
+            return len(view)
+        limit = min(CHUNK, self.conn.data_left)
+        try:
+            moved = readv(self.fd, cursor, limit)
+        except ConnectionError as exc:
+            raise self._fail("peer closed the connection mid-data", exc) from exc
+        except OSError as exc:
+            raise self._fail(f"socket error: {exc}", exc) from exc
+        if moved:
+            self.conn.data_moved(moved)
+            self.last_alive = time.monotonic()
+        return moved
+
+    def drain(self) -> None:
+        """Read and drop what is left of the current bulk data."""
+        scratch: np.ndarray | None = None
+        while self.conn.data_left:
+            if self.conn.buffered:
+                with self.conn_lock:
+                    self.conn.take_data(self.conn.data_left)
+                continue
+            if scratch is None:
+                scratch = np.empty(min(self.conn.data_left, CHUNK), dtype=np.uint8)
+            n = min(self.conn.data_left, len(scratch))
+            try:
+                got = self.sock.recv_into(memoryview(scratch)[:n], n)
+            except (BlockingIOError, InterruptedError):
+                self.wait(_POLLIN, None, "draining data")
+                continue
+            except OSError as exc:
+                raise self._fail(f"socket error: {exc}", exc) from exc
+            if not got:
+                raise self._fail("peer closed the connection mid-data")
+            self.conn.data_moved(got)
+            self.last_alive = time.monotonic()
+
+    # -- sending --------------------------------------------------------------------------------
+    def send(self, message: proto.Message, data: IovCursor | None = None, deadline: float | None = None) -> None:
+        """Send ``message`` and (for WRITE/DATA) its data as one unit on the wire."""
+        self.check_alive()
+        with self.send_lock:
+            with self.conn_lock:
+                frame = self.conn.send(message)
+            self._send_frame(frame, deadline)
+            if data is not None:
+                self._send_data(data, deadline)
+
+    def try_send(self, message: proto.Message) -> bool:
+        """Send a small frame only if nobody else is sending right now."""
+        if self.dead_reason or not self.send_lock.acquire(blocking=False):
+            return False
+        try:
+            with self.conn_lock:
+                frame = self.conn.send(message)
+            self._send_frame(frame, None)
+        except (PeerDisconnected, ProtocolError, TransferTimeout):
+            return False
+        finally:
+            self.send_lock.release()
+        return True
+
+    def send_raw(self, frame: bytes, deadline: float | None = None) -> None:
+        """Send bytes the connection already produced (handshake steps); caller sequences them."""
+        with self.send_lock:
+            self._send_frame(frame, deadline)
+
+    def _send_frame(self, frame: bytes, deadline: float | None) -> None:
+        """Frames are small and the socket buffer is usually free: one send nearly always takes it."""
+        try:
+            sent = self.sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            raise self._fail(f"socket error: {exc}", exc) from exc
+        if sent < len(frame):
+            self._send_data(bytes_cursor(frame[sent:]), deadline, sign_of_life=False)
+
+    def _send_data(self, cursor: IovCursor, deadline: float | None, sign_of_life: bool = True) -> None:
+        """writev until done. Our data taken by a peer that reads it is a sign of its life;
+        a frame header alone is not (a frozen peer's kernel still buffers it)."""
+        while not cursor.finished:
+            try:
+                moved = writev(self.fd, cursor, cursor.total - cursor.done)
+            except OSError as exc:
+                raise self._fail(f"socket error: {exc}", exc) from exc
+            if moved:
+                if sign_of_life:
+                    self.last_alive = time.monotonic()
+                continue
+            try:
+                self.wait(_POLLOUT, deadline, "sending")
+            except TransferTimeout:
+                # Part of a frame is on the wire: the stream can't be resumed.
+                self.mark_dead("a send passed its deadline mid-frame")
+                raise
+
+    def __repr__(self) -> str:
+        return f"<Wire {self.peer} {self.conn.state.name} {'dead: ' + self.dead_reason if self.dead_reason else 'live'}>"
