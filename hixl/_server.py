@@ -279,7 +279,12 @@ class _ServedConnection:
             wire.send_raw(conn.challenge(), deadline)
             try:
                 if not isinstance(wire.next_event(deadline), proto.Auth):
-                    return False  # it hung up: it did not accept our proof
+                    log.warning(
+                        "hixl: refused %s: it hung up after our challenge (it did not accept our proof: "
+                        "a different shared secret?)",
+                        wire.peer,
+                    )
+                    return False
             except AuthenticationFailed as exc:
                 log.warning("hixl: refused %s: %s", wire.peer, exc)
                 _send_fatal(wire, Status.AUTH_FAILED, "authentication failed")
@@ -292,7 +297,7 @@ class _ServedConnection:
             return False
         except ProtocolError as exc:
             log.warning("hixl: refused %s: %s", wire.peer, exc)
-            _send_fatal(wire, Status.UNSUPPORTED if "version" in str(exc) else Status.FAILED, str(exc))
+            _send_fatal(wire, Status.UNSUPPORTED if "version" in str(exc) else Status.FAILED, f"protocol error: {exc}")
             return False
         return True
 

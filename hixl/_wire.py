@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from . import _protocol as proto
-from ._exceptions import AuthenticationFailed, PeerDisconnected, ProtocolError, TransferTimeout
+from ._exceptions import PeerDisconnected, ProtocolError, TransferTimeout
 from ._iov import IovCursor, bytes_cursor, readv, writev
 from ._protocol.connection import NEED_DATA, Connection, ConnectionClosed, Event
 
@@ -137,17 +137,14 @@ class Wire:
         (handshakes), raise :class:`TransferTimeout` once it passes; with
         ``frame_timeout``, once a frame has been arriving for that long without
         completing (a peer trickling bytes is alive, but may not hold us forever).
-        Protocol and authentication errors end the connection and are raised as they are.
+        Protocol and authentication errors are raised as they are (the connection is
+        CLOSED; the socket stays open so that the owner can say why before closing it).
         """
         if self.conn.data_left:
             self.drain()  # a reader before us gave up in the middle of some data
         while True:
             with self.conn_lock:
-                try:
-                    event = self.conn.next_event()
-                except (ProtocolError, AuthenticationFailed) as exc:
-                    self.mark_dead(str(exc))
-                    raise
+                event = self.conn.next_event()  # a protocol error is the owner's to report, then close
             if event is not NEED_DATA:
                 self._frame_started = None
                 if isinstance(event, ConnectionClosed):

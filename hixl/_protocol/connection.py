@@ -316,6 +316,9 @@ class Connection:
         else:
             allowed = frozenset()
         if kind not in allowed:
+            if self.state in (ConnState.HANDSHAKE, ConnState.AUTHENTICATED):
+                wanted = " or ".join(sorted(k.name for k in allowed))
+                raise ProtocolError(f"expected {wanted} from the {peer.value} during the handshake, got {kind.name}")
             raise ProtocolError(f"unexpected {kind.name} from the {peer.value} while {self.state.name}")
         if self.role is Role.INITIATOR and self.state in (ConnState.OPEN, ConnState.CLOSING):
             self._match_reply(kind, req_id)

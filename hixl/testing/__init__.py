@@ -2,9 +2,12 @@
 
 Used by hixl's own tests and benchmark, and meant for users testing code that
 sits on top of hixl: the peer is a real process with a real engine, so
-nothing stands in for a transport.
+nothing stands in for a transport. :class:`ScriptedPeer` and
+:class:`ScriptedTarget` speak the real protocol frame by frame, with fault
+injection, for the failures a real peer only shows by chance.
 """
 
 from .peer import TargetProcess
+from .scripted import ScriptedPeer, ScriptedTarget
 
-__all__ = ["TargetProcess"]
+__all__ = ["ScriptedPeer", "ScriptedTarget", "TargetProcess"]

@@ -52,12 +52,30 @@ def _write(engine: Any, buffers: list[np.ndarray], handles: list[Any], index: in
     buffers[index][start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
 
-def _add_buffer(engine: Any, buffers: list[np.ndarray], handles: list[Any], size: int) -> int:
-    from .. import empty
+def _add_buffer(engine: Any, buffers: list[np.ndarray], handles: list[Any], size: int, access: str) -> int:
+    from .. import MemType, empty
 
     buffers.append(empty(size))
-    handles.append(engine.register_mem(buffers[-1]))
+    handles.append(engine.register_mem(buffers[-1], MemType.HOST, access))
     return int(buffers[-1].ctypes.data)
+
+
+def _limit_fds(engine: Any, buffers: list[np.ndarray], handles: list[Any], extra: int) -> int:
+    """Lower the soft RLIMIT_NOFILE to the descriptors open now plus ``extra``; returns it."""
+    import resource
+
+    limit = len(os.listdir("/proc/self/fd")) + extra
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    return limit
+
+
+def _memory(engine: Any, buffers: list[np.ndarray], handles: list[Any]) -> tuple[int, int]:
+    """Resident set size in bytes and the number of live threads."""
+    import threading
+
+    with open("/proc/self/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    return rss_pages * os.sysconf("SC_PAGE_SIZE"), threading.active_count()
 
 
 def _deregister(engine: Any, buffers: list[np.ndarray], handles: list[Any], index: int) -> None:
@@ -91,6 +109,8 @@ _COMMANDS: dict[str, Callable[..., Any]] = {
     "read": _read,
     "write": _write,
     "add_buffer": _add_buffer,
+    "limit_fds": _limit_fds,
+    "memory": _memory,
     "deregister": _deregister,
     "notifies": _notifies,
     "wait_notifies": _wait_notifies,
@@ -155,11 +175,19 @@ class TargetProcess:
         """Set bytes of buffer ``index`` from the child's side."""
         self._do("write", index, start, data)
 
-    def add_buffer(self, size: int) -> int:
-        """Allocate and register another buffer (after peers connected); returns its address."""
-        addr = self._do("add_buffer", size)
+    def add_buffer(self, size: int, access: str = "rw") -> int:
+        """Allocate and register another buffer (``access`` as in ``register_mem``); returns its address."""
+        addr = self._do("add_buffer", size, access)
         self.addrs.append(addr)
         return addr  # type: ignore[no-any-return]
+
+    def limit_fds(self, extra: int) -> int:
+        """Let the child open only ``extra`` more file descriptors (fault injection: EMFILE)."""
+        return self._do("limit_fds", extra)  # type: ignore[no-any-return]
+
+    def memory(self) -> tuple[int, int]:
+        """The child's resident set size in bytes and its number of threads."""
+        return self._do("memory")  # type: ignore[no-any-return]
 
     def deregister(self, index: int) -> None:
         """Deregister buffer ``index`` in the child."""

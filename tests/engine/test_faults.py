@@ -1,10 +1,10 @@
-"""A scripted fake target (fault injection): a real socket on 127.0.0.1 whose replies a test
-writes frame by frame, to reach failures a real target only shows by chance — dying in the
-middle of a reply, stalling mid-data, answering with the wrong frame."""
+"""A scripted fake target (fault injection, :class:`hixl.testing.ScriptedTarget`): a real socket
+on 127.0.0.1 speaking the real protocol, whose replies a test writes frame by frame, to reach
+failures a real target only shows by chance — dying in the middle of a reply, stalling mid-data,
+answering with the wrong frame."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,90 +26,28 @@ from hixl import (
     TransferTimeout,
 )
 from hixl import _protocol as proto
+from hixl.testing import ScriptedPeer, ScriptedTarget
 
 pytestmark = pytest.mark.timeout(60)
 
 MiB = 1 << 20
 REGION = (0x7000_0000_0000, 64 * MiB)  # what the fake claims to have registered
+REGIONS = [(*REGION, proto.REGION_WRITABLE)]
 
 
-class Conn:
-    """The fake's end of one connection."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        sock.settimeout(20)
-
-    def recv_exact(self, nbytes: int) -> bytes:
-        data = b""
-        while len(data) < nbytes:
-            chunk = self.sock.recv(nbytes - len(data))
-            if not chunk:
-                raise EOFError
-            data += chunk
-        return data
-
-    def recv(self) -> proto.Message:
-        """Next frame that is not a heartbeat (PINGs are answered)."""
-        while True:
-            header = proto.parse_header(self.recv_exact(proto.HEADER_SIZE))
-            message = proto.parse_body(header, self.recv_exact(header.body_len))
-            if isinstance(message, proto.Ping):
-                self.send(proto.encode(proto.Pong(message.req_id)))
-            elif not isinstance(message, proto.Pong):
-                return message
-
-    def recv_request(self) -> proto.Message:
-        """Next request, with a WRITE's data read (and dropped)."""
-        request = self.recv()
-        if isinstance(request, proto.WriteRequest):
-            self.recv_exact(request.data_len)
-        return request
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def welcome(self) -> None:
-        hello = self.recv()
-        assert isinstance(hello, proto.Hello)
-        info = {"engine": "fake", "engine_id": "fake", "version": 1, "regions": [list(REGION)], "transports": {}}
-        self.send(proto.encode(proto.Welcome(info, hello.req_id)))
-
-
-class ScriptedTarget:
-    """Listens on 127.0.0.1; runs ``script(conn)`` for the first connection on a thread."""
-
-    def __init__(self, script: Callable[[Conn], None]) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.engine = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(script,), daemon=True)
-        self.thread.start()
-
-    def _run(self, script: Callable[[Conn], None]) -> None:
-        sock, _ = self.listener.accept()
-        try:
-            script(Conn(sock))
-        except (EOFError, ConnectionError, OSError):
-            pass  # the initiator went away: fine for a fake
-        except BaseException as exc:  # noqa: BLE001  (reported by close())
-            self.error = exc
-        finally:
-            sock.close()
-
-    def close(self) -> None:
-        self.listener.close()
-        self.thread.join(10)
-        assert not self.thread.is_alive(), "the fake's script did not finish"
-        if self.error is not None:
-            raise self.error
+def _request(conn: ScriptedPeer) -> proto.Message:
+    """Next request, with a WRITE's data read (and dropped)."""
+    request = conn.recv()
+    if isinstance(request, proto.WriteRequest):
+        conn.recv_data()
+    return request
 
 
 @pytest.fixture
-def scripted() -> Iterator[Callable[[Callable[[Conn], None]], ScriptedTarget]]:
+def scripted() -> Iterator[Callable[[Callable[[ScriptedPeer], None]], ScriptedTarget]]:
     fakes: list[ScriptedTarget] = []
 
-    def start(script: Callable[[Conn], None]) -> ScriptedTarget:
+    def start(script: Callable[[ScriptedPeer], None]) -> ScriptedTarget:
         fakes.append(ScriptedTarget(script))
         return fakes[-1]
 
@@ -131,11 +69,11 @@ def _read(buf: np.ndarray, size: int, offset: int = 0) -> list[tuple[int, int, i
 
 
 def test_link_dying_mid_data_fails_the_request(scripted, initiator) -> None:  # type: ignore[no-untyped-def]
-    def script(conn: Conn) -> None:
-        conn.welcome()
+    def script(conn: ScriptedPeer) -> None:
+        conn.accept_handshake(REGIONS)
         read = conn.recv()
         assert isinstance(read, proto.ReadRequest)
-        conn.send(proto.encode(proto.Data(read.req_id, 4 * MiB)) + b"\x01" * MiB)
+        conn.send(proto.Data(read.req_id, 4 * MiB), b"\x01" * MiB)
 
     fake = scripted(script)
     eng, buf = initiator
@@ -149,10 +87,10 @@ def test_link_dying_mid_data_fails_the_request(scripted, initiator) -> None:  # 
 
 
 def test_data_of_the_wrong_length(scripted, initiator) -> None:  # type: ignore[no-untyped-def]
-    def script(conn: Conn) -> None:
-        conn.welcome()
+    def script(conn: ScriptedPeer) -> None:
+        conn.accept_handshake(REGIONS)
         read = conn.recv()
-        conn.send(proto.encode(proto.Data(read.req_id, 17)) + bytes(17))  # type: ignore[union-attr]
+        conn.send_raw(proto.encode(proto.Data(read.req_id, 17)) + bytes(17))  # type: ignore[union-attr]
         conn.recv()  # until the initiator drops us
 
     fake = scripted(script)
@@ -165,13 +103,13 @@ def test_data_of_the_wrong_length(scripted, initiator) -> None:  # type: ignore[
 
 
 def test_error_replies_become_errors(scripted, initiator) -> None:  # type: ignore[no-untyped-def]
-    def script(conn: Conn) -> None:
-        conn.welcome()
+    def script(conn: ScriptedPeer) -> None:
+        conn.accept_handshake(REGIONS)
         for status in (Status.PARAM_INVALID, Status.RESOURCE_EXHAUSTED, Status.NOT_CONNECTED):
-            request = conn.recv_request()
-            conn.send(proto.encode(proto.Error(request.req_id, status, f"refused with {status.name}")))  # type: ignore[union-attr]
-        request = conn.recv_request()
-        conn.send(proto.encode(proto.Ack(request.req_id)))  # type: ignore[union-attr]
+            request = _request(conn)
+            conn.send(proto.Error(request.req_id, status, f"refused with {status.name}"))  # type: ignore[union-attr]
+        request = _request(conn)
+        conn.send(proto.Ack(request.req_id))  # type: ignore[union-attr]
         conn.recv()
 
     fake = scripted(script)
@@ -194,10 +132,10 @@ def test_error_replies_become_errors(scripted, initiator) -> None:  # type: igno
     ids=["hello", "bye", "garbage"],
 )
 def test_wrong_frame_instead_of_a_reply(scripted, initiator, reply: bytes) -> None:  # type: ignore[no-untyped-def]
-    def script(conn: Conn) -> None:
-        conn.welcome()
+    def script(conn: ScriptedPeer) -> None:
+        conn.accept_handshake(REGIONS)
         conn.recv()
-        conn.send(reply)
+        conn.send_raw(reply)
         conn.recv()  # until the initiator drops the connection
 
     fake = scripted(script)
@@ -215,9 +153,9 @@ def test_wrong_frame_instead_of_a_reply(scripted, initiator, reply: bytes) -> No
     "answer", [proto.encode(proto.Ack(1)), b"\x00" * proto.HEADER_SIZE], ids=["ack", "garbage"]
 )
 def test_bad_answer_to_hello(scripted, answer: bytes) -> None:  # type: ignore[no-untyped-def]
-    def script(conn: Conn) -> None:
+    def script(conn: ScriptedPeer) -> None:
         conn.recv()
-        conn.send(answer)
+        conn.send_raw(answer)
         conn.recv()  # until the initiator drops the connection
 
     fake = scripted(script)
@@ -236,14 +174,14 @@ def test_no_byte_lands_after_a_read_reported_timeout(scripted, initiator) -> Non
     """
     go_on = threading.Event()
 
-    def script(conn: Conn) -> None:
-        conn.welcome()
+    def script(conn: ScriptedPeer) -> None:
+        conn.accept_handshake(REGIONS)
         read = conn.recv()
-        conn.send(proto.encode(proto.Data(read.req_id, 16 * MiB)) + b"\x01" * MiB)  # type: ignore[union-attr]
+        conn.send(proto.Data(read.req_id, 16 * MiB), b"\x01" * MiB)  # type: ignore[union-attr]
         go_on.wait(1.5)  # stall for a while, mid-chunk
-        conn.send(b"\x02" * 15 * MiB)
+        conn.send_raw(b"\x02" * 15 * MiB)
         final = conn.recv()
-        conn.send(proto.encode(proto.Data(final.req_id, 16)) + b"\x03" * 16)  # type: ignore[union-attr]
+        conn.send(proto.Data(final.req_id, 16), b"\x03" * 16)  # type: ignore[union-attr]
         conn.recv()
 
     fake = scripted(script)
