@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import select
+import time
 
 import numpy as np
 
@@ -73,11 +74,14 @@ class IovCursor:
         ptrs = [int(w.ctypes.data) + i * _IOVEC_BYTES for w in self._work]
         return ptrs, count, end - self.done
 
-    def vector_call(self, call: object, fd: int, limit: int) -> int:
+    def vector_call(self, call: object, fd: int, limit: int, deadline: float | None = None) -> int:
         """One ``readv``/``writev`` (``call``) on ``fd`` over at most ``limit`` pending bytes.
 
-        Returns the bytes moved, 0 if the socket was not ready; ``ConnectionError`` at
-        end of stream (a read of 0), ``OSError`` on errors.
+        Returns the bytes moved, 0 if the socket was not ready, -1 (moving nothing) if
+        ``deadline`` (``time.monotonic()``) has passed: checked as the very last step
+        before the syscall, to keep the instant between check and copy as short as
+        Python allows. ``ConnectionError`` at end of stream (a read of 0), ``OSError``
+        on errors.
         """
         ptrs, count, nbytes = self.window()
         trimmed = -1
@@ -89,6 +93,8 @@ class IovCursor:
             saved = int(self._work[0][trimmed, 1])
             self._work[0][trimmed, 1] = saved - (int(self._ends[trimmed]) - (self.done + limit))
         try:
+            if deadline is not None and time.monotonic() >= deadline:
+                return -1
             moved = call(fd, ptrs[0], count)  # type: ignore[operator]
             err = ctypes.get_errno()
         finally:
@@ -129,12 +135,13 @@ class IovCursor:
             work[i, 1] = int(orig[i, 1]) - skip
 
 
-def readv(fd: int, cursor: IovCursor, limit: int) -> int:
-    """One non-blocking ``readv`` of at most ``limit`` bytes into ``cursor``; 0 if none were ready.
+def readv(fd: int, cursor: IovCursor, limit: int, deadline: float | None = None) -> int:
+    """One non-blocking ``readv`` of at most ``limit`` bytes into ``cursor``; 0 if none were ready,
+    -1 if ``deadline`` passed (nothing read).
 
     Raises ``ConnectionError`` at end of stream and ``OSError`` on errors.
     """
-    return cursor.vector_call(_readv, fd, limit)
+    return cursor.vector_call(_readv, fd, limit, deadline)
 
 
 def writev(fd: int, cursor: IovCursor, limit: int) -> int:

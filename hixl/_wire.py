@@ -184,26 +184,31 @@ class Wire:
         """Move the current bulk data into ``cursor``'s memory; True if all of it landed.
 
         With ``owner`` (a :class:`~hixl.TransferReq`), each chunk lands under its
-        ``io_lock`` and only while it is not ``cancelled``; with ``deadline``, only
-        before it. Whatever is not landed is read and dropped, so the stream stays in
-        step either way. Waiting happens outside the lock, so expiring a request never
-        waits behind a stalled peer.
+        ``io_lock`` and only while it is not ``cancelled``; waiting for more stops at
+        its deadline, leaving the rest of the data to whoever reads next (it is
+        dropped then), so a caller never waits past its own timeout. Without an
+        owner, nothing lands once ``deadline`` passed, and the rest is read and
+        dropped here, so the stream stays in step. Waiting happens outside the
+        lock, so expiring a request never waits behind a stalled peer.
         """
         lock = getattr(owner, "io_lock", None)
+        wait_until = getattr(owner, "deadline", None) if owner is not None else deadline
         while not cursor.finished and self.conn.data_left:
             if lock is not None:
                 with lock:
                     if owner.cancelled:  # type: ignore[union-attr]
                         break
-                    moved = self._land_chunk(cursor, deadline)
+                    moved = self._land_chunk(cursor, None)
             else:
                 moved = self._land_chunk(cursor, deadline)
             if moved < 0:
                 break
             if moved == 0:
                 try:
-                    self.wait(_POLLIN, deadline, "receiving data")
+                    self.wait(_POLLIN, wait_until, "receiving data")
                 except TransferTimeout:
+                    if owner is not None:
+                        return False  # the next reader drops the rest (see next_event)
                     break
         complete = cursor.finished
         self.drain()
@@ -221,12 +226,12 @@ class Wire:
             return len(view)
         limit = min(CHUNK, self.conn.data_left)
         try:
-            moved = readv(self.fd, cursor, limit)
+            moved = readv(self.fd, cursor, limit, deadline)
         except ConnectionError as exc:
             raise self._fail("peer closed the connection mid-data", exc) from exc
         except OSError as exc:
             raise self._fail(f"socket error: {exc}", exc) from exc
-        if moved:
+        if moved > 0:
             self.conn.data_moved(moved)
             self.last_alive = time.monotonic()
         return moved

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,6 +131,7 @@ _REPLIES: dict[FrameType, frozenset[FrameType]] = {
     _F.QUERY_META: frozenset({_F.META}),
 }
 _UNSOLICITED: frozenset[FrameType] = frozenset({_F.REGIONS, _F.PING, _F.PONG, _F.BYE, _F.ERROR})
+_I64_MAX = (1 << 63) - 1
 _GUARD = 0.010
 """Seconds by which a deadline sent to the target is moved earlier (chunk time, clock reads)."""
 
@@ -241,8 +243,12 @@ class Connection:
         if not data:
             self._eof = True
             return
-        if self._pos and self._pos == len(self._buf):
-            self._buf.clear()
+        if self.state is ConnState.CLOSED:
+            return  # nothing more is parsed: don't let a peer fill our memory
+        if self._pos:
+            # Drop what was consumed, however the stream is cut, so the buffer holds at most
+            # one unparsed frame plus this chunk (deleting a bytearray's front is cheap).
+            del self._buf[: self._pos]
             self._pos = 0
         self._buf += data
 
@@ -269,10 +275,14 @@ class Connection:
         try:
             pos = self._pos
             header = parse_header(bytes(self._buf[pos : pos + HEADER_SIZE]))
+            # Checked on the header alone, before waiting for the body: a peer can make us
+            # buffer no more than the largest frame it may send now (a HELLO, before the proofs).
+            answers = self._check_incoming(header.type, header.req_id)
             end = pos + HEADER_SIZE + header.body_len
             if len(self._buf) < end:
                 return self._end_of_input()
-            self._check_incoming(header.type, header.req_id)
+            if answers is not None:
+                del self._outstanding[answers]
             # A copy: parsed messages (numpy views of descriptors) must not alias the buffer.
             message = parse_body(header, bytes(self._buf[pos + HEADER_SIZE : end]))
             self._pos = end
@@ -305,7 +315,8 @@ class Connection:
             raise RuntimeError(f"moved {nbytes} bytes, only {self.data_left} were due")
         self.data_left -= nbytes
 
-    def _check_incoming(self, kind: FrameType, req_id: int) -> None:
+    def _check_incoming(self, kind: FrameType, req_id: int) -> int | None:
+        """Refuse a frame the peer may not send now; the request id it answers, if any. No side effects."""
         peer = Role.TARGET if self.role is Role.INITIATOR else Role.INITIATOR
         if self.state is ConnState.HANDSHAKE and self.role is Role.TARGET:
             allowed: frozenset[FrameType] = frozenset({_F.AUTH if self._hello_seen else _F.HELLO})
@@ -321,17 +332,18 @@ class Connection:
                 raise ProtocolError(f"expected {wanted} from the {peer.value} during the handshake, got {kind.name}")
             raise ProtocolError(f"unexpected {kind.name} from the {peer.value} while {self.state.name}")
         if self.role is Role.INITIATOR and self.state in (ConnState.OPEN, ConnState.CLOSING):
-            self._match_reply(kind, req_id)
-        elif self.role is Role.TARGET and kind in _REPLIES and req_id == 0:
+            return self._match_reply(kind, req_id)
+        if self.role is Role.TARGET and kind in _REPLIES and req_id == 0:
             raise ProtocolError(f"{kind.name} with request id 0")
+        return None
 
-    def _match_reply(self, kind: FrameType, req_id: int) -> None:
+    def _match_reply(self, kind: FrameType, req_id: int) -> int | None:
         if kind in _UNSOLICITED and (req_id == 0 or kind in (_F.PING, _F.PONG)):
-            return
+            return None
         request = self._outstanding.get(req_id)
         if request is None or (kind is not _F.ERROR and kind not in _REPLIES[request]):
             raise ProtocolError(f"{kind.name} answers no request of ours (id {req_id})")
-        del self._outstanding[req_id]
+        return req_id
 
     def _react(self, message: Message) -> Event:
         """State changes the handshake and goodbyes bring."""
@@ -348,7 +360,7 @@ class Connection:
         elif kind_of(message) is _F.BYE:
             self._close(f"the peer said goodbye ({getattr(message, 'reason', '') or 'no reason given'})")
         elif kind_of(message) is _F.PONG and self.role is Role.INITIATOR and getattr(message, "clock", 0.0):
-            self._clock_sample(float(message.clock))  # type: ignore[union-attr]
+            self._clock_sample(message.clock)  # type: ignore[union-attr]
         return message
 
     def _on_hello(self, info: dict[str, Any]) -> None:
@@ -377,9 +389,7 @@ class Connection:
                 "the target could not prove it knows the shared secret "
                 "(auth_secret / HIXL_AUTH_SECRET differ between the two engines?)"
             )
-        clock = info.get("clock")
-        if isinstance(clock, (int, float)):
-            self._clock_sample(float(clock))
+        self._clock_sample(info.get("clock"))
         self._session_key = auth.session_key(self._key, self._nonce, self._peer_nonce, version)
         self.state = ConnState.AUTHENTICATED
 
@@ -410,7 +420,16 @@ class Connection:
             self._outstanding.clear()
 
     # -- deadlines across two clocks --------------------------------------------------------------
-    def _clock_sample(self, peer_clock: float) -> None:
+    def _clock_sample(self, peer_clock: object) -> None:
+        # Anything but a finite number (NaN, inf, a JSON int too big for a float) says nothing.
+        if isinstance(peer_clock, bool) or not isinstance(peer_clock, (int, float)):
+            return
+        try:
+            peer_clock = float(peer_clock)
+        except OverflowError:
+            return
+        if not math.isfinite(peer_clock):
+            return
         # The peer read ``peer_clock`` no later than now, so peer - ours >= peer_clock - now:
         # a lower bound of the offset. The tightest recent one wins; old ones expire (drift).
         now = self._clock()
@@ -428,7 +447,8 @@ class Connection:
         if deadline is None:
             return 0
         offset = self._clock_offset if self._clock_offset is not None else 0.0
-        return max(1, int((deadline + offset - _GUARD) * 1e6))
+        # Clamped to what a frame's signed 64-bit deadline holds (an absurd peer clock).
+        return min(_I64_MAX, max(1, int((deadline + offset - _GUARD) * 1e6)))
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,206 @@
+"""Every limit a listening engine enforces, each pushed past its edge by a real peer: connection
+caps, whole-handshake and per-frame deadlines, allocation bounded by what actually arrived,
+notification queues, requests in flight, requests larger than one frame, and an accept loop that
+outlives running out of file descriptors."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import hixl
+from hixl import Engine, NotifyDesc, Op, ResourceExhausted, TransferStatus
+from hixl import _protocol as proto
+from hixl.testing import ScriptedPeer, TargetProcess
+
+pytestmark = pytest.mark.timeout(90)
+
+MakeTarget = Callable[..., TargetProcess]
+MiB = 1 << 20
+
+
+def _closed_within(peer: ScriptedPeer, limit: float) -> float:
+    """Seconds until the target dropped ``peer`` (fails past ``limit``)."""
+    start = time.monotonic()
+    peer.answer_pings = False
+    peer.sock.settimeout(limit + 2)
+    with contextlib.suppress(EOFError, ConnectionResetError, hixl.ProtocolError):
+        while True:
+            peer.recv_raw()
+    took = time.monotonic() - start
+    assert took < limit, f"the target held the connection for {took:.1f} s"
+    return took
+
+
+def test_max_connections(make_target: MakeTarget) -> None:
+    target = make_target([MiB], {"max_connections": 2})
+    peers = [ScriptedPeer.connect(target.engine) for _ in range(2)]
+    for peer in peers:
+        peer.handshake()
+    with Engine("127.0.0.1") as eng:
+        with pytest.raises(ResourceExhausted, match="max_connections"):
+            eng.connect(target.engine)
+        peers.pop().close()
+        time.sleep(0.3)  # the target notices the close
+        eng.connect(target.engine)  # room again
+    for peer in peers:
+        peer.close()
+
+
+def test_max_connections_per_peer(make_target: MakeTarget) -> None:
+    target = make_target([MiB], {"max_connections_per_peer": 3})
+    peers = [ScriptedPeer.connect(target.engine) for _ in range(3)]
+    for peer in peers:
+        peer.handshake()
+    with Engine("127.0.0.1") as eng:
+        with pytest.raises(ResourceExhausted, match="max_connections_per_peer"):
+            eng.connect(target.engine)
+    for peer in peers:
+        peer.close()
+
+
+def test_connections_past_the_cap_start_no_threads(make_target: MakeTarget) -> None:
+    target = make_target([MiB], {"max_connections": 4})
+    _, threads_before = target.memory()
+    socks = [socket.create_connection(("127.0.0.1", int(target.engine.rsplit(":", 1)[1]))) for _ in range(40)]
+    time.sleep(0.5)
+    _, threads = target.memory()
+    assert threads <= threads_before + 4
+    for sock in socks:
+        sock.close()
+
+
+def test_the_whole_handshake_has_one_deadline(make_target: MakeTarget) -> None:
+    """A peer trickling its HELLO a byte at a time is alive, but is dropped at the handshake timeout."""
+    target = make_target([MiB], {"handshake_timeout": 1.0})
+    hello = ScriptedPeer.connect(target.engine)
+    frame = hello.conn.initiate()
+    start = time.monotonic()
+    with contextlib.suppress(OSError):
+        for byte in frame:
+            hello.send_raw(bytes([byte]))
+            time.sleep(0.2)
+            if time.monotonic() - start > 4:
+                break
+    _closed_within(hello, 3.0 - (time.monotonic() - start))
+    hello.close()
+
+
+def test_a_frame_must_complete_within_the_frame_timeout(make_target: MakeTarget) -> None:
+    target = make_target([MiB], {"frame_timeout": 1.0, "heartbeat_interval": 0.2})
+    peer = ScriptedPeer.connect(target.engine)
+    peer.handshake()
+    frame = peer.conn.send(proto.QueryRegions(1))
+    start = time.monotonic()
+    with contextlib.suppress(OSError):
+        for byte in frame[:-1]:
+            peer.send_raw(bytes([byte]))
+            time.sleep(0.2)
+            if time.monotonic() - start > 4:
+                break
+    _closed_within(peer, 3.0 - (time.monotonic() - start))
+    peer.close()
+
+
+def test_a_stall_mid_write_frees_the_serving_thread(make_target: MakeTarget) -> None:
+    """Data that stops flowing mid-WRITE is not progress: the target drops the peer within its
+    heartbeat budget (here 0.2 s x 5 x 2), not at the peer's leisure."""
+    target = make_target([MiB], {"heartbeat_interval": 0.2, "heartbeat_misses": 5})
+    peer = ScriptedPeer.connect(target.engine)
+    peer.handshake()
+    descs = np.array([[target.addrs[0], MiB]], dtype=np.uint64)
+    peer.send(proto.WriteRequest(1, descs, MiB), b"\x01" * 100)
+    _closed_within(peer, 4.0)
+    peer.close()
+
+
+def test_announced_bodies_are_not_allocated_before_they_arrive(make_target: MakeTarget) -> None:
+    """Headers that announce the largest body their type allows, then trickle: memory grows by
+    what arrived, not by what was announced."""
+    target = make_target([MiB])
+    rss_before, _ = target.memory()
+    peers = []
+    limit = proto.frames.BODY_LIMITS[proto.FrameType.READ]
+    for _ in range(8):
+        peer = ScriptedPeer.connect(target.engine)
+        peer.handshake()
+        peer.send_raw(proto.encode_header(proto.FrameType.READ, 1, limit) + b"\x00" * 100)
+        peers.append(peer)
+    time.sleep(0.5)
+    rss_after, _ = target.memory()
+    assert rss_after - rss_before < 4 * MiB, f"{(rss_after - rss_before) / MiB:.1f} MiB for 8 x {limit / MiB:.1f} MiB announced"
+    for peer in peers:
+        peer.close()
+
+
+def test_notification_bytes_are_bounded(make_target: MakeTarget) -> None:
+    target = make_target([MiB], {"max_notify_bytes": 4096})
+    with Engine("127.0.0.1") as eng:
+        eng.connect(target.engine)
+        for i in range(4):  # 4 x 1002 bytes of the 4096 allowed
+            eng.send_notify(target.engine, NotifyDesc(f"n{i}", "x" * 1000))
+        with pytest.raises(ResourceExhausted, match="bytes"):
+            eng.send_notify(target.engine, NotifyDesc("n4", "x" * 1000))
+        assert len(target.notifies()) == 4
+        eng.send_notify(target.engine, NotifyDesc("n5", "x" * 1000))  # drained: room again
+        assert target.notifies() == [("n5", "x" * 1000)]
+
+
+def test_requests_in_flight_are_bounded(make_target: MakeTarget) -> None:
+    target = make_target([MiB])
+    with Engine("127.0.0.1", {"transport": "tcp", "max_inflight": 2}) as eng:
+        buf = hixl.empty(MiB)
+        eng.register_mem(buf)
+        eng.connect(target.engine)
+        desc = [(int(buf.ctypes.data), target.addrs[0], 4096)]
+        target.stop()
+        try:
+            reqs = [eng.transfer_async(target.engine, Op.READ, desc, timeout=20) for _ in range(2)]
+            with pytest.raises(ResourceExhausted, match="max_inflight"):
+                eng.transfer_async(target.engine, Op.READ, desc, timeout=20)
+        finally:
+            target.stop(signal.SIGCONT)
+        for req in reqs:
+            req.wait(10)
+            assert req.status is TransferStatus.COMPLETED
+        eng.transfer_async(target.engine, Op.READ, desc).wait(10)
+
+
+def test_a_request_larger_than_one_frame_is_split(make_target: MakeTarget) -> None:
+    """More descriptors than a frame carries (not mergeable: every other 8 bytes) still move, exactly."""
+    count = proto.frames.MAX_DESCS + 1000
+    target = make_target([16 * count])
+    target.fill(0, 9)
+    with Engine("127.0.0.1", {"transport": "tcp"}) as eng:
+        buf = hixl.empty(16 * count)
+        eng.register_mem(buf)
+        eng.connect(target.engine)
+        offsets = np.arange(count, dtype=np.uint64) * 16
+        descs = np.stack([buf.ctypes.data + offsets, target.addrs[0] + offsets, np.full(count, 8, np.uint64)], axis=1)
+        eng.transfer_sync(target.engine, Op.READ, descs, timeout=60)
+        expected = TargetProcess.expected(16 * count, 9).reshape(count, 16)
+        assert np.array_equal(buf.reshape(count, 16)[:, :8], expected[:, :8])
+        assert not buf.reshape(count, 16)[:, 8:].any()
+
+
+def test_the_accept_loop_survives_running_out_of_file_descriptors(
+    make_target: MakeTarget, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = make_target([MiB], {"handshake_timeout": 0.5})
+    target.limit_fds(3)
+    port = int(target.engine.rsplit(":", 1)[1])
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]  # more than it can accept
+    time.sleep(1.0)
+    for sock in socks:
+        sock.close()
+    time.sleep(1.5)  # the accepted ones time out, freeing descriptors; the loop backs off and retries
+    with Engine("127.0.0.1") as eng:
+        eng.connect(target.engine, timeout=10)
+        eng.send_notify(target.engine, NotifyDesc("still", "accepting"))
+    assert target.notifies() == [("still", "accepting")]
