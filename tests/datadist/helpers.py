@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +18,6 @@ from hixl.datadist import (
     LLMConfig,
     LLMDataDist,
     LLMStatusCode,
-    TransferDone,
 )
 from hixl.testing.datadist_peer import DataDistProcess, pattern
 
@@ -58,22 +56,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def wait_for_done(peer: DataDistProcess | LLMDataDist, expected: TransferDone, timeout: float = 10.0) -> list[TransferDone]:
-    """Poll ``completed_requests`` until ``expected`` shows up; returns everything seen."""
-    seen: list[TransferDone] = []
-    deadline = time.monotonic() + timeout
-    while expected not in seen:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{expected} never arrived; saw {seen}")
-        if isinstance(peer, DataDistProcess):
-            seen += peer.completed_requests()
-        else:
-            seen += peer.cache_manager.completed_requests()
-        if expected not in seen:
-            time.sleep(0.01)
-    return seen
 
 
 def link(local: LLMDataDist, *remotes: DataDistProcess) -> None:
