@@ -12,12 +12,38 @@ wake-up is harmless.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 
-__all__ = ["Wake", "wait_until"]
+__all__ = ["Wake", "Wakes", "wait_until"]
 
 Wake = Callable[..., None]
 """A wake-up callback; safe to call from any thread, with any arguments (they are ignored)."""
+
+
+class Wakes:
+    """The wake-ups subscribed by asyncio waiters on one thing; any thread may wake them all."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wakes: set[Wake] = set()
+
+    def subscribe(self, wake: Wake) -> None:
+        """Add ``wake`` (pass this as ``wait_until``'s ``subscribe``)."""
+        with self._lock:
+            self._wakes.add(wake)
+
+    def unsubscribe(self, wake: Wake) -> None:
+        """Remove ``wake`` if present (``wait_until``'s ``unsubscribe``)."""
+        with self._lock:
+            self._wakes.discard(wake)
+
+    def wake_all(self) -> None:
+        """Call every subscribed wake-up; they only schedule work on their loops, so this is quick."""
+        with self._lock:
+            wakes = list(self._wakes)
+        for wake in wakes:
+            wake()
 
 
 async def wait_until(

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import _protocol as proto
-from ._aio import Wake, wait_until
+from ._aio import Wakes, wait_until
 from ._address import format_address, parse_address
 from ._exceptions import (
     AlreadyConnected,
@@ -166,7 +166,7 @@ class Engine:
         # One condition over the deque: blocking waiters sleep on it; asyncio waiters
         # subscribe a wake-up instead, so no thread is spent on them.
         self._notify_lock = threading.Condition()
-        self._notify_wakes: set[Wake] = set()
+        self._notify_wakes = Wakes()
         self._peers: dict[str, _Peer] = {}
         self._peers_lock = threading.Lock()
         self._finalized = False
@@ -521,21 +521,13 @@ class Engine:
             got.extend(self.get_notifies())
             return bool(got) or self._finalized
 
-        await wait_until(take, self._subscribe_notifies, self._unsubscribe_notifies, timeout)
+        await wait_until(take, self._notify_wakes.subscribe, self._notify_wakes.unsubscribe, timeout)
         return got
 
     def _drain_notifies(self) -> list[NotifyDesc]:
         drained = list(self._notifies)
         self._notifies.clear()
         return drained
-
-    def _subscribe_notifies(self, wake: Wake) -> None:
-        with self._notify_lock:
-            self._notify_wakes.add(wake)
-
-    def _unsubscribe_notifies(self, wake: Wake) -> None:
-        with self._notify_lock:
-            self._notify_wakes.discard(wake)
 
     def _accept_notify(self, notify: NotifyDesc) -> None:
         with self._notify_lock:
@@ -547,9 +539,7 @@ class Engine:
     def _wake_notify_waiters(self) -> None:
         with self._notify_lock:
             self._notify_lock.notify_all()
-            wakes = list(self._notify_wakes)
-        for wake in wakes:
-            wake()
+        self._notify_wakes.wake_all()
 
     # -- lifecycle -----------------------------------------------------------------------
     def finalize(self) -> None:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
-from .._aio import Wake, wait_until
+from .._aio import Wakes, wait_until
 from .._exceptions import HixlError
 from .._request import TransferReq
 from ._errors import LLMException, LLMStatusCode, status_of, translate_errors
@@ -79,7 +79,7 @@ class CacheTask:
         self.timeout = timeout
         self._slots = {layer: _LayerSlot() for layer in self.layers}
         self._changed = threading.Condition()
-        self._wakes: set[Wake] = set()  # asyncio waiters for a slot to be submitted
+        self._wakes = Wakes()  # asyncio waiters for a slot to be submitted
         # (request reading the source's catalog generation, check that it is unchanged)
         self._guard: tuple[TransferReq, Callable[[], bool]] | None = None
         self._completion: _Completion | None = None
@@ -126,7 +126,7 @@ class CacheTask:
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
 
-        if await wait_until(lambda: slot.submitted, self._subscribe, self._unsubscribe, left()):
+        if await wait_until(lambda: slot.submitted, self._wakes.subscribe, self._wakes.unsubscribe, left()):
             for req in self._guard_reqs() + slot.reqs:
                 try:
                     await req.wait_async(left())
@@ -151,14 +151,6 @@ class CacheTask:
     def __await__(self) -> Generator[Any, None, None]:
         """``await task``: :meth:`synchronize_async` with the task's own timeout."""
         return self.synchronize_async().__await__()
-
-    def _subscribe(self, wake: Wake) -> None:
-        with self._changed:
-            self._wakes.add(wake)
-
-    def _unsubscribe(self, wake: Wake) -> None:
-        with self._changed:
-            self._wakes.discard(wake)
 
     # -- state -----------------------------------------------------------------------------
     def landed_at(self, layer_index: int) -> float | None:
@@ -238,9 +230,7 @@ class CacheTask:
         with self._changed:
             change()
             self._changed.notify_all()
-            wakes = list(self._wakes)
-        for wake in wakes:
-            wake()
+        self._wakes.wake_all()
 
     def __repr__(self) -> str:
         landed = sum(1 for s in self._slots.values() if s.submitted and all(r.done() for r in s.reqs))

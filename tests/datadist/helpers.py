@@ -15,6 +15,7 @@ from hixl.datadist import (
     Cache,
     CacheDesc,
     CacheKey,
+    DataType,
     LLMConfig,
     LLMDataDist,
     LLMStatusCode,
@@ -31,6 +32,27 @@ _ids = itertools.count(1000)
 def fresh_id() -> int:
     """A number no other test in this session uses (for model ids, req ids, cache names)."""
     return next(_ids)
+
+
+# A cache big enough that later layers are still on the wire when the first has landed: 4 layers
+# of 16 MiB. The TCP target sends each layer's data in request order; the decode side's reader
+# thread completes layer 0 about 48 MiB before the last one.
+BIG = CacheDesc(8, (32, 64, 1024), DataType.DT_FLOAT)
+
+
+def numbered_big_caches(remote: DataDistProcess, make_remote: Any, make_local: Any) -> tuple[BlocksCacheKey, LocalCache]:
+    """:data:`BIG` registered on both sides, under a fresh key; the remote's tensor t holds t + 1."""
+    key = new_blocks_key()
+    name = make_remote(BIG, key)
+    remote.write(name, np.arange(1, BIG.num_tensors + 1, dtype=np.float32).reshape(-1, 1, 1, 1))
+    return key, make_local(BIG)
+
+
+def assert_numbered(cache: LocalCache) -> None:
+    """Every tensor t of a :data:`BIG` cache holds t + 1: the whole numbered cache landed."""
+    got = cache.read()
+    for t in range(BIG.num_tensors):
+        assert (got[t] == t + 1).all(), f"tensor {t}"
 
 
 def new_blocks_key(cluster: int = REMOTE_ID) -> BlocksCacheKey:

@@ -27,15 +27,21 @@ from hixl.datadist import (
     TransferDone,
 )
 
-from .helpers import LOCAL_ID, REMOTE_ID, new_blocks_key
+from .helpers import BIG, LOCAL_ID, REMOTE_ID, assert_numbered, new_blocks_key, numbered_big_caches
 
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, BLOCKS = 4, 16
 DESC = CacheDesc(2 * LAYERS, (BLOCKS, 8, 2, 16), DataType.DT_FLOAT16)
-# 4 layers of 8 MiB: on TCP, a frozen source holds back most of it.
-BIG = CacheDesc(8, (32, 64, 1024), DataType.DT_FLOAT)
+
+
+def _small_caches(remote, make_remote, make_local, seed):  # type: ignore[no-untyped-def]
+    """DESC on both sides under a fresh key (the remote's seeded), and the remote's completions drained."""
+    key = new_blocks_key()
+    make_remote(DESC, key, seed=seed)
+    remote.completed_requests()
+    return key, make_local(DESC)
 
 
 class _Computed:
@@ -47,10 +53,7 @@ class _Computed:
 
 # -- completion notifications --------------------------------------------------------------
 def test_synchronize_returns_once_the_source_holds_the_notification(remote, local, make_remote, make_local):
-    key = new_blocks_key()
-    make_remote(DESC, key, seed=1)
-    mine = make_local(DESC)
-    remote.completed_requests()
+    key, mine = _small_caches(remote, make_remote, make_local, 1)
     for req_id in range(300, 305):  # a notification sent late by a background thread would show in one of these
         task = local.cache_manager.pull_blocks_async(key, mine.cache, [0, 3], [1, 2], req_id=req_id)
         task.synchronize()
@@ -60,10 +63,7 @@ def test_synchronize_returns_once_the_source_holds_the_notification(remote, loca
 
 
 def test_concurrent_synchronize_callers_send_one_notification(remote, local, make_remote, make_local):
-    key = new_blocks_key()
-    make_remote(DESC, key, seed=2)
-    mine = make_local(DESC)
-    remote.completed_requests()
+    key, mine = _small_caches(remote, make_remote, make_local, 2)
     task = local.cache_manager.pull_blocks_async(key, mine.cache, [4], [4], req_id=310)
     callers = [threading.Thread(target=task.synchronize) for _ in range(4)]
     for caller in callers:
@@ -74,10 +74,7 @@ def test_concurrent_synchronize_callers_send_one_notification(remote, local, mak
 
 
 def test_a_task_nobody_synchronizes_notifies_nobody(remote, local, make_remote, make_local):
-    key = new_blocks_key()
-    make_remote(DESC, key, seed=3)
-    mine = make_local(DESC)
-    remote.completed_requests()
+    key, mine = _small_caches(remote, make_remote, make_local, 3)
     task = local.cache_manager.pull_blocks_async(key, mine.cache, [5], [5], req_id=320)
     for layer in task.layers:
         task.wait_layer(layer)
@@ -178,10 +175,7 @@ def test_await_a_push(remote, local, make_remote, make_local):
 def test_layer_await_times_out_and_cancels_without_breaking_the_pull(transport, remote, local, make_remote, make_local):
     if transport != "tcp":
         pytest.skip("needs a transport whose bytes come from the source process (TCP), to hold them back")
-    key = new_blocks_key()
-    name = make_remote(BIG, key)
-    remote.write(name, np.arange(1, BIG.num_tensors + 1, dtype=np.float32).reshape(-1, 1, 1, 1))
-    mine = make_local(BIG)
+    key, mine = numbered_big_caches(remote, make_remote, make_local)
     blocks = list(range(BIG.shape[0]))
     local.cache_manager.pull_blocks(key, mine.cache, [0], [0])  # learns the new cache while the source still answers
     mine.write(0)
@@ -206,7 +200,5 @@ def test_layer_await_times_out_and_cancels_without_breaking_the_pull(transport, 
         await asyncio.wait_for(task.synchronize_async(), 30)  # the pull carried on
 
     asyncio.run(main())
-    got = mine.read()
-    for t in range(BIG.num_tensors):
-        assert (got[t] == t + 1).all()
+    assert_numbered(mine)
     assert remote.completed_requests() == [TransferDone(LOCAL_ID, 360, "pull")]
