@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -183,9 +184,10 @@ def test_a_thousand_awaits_cost_no_idle_cpu(make_target: MakeTarget, listener: E
             for i in range(n_reqs)
         ]
 
-        async def main() -> tuple[float, list[object]]:
-            waits = [asyncio.ensure_future(req.wait_async()) for req in reqs]
-            waits += [asyncio.ensure_future(listener.wait_notifies_async(30)) for _ in range(n_notifies)]
+        async def main() -> tuple[float, list[TransferStatus], list[list[NotifyDesc]]]:
+            req_waits = [asyncio.ensure_future(req.wait_async()) for req in reqs]
+            notify_waits = [asyncio.ensure_future(listener.wait_notifies_async(30)) for _ in range(n_notifies)]
+            waits: list[asyncio.Future[Any]] = [*req_waits, *notify_waits]
             await asyncio.sleep(0.3)  # everyone is parked
             assert not any(w.done() for w in waits)
             cpu, wall = time.process_time(), time.monotonic()
@@ -193,17 +195,17 @@ def test_a_thousand_awaits_cost_no_idle_cpu(make_target: MakeTarget, listener: E
             idle = (time.process_time() - cpu) / (time.monotonic() - wall)
             assert not any(w.done() for w in waits)
             target.stop(signal.SIGCONT)
-            requests_done = await asyncio.wait_for(asyncio.gather(*waits[:n_reqs]), 30)
+            statuses = await asyncio.wait_for(asyncio.gather(*req_waits), 30)
             # One notification at a time: the waiters it wakes run before the next is sent.
             loop = asyncio.get_running_loop()
             for i in range(n_notifies):
                 await loop.run_in_executor(None, _notify_from, target, listener, str(i))
-            return idle, requests_done + await asyncio.wait_for(asyncio.gather(*waits[n_reqs:]), 30)
+            return idle, statuses, await asyncio.wait_for(asyncio.gather(*notify_waits), 30)
 
-        idle, results = asyncio.run(main())
+        idle, statuses, notes = asyncio.run(main())
     assert idle < 0.01, f"{idle:.2%} of a core while 1000 awaits waited"
-    assert results[:n_reqs] == [TransferStatus.COMPLETED] * n_reqs
+    assert statuses == [TransferStatus.COMPLETED] * n_reqs
     np.testing.assert_array_equal(buf, TargetProcess.expected(1 << 20, 5)[: n_reqs * size])
     # Each notification went to exactly one waiter.
-    received = [[n.msg for n in got] for got in results[n_reqs:]]  # type: ignore[attr-defined]
+    received = [[n.msg for n in got] for got in notes]
     assert sorted(received) == sorted([str(i)] for i in range(n_notifies))
