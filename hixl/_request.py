@@ -5,23 +5,36 @@ or TIMEOUT. Whoever moves the bytes (an I/O thread or the caller) holds
 ``io_lock`` while it writes into a chunk of the destination and checks
 ``cancelled`` first; expiring a request takes the same lock, so once a request
 reports TIMEOUT no further byte of it lands in local memory.
+
+Waiting: :meth:`TransferReq.wait` blocks a thread on an Event; ``await req``
+(or :meth:`TransferReq.wait_async`) parks a coroutine on a done-callback that
+wakes its event loop (:mod:`hixl._aio`). Either way, nothing spins.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable, Generator
+from typing import Any
 
+from ._aio import wait_until
 from ._exceptions import HixlError, TransferTimeout
 from ._types import Op, TransferStatus
 
 __all__ = ["TransferReq"]
+
+log = logging.getLogger("hixl")
+
+DoneCallback = Callable[["TransferReq"], Any]
 
 
 class TransferReq:
     """One transfer in flight; returned by :meth:`Engine.transfer_async`."""
 
     __slots__ = (
+        "_callbacks",
         "_done",
         "_lock",
         "_status",
@@ -53,6 +66,7 @@ class TransferReq:
         # Created only if someone has to block: a transfer_sync that completed
         # inline never pays for an Event (a measurable share of an 8-byte copy).
         self._done: threading.Event | None = None
+        self._callbacks: list[DoneCallback] | None = None  # likewise, only once someone subscribes
         self._status = TransferStatus.WAITING
 
     @property
@@ -79,15 +93,57 @@ class TransferReq:
                     self._done = threading.Event()
                 if self._status is not TransferStatus.WAITING:
                     self._done.set()
-            limit = timeout
-            if self.deadline is not None:
-                left = self.deadline - time.monotonic()
-                limit = left if limit is None else min(limit, left)
-            self._done.wait(None if limit is None else max(0.0, limit))
+            self._done.wait(self._limit(timeout))
+        return self._outcome()
+
+    async def wait_async(self, timeout: float | None = None) -> TransferStatus:
+        """:meth:`wait` for asyncio: ``await req.wait_async(timeout)``; ``await req`` waits with no limit.
+
+        The event loop is woken by the thread that finishes the request (no
+        thread per await, no polling). Cancelling the await leaves the request
+        running: it still completes, and can be waited for again.
+        """
+        await wait_until(self.done, self.add_done_callback, self.remove_done_callback, self._limit(timeout))
+        return self._outcome()
+
+    def __await__(self) -> Generator[Any, None, TransferStatus]:
+        """``await req``: :meth:`wait_async` without a limit of its own (the request's deadline applies)."""
+        return self.wait_async().__await__()
+
+    def _limit(self, timeout: float | None) -> float | None:
+        """Seconds to wait: ``timeout``, cut short by the request's own deadline."""
+        if self.deadline is None:
+            return timeout
+        left = max(0.0, self.deadline - time.monotonic())
+        return left if timeout is None else max(0.0, min(timeout, left))
+
+    def _outcome(self) -> TransferStatus:
         status = self.status
         if self.error is not None:
             raise self.error
         return status
+
+    def add_done_callback(self, callback: DoneCallback) -> None:
+        """Call ``callback(req)`` once the request is final; at once (here) if it already is.
+
+        It runs in whichever thread finishes the request — often an engine I/O
+        thread — so it must be quick and must not block: wake something up and
+        return. Exceptions it raises are logged. A deadline passing is noticed
+        when someone looks (:attr:`status`, a wait), not by a timer.
+        """
+        with self._lock:
+            if self._status is TransferStatus.WAITING:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(callback)
+                return
+        _call(callback, self)
+
+    def remove_done_callback(self, callback: DoneCallback) -> None:
+        """Forget a callback added with :meth:`add_done_callback` (no-op if it is not there)."""
+        with self._lock:
+            if self._callbacks is not None and callback in self._callbacks:
+                self._callbacks.remove(callback)
 
     def complete(self) -> None:
         """Mark success (no-op if the request already ended)."""
@@ -111,11 +167,13 @@ class TransferReq:
             self.error = error
             self._status = status
             self.finished_at = time.monotonic()
-            done = self._done
+            done, callbacks, self._callbacks = self._done, self._callbacks, None
         if error is not None:
             self.cancelled = True
         if done is not None:
             done.set()
+        for callback in callbacks or ():
+            _call(callback, self)
 
     def __repr__(self) -> str:
         elapsed = (time.monotonic() - self.started) * 1e3
@@ -123,3 +181,10 @@ class TransferReq:
             f"<TransferReq {self.op.name} {self.remote_engine} {self.num_descs} desc(s) "
             f"{self.nbytes} B {self._status.name} after {elapsed:.1f} ms>"
         )
+
+
+def _call(callback: DoneCallback, req: TransferReq) -> None:
+    try:
+        callback(req)
+    except Exception:  # a subscriber's bug must not break the thread that finished the request
+        log.exception("hixl: done callback %r of %r raised", callback, req)

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import _protocol as proto
 from ._address import boot_id as _boot_id
+from ._aio import Wakes, wait_until
 from ._address import format_address, parse_address
 from ._exceptions import (
     AlreadyConnected,
@@ -171,7 +172,10 @@ class Engine:
         self._registry.listeners.append(self._regions_changed)
         self._notifies: collections.deque[NotifyDesc] = collections.deque()
         self._notify_bytes = 0
-        self._notify_lock = threading.Lock()
+        # One condition over the deque: blocking waiters sleep on it; asyncio waiters
+        # subscribe a wake-up instead, so no thread is spent on them.
+        self._notify_lock = threading.Condition()
+        self._notify_wakes = Wakes()
         self._peers: dict[str, _Peer] = {}
         self._peers_lock = threading.Lock()
         if port is not None:
@@ -520,9 +524,39 @@ class Engine:
     def get_notifies(self) -> list[NotifyDesc]:
         """Every notification received since the last call (oldest first); drains the queue."""
         with self._notify_lock:
-            drained = list(self._notifies)
-            self._notifies.clear()
-            self._notify_bytes = 0
+            return self._drain_notifies()
+
+    def wait_notifies(self, timeout: float | None = None) -> list[NotifyDesc]:
+        """Block until a notification arrives, then drain like :meth:`get_notifies`.
+
+        Returns ``[]`` if ``timeout`` seconds (None: no limit) pass first, or if
+        the engine is finalized meanwhile. Sleeps on a condition: no polling.
+        """
+        self._check_open()
+        with self._notify_lock:
+            self._notify_lock.wait_for(lambda: self._notifies or self._finalized, timeout)
+            return self._drain_notifies()
+
+    async def wait_notifies_async(self, timeout: float | None = None) -> list[NotifyDesc]:
+        """:meth:`wait_notifies` for asyncio: ``await engine.wait_notifies_async(timeout)``.
+
+        The event loop is woken by the thread that receives the notification (no
+        thread per await). Each notification goes to exactly one waiter.
+        """
+        self._check_open()
+        got: list[NotifyDesc] = []
+
+        def take() -> bool:
+            got.extend(self.get_notifies())
+            return bool(got) or self._finalized
+
+        await wait_until(take, self._notify_wakes.subscribe, self._notify_wakes.unsubscribe, timeout)
+        return got
+
+    def _drain_notifies(self) -> list[NotifyDesc]:
+        drained = list(self._notifies)
+        self._notifies.clear()
+        self._notify_bytes = 0
         return drained
 
     def _accept_notify(self, notify: NotifyDesc) -> None:
@@ -534,6 +568,12 @@ class Engine:
                 raise ResourceExhausted(f"{self.local_engine} holds {self._notify_bytes} bytes of unread notifications")
             self._notifies.append(notify)
             self._notify_bytes += size
+        self._wake_notify_waiters()
+
+    def _wake_notify_waiters(self) -> None:
+        with self._notify_lock:
+            self._notify_lock.notify_all()
+        self._notify_wakes.wake_all()
 
     # -- lifecycle -----------------------------------------------------------------------
     def finalize(self) -> None:
@@ -551,6 +591,7 @@ class Engine:
         self._registry.clear()
         for transport in self._transports:
             transport.close()
+        self._wake_notify_waiters()  # they return what they have (nothing more will come)
 
     def __enter__(self) -> Engine:
         return self

@@ -20,7 +20,8 @@ from ._types import (
     TransferConfig,
     TransferDone,
 )
-from .cache_manager import CacheManager, CacheTask, LayerSynchronizer
+from ._task import CacheTask
+from .cache_manager import CacheManager, LayerSynchronizer
 from .llm_datadist import LLMDataDist
 
 __all__ = [

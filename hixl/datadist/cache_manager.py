@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,11 +21,11 @@ import numpy as np
 
 from .._exceptions import HixlError
 from .._memory import buffer_range
-from .._request import TransferReq
 from .._types import MemDesc, MemHandle, NotifyDesc, Op
 from ._catalog import Catalog, RemoteCache
-from ._errors import LLMException, LLMStatusCode, status_of, translate_errors
+from ._errors import LLMException, LLMStatusCode, translate_errors
 from ._layout import layer_tensors, resolve_layers, row_descs, rows_array
+from ._task import CacheTask
 from ._types import (
     BlocksCacheKey,
     Cache,
@@ -53,131 +52,6 @@ class LayerSynchronizer(Protocol):
     def synchronize_layer(self, layer_index: int, timeout: float | None) -> bool:
         """Block until layer ``layer_index`` is computed; False (or raising) aborts the push."""
         ...
-
-
-class _LayerSlot:
-    """One layer of a :class:`CacheTask`: its engine requests once submitted, or its error.
-
-    Plain attributes under the task's one condition variable: a task of 80 layers
-    is built on the path to layer 0, and 80 Events would cost a layer's head start.
-    """
-
-    __slots__ = ("error", "reqs", "submitted")
-
-    def __init__(self) -> None:
-        self.submitted = False
-        self.reqs: list[TransferReq] = []
-        self.error: LLMException | None = None
-
-
-class CacheTask:
-    """An async layer-by-layer transfer; ``wait_layer(i)`` returns once layer ``i`` landed.
-
-    ``layers`` are the *local* cache's layer indices, in transfer order.
-    """
-
-    def __init__(self, layers: Sequence[int], timeout: float) -> None:
-        self.layers = list(layers)
-        self.timeout = timeout
-        self._slots = {layer: _LayerSlot() for layer in self.layers}
-        self._changed = threading.Condition()
-        # (request reading the source's catalog generation, check that it is unchanged)
-        self._guard: tuple[TransferReq, Callable[[], bool]] | None = None
-
-    def wait_layer(self, layer_index: int, timeout: float | None = None) -> None:
-        """Block until layer ``layer_index`` has landed; raise :class:`LLMException` if it failed."""
-        slot = self._slots.get(layer_index)
-        if slot is None:
-            raise ValueError(f"layer {layer_index} is not part of this task (layers {self.layers})")
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        with self._changed:
-            submitted = self._changed.wait_for(lambda: slot.submitted, max(0.0, deadline - time.monotonic()))
-        if not submitted:
-            raise LLMException(f"layer {layer_index} was not started in time", LLMStatusCode.TIMEOUT)
-        if slot.error is not None:
-            raise slot.error
-        with translate_errors(f"layer {layer_index}"):
-            self._check_guard(deadline)
-            for req in slot.reqs:
-                if not req.wait(max(0.0, deadline - time.monotonic())).is_final:
-                    raise LLMException(f"layer {layer_index} did not land in time", LLMStatusCode.TIMEOUT)
-
-    def _check_guard(self, deadline: float) -> None:
-        if self._guard is None:
-            return
-        req, current = self._guard
-        if not req.wait(max(0.0, deadline - time.monotonic())).is_final:
-            raise LLMException("the source's catalog could not be checked in time", LLMStatusCode.TIMEOUT)
-        if not current():
-            raise LLMException(
-                "the source changed its caches while this pull was in flight; pull again",
-                LLMStatusCode.KV_CACHE_NOT_EXIST,
-            )
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        """Wait for every layer; raise the first failure."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        for layer in self.layers:
-            self.wait_layer(layer, max(0.0, deadline - time.monotonic()))
-
-    def landed_at(self, layer_index: int) -> float | None:
-        """``time.monotonic()`` when layer ``layer_index`` finished landing, or None if it hasn't."""
-        slot = self._slots[layer_index]
-        if not slot.submitted or slot.error is not None or not all(r.done() for r in slot.reqs):
-            return None
-        return max((r.finished_at or 0.0) for r in slot.reqs) if slot.reqs else None
-
-    def done(self) -> bool:
-        """True once every layer has ended (landed or failed)."""
-        return all(
-            s.submitted and (s.error is not None or all(r.done() for r in s.reqs))
-            for s in self._slots.values()
-        )
-
-    @property
-    def status(self) -> LLMStatusCode:
-        """SUCCESS once every layer landed, the first failure's code, or WAIT_PROCESS_TIMEOUT while running."""
-        guard = [self._guard[0]] if self._guard else []
-        for slot in self._slots.values():
-            if slot.error is not None:
-                return slot.error.status_code
-            for req in guard + slot.reqs:
-                if req.status.is_final and req.error is not None:  # ``status`` applies the deadline
-                    return status_of(req.error)
-        if self._guard is not None and self._guard[0].done() and not self._guard[1]():
-            return LLMStatusCode.KV_CACHE_NOT_EXIST
-        return LLMStatusCode.SUCCESS if self.done() else LLMStatusCode.WAIT_PROCESS_TIMEOUT
-
-    def _submit(self, layer: int, reqs: list[TransferReq]) -> None:
-        slot = self._slots[layer]
-        with self._changed:
-            slot.reqs = reqs
-            slot.submitted = True
-            self._changed.notify_all()
-
-    def _fail_from(self, layer_pos: int, error: LLMException) -> None:
-        with self._changed:
-            for layer in self.layers[layer_pos:]:
-                slot = self._slots[layer]
-                slot.error = error
-                slot.submitted = True
-            self._changed.notify_all()
-
-    def _watch(self, on_success: Callable[[], None]) -> None:
-        """Call ``on_success`` from a helper thread once every layer landed."""
-
-        def run() -> None:
-            try:
-                self.synchronize()
-            except LLMException:
-                return
-            on_success()
-
-        threading.Thread(target=run, name="hixl-datadist-watch", daemon=True).start()
-
-    def __repr__(self) -> str:
-        landed = sum(1 for s in self._slots.values() if s.submitted and all(r.done() for r in s.reqs))
-        return f"<CacheTask {landed}/{len(self.layers)} layers ended, {self.status.name}>"
 
 
 @dataclass(frozen=True)
@@ -304,7 +178,12 @@ class CacheManager:
         req_id: int | None = None,
         timeout: float | None = None,
     ) -> CacheTask:
-        """:meth:`pull_blocks` layer by layer: returns at once; ``task.wait_layer(i)`` waits for layer i."""
+        """:meth:`pull_blocks` layer by layer: returns at once; ``task.wait_layer(i)`` waits for layer i.
+
+        With ``req_id``, ``task.synchronize()`` (or ``await task``) sends the
+        completion notification before it returns; a task nobody synchronizes
+        sends none.
+        """
         timeout = self._timeout(timeout)
         plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=timeout, verify=False)
         return self._run_async(plan, req_id, timeout)
@@ -385,7 +264,8 @@ class CacheManager:
         A helper thread calls ``layer_synchronizer.synchronize_layer(i, timeout)``
         for each layer and, as soon as it returns True, starts writing layer i
         to every destination in ``transfer_configs`` — so the transfer of layer
-        i overlaps the compute of layer i+1. ``task.synchronize()`` waits for all.
+        i overlaps the compute of layer i+1. ``task.synchronize()`` waits for all
+        and then, with ``req_id``, notifies every destination before it returns.
         """
         timeout = self._timeout(timeout)
         if not transfer_configs:
@@ -424,7 +304,7 @@ class CacheManager:
                 for plan in plans:
                     self._notify_done(plan, req_id, "push")
 
-            task._watch(notify_every_destination)
+            task._on_success(notify_every_destination)
         return task
 
     # -- completion notifications -----------------------------------------------------------
@@ -580,7 +460,7 @@ class CacheManager:
                 for layer, req in zip(plan.layers[1:], rest):
                     task._submit(layer, [req])
         if req_id is not None:
-            task._watch(lambda: self._notify_done(plan, req_id, "pull"))
+            task._on_success(lambda: self._notify_done(plan, req_id, "pull"))
         return task
 
 

@@ -11,7 +11,7 @@ is *forced* onto that transport, against a target engine in a child process
         transport = "tcp"
 
 A transport that is not built in overrides :meth:`TransportConformance.make_initiator`
-(to pass ``transports=[...]``). The checks cover what the Engine promises
+(a classmethod, to pass ``transports=[...]``). The checks cover what the Engine promises
 whatever moves the bytes: READ/WRITE byte for byte from 1 byte to 64 MiB at odd
 offsets, thousands of scattered descriptors in both accepted forms, merged
 adjacent descriptors, async requests and their order, notifications and their
@@ -113,21 +113,26 @@ class TransportConformance:
     """Name of the transport under test; forced through the engine's ``"transport"`` option."""
 
     # -- hooks for subclasses ----------------------------------------------------------
-    def make_initiator(self, options: dict[str, Any] | None = None) -> Engine:
+    # Classmethods, like the class-scoped fixtures that call them: those run once per
+    # class, before (and apart from) any test instance.
+    @classmethod
+    def make_initiator(cls, options: dict[str, Any] | None = None) -> Engine:
         """A client-only initiator engine forced onto :attr:`transport`."""
-        return Engine("127.0.0.1", {"transport": self.transport, **(options or {})})
+        return Engine("127.0.0.1", {"transport": cls.transport, **(options or {})})
 
-    def make_target(self, sizes: list[int], options: dict[str, Any] | None = None) -> TargetProcess:
+    @classmethod
+    def make_target(cls, sizes: list[int], options: dict[str, Any] | None = None) -> TargetProcess:
         """A target engine in a child process with buffers of ``sizes`` registered."""
         return TargetProcess(sizes, options)
 
     # -- fixtures ----------------------------------------------------------------------
     @pytest.fixture(scope="class")
-    def target(self) -> Iterator[TargetProcess]:
+    @classmethod
+    def target(cls) -> Iterator[TargetProcess]:
         """Target with SRC (seeded random), DST and SCRATCH buffers; shared by the class."""
-        if not self.transport:
+        if not cls.transport:
             pytest.fail("a TransportConformance subclass must set `transport`")
-        tp = self.make_target([BIG + _SLACK, BIG + _SLACK, MiB])
+        tp = cls.make_target([BIG + _SLACK, BIG + _SLACK, MiB])
         try:
             tp.fill(SRC, _SEED)
             yield tp
@@ -135,26 +140,30 @@ class TransportConformance:
             tp.close()
 
     @pytest.fixture(scope="class")
-    def src_expected(self, target: TargetProcess) -> np.ndarray:
+    @classmethod
+    def src_expected(cls, target: TargetProcess) -> np.ndarray:
         """What the target's SRC buffer holds."""
         return TargetProcess.expected(BIG + _SLACK, _SEED)
 
     @pytest.fixture(scope="class")
-    def src(self) -> np.ndarray:
+    @classmethod
+    def src(cls) -> np.ndarray:
         """The initiator's (registered) source buffer: seeded random bytes, never written."""
         buf = empty(BIG + _SLACK)
         buf[:] = _random(len(buf), _SEED + 1)
         return buf
 
     @pytest.fixture(scope="class")
-    def dst_buffer(self) -> np.ndarray:
+    @classmethod
+    def dst_buffer(cls) -> np.ndarray:
         """The initiator's (registered) destination buffer."""
         return empty(BIG + _SLACK)
 
     @pytest.fixture(scope="class")
-    def engine(self, target: TargetProcess, src: np.ndarray, dst_buffer: np.ndarray) -> Iterator[Engine]:
+    @classmethod
+    def engine(cls, target: TargetProcess, src: np.ndarray, dst_buffer: np.ndarray) -> Iterator[Engine]:
         """Initiator connected to ``target``, with ``src`` and ``dst_buffer`` registered."""
-        eng = self.make_initiator()
+        eng = cls.make_initiator()
         try:
             eng.register_mem(src)
             eng.register_mem(dst_buffer)

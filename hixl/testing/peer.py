@@ -91,11 +91,9 @@ def _wait_notifies(
 ) -> tuple[list[tuple[str, str]], bytes]:
     # Copy the range the moment the first notification is seen, so the caller
     # learns what the target's memory held *when* it was notified.
-    deadline = time.monotonic() + timeout
-    while not (got := engine.get_notifies()):
-        if time.monotonic() >= deadline:
-            return [], b""
-        time.sleep(0.0002)
+    got = engine.wait_notifies(timeout)
+    if not got:
+        return [], b""
     snapshot = buffers[index][start : start + nbytes].tobytes()
     return [(n.name, n.msg) for n in got], snapshot
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +15,10 @@ from hixl.datadist import (
     Cache,
     CacheDesc,
     CacheKey,
+    DataType,
     LLMConfig,
     LLMDataDist,
     LLMStatusCode,
-    TransferDone,
 )
 from hixl.testing.datadist_peer import DataDistProcess, pattern
 
@@ -33,6 +32,27 @@ _ids = itertools.count(1000)
 def fresh_id() -> int:
     """A number no other test in this session uses (for model ids, req ids, cache names)."""
     return next(_ids)
+
+
+# A cache big enough that later layers are still on the wire when the first has landed: 4 layers
+# of 16 MiB. The TCP target sends each layer's data in request order; the decode side's reader
+# thread completes layer 0 about 48 MiB before the last one.
+BIG = CacheDesc(8, (32, 64, 1024), DataType.DT_FLOAT)
+
+
+def numbered_big_caches(remote: DataDistProcess, make_remote: Any, make_local: Any) -> tuple[BlocksCacheKey, LocalCache]:
+    """:data:`BIG` registered on both sides, under a fresh key; the remote's tensor t holds t + 1."""
+    key = new_blocks_key()
+    name = make_remote(BIG, key)
+    remote.write(name, np.arange(1, BIG.num_tensors + 1, dtype=np.float32).reshape(-1, 1, 1, 1))
+    return key, make_local(BIG)
+
+
+def assert_numbered(cache: LocalCache) -> None:
+    """Every tensor t of a :data:`BIG` cache holds t + 1: the whole numbered cache landed."""
+    got = cache.read()
+    for t in range(BIG.num_tensors):
+        assert (got[t] == t + 1).all(), f"tensor {t}"
 
 
 def new_blocks_key(cluster: int = REMOTE_ID) -> BlocksCacheKey:
@@ -58,22 +78,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def wait_for_done(peer: DataDistProcess | LLMDataDist, expected: TransferDone, timeout: float = 10.0) -> list[TransferDone]:
-    """Poll ``completed_requests`` until ``expected`` shows up; returns everything seen."""
-    seen: list[TransferDone] = []
-    deadline = time.monotonic() + timeout
-    while expected not in seen:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{expected} never arrived; saw {seen}")
-        if isinstance(peer, DataDistProcess):
-            seen += peer.completed_requests()
-        else:
-            seen += peer.cache_manager.completed_requests()
-        if expected not in seen:
-            time.sleep(0.01)
-    return seen
 
 
 def link(local: LLMDataDist, *remotes: DataDistProcess) -> None:

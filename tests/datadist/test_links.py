@@ -34,7 +34,6 @@ from .helpers import (
     fresh_id,
     listen_config,
     new_blocks_key,
-    wait_for_done,
 )
 
 DESC = CacheDesc(4, (8, 4, 2, 8), DataType.DT_FLOAT)
@@ -194,8 +193,8 @@ def test_decode_linked_to_two_prefill_clusters(transport, remote, make_remote, n
         np.testing.assert_array_equal(storage[:, 4:], second.read(name_2, (slice(None), slice(0, 4))))
         assert not np.array_equal(storage[:, :4], storage[:, 4:])
         # Each prefill cluster hears about its own request only.
-        assert wait_for_done(remote, TransferDone(dd.cluster_id, 71, "pull")) == [TransferDone(dd.cluster_id, 71, "pull")]
-        assert wait_for_done(second, TransferDone(dd.cluster_id, 72, "pull")) == [TransferDone(dd.cluster_id, 72, "pull")]
+        assert remote.completed_requests() == [TransferDone(dd.cluster_id, 71, "pull")]
+        assert second.completed_requests() == [TransferDone(dd.cluster_id, 72, "pull")]
 
 
 class _FirstFailedAttempt(logging.Handler):

@@ -24,7 +24,7 @@ from hixl.datadist import (
 )
 from hixl.testing.datadist_peer import pattern
 
-from .helpers import LOCAL_ID, new_blocks_key, new_cache_key, wait_for_done
+from .helpers import BIG, LOCAL_ID, assert_numbered, new_blocks_key, new_cache_key, numbered_big_caches
 
 LAYERS, BLOCKS = 4, 16
 SHAPE = (BLOCKS, 8, 2, 16)  # blocks, block size, heads, head dim
@@ -201,8 +201,8 @@ def test_pull_tells_the_source_which_request_is_done(remote, local, make_remote,
     assert remote.completed_requests() == [TransferDone(LOCAL_ID, 42, "pull")]
     local.cache_manager.pull_blocks(key, blocks.cache, [1], [1])  # no req_id, no notification
     task = local.cache_manager.pull_blocks_async(key, blocks.cache, [2], [2], req_id=43)
-    task.synchronize()
-    assert wait_for_done(remote, TransferDone(LOCAL_ID, 43, "pull")) == [TransferDone(LOCAL_ID, 43, "pull")]
+    task.synchronize()  # returns once the source holds the notification
+    assert remote.completed_requests() == [TransferDone(LOCAL_ID, 43, "pull")]
 
 
 # -- layer by layer ---------------------------------------------------------------------------
@@ -242,11 +242,6 @@ def test_pull_async_sub_range_names_local_layers(remote, local, make_remote, mak
     assert not got[:4].any()
 
 
-# A cache big enough that later layers are still on the wire when the first has landed: 4 layers
-# of 16 MiB. The TCP target sends each layer's data in request order; the decode side's reader
-# thread completes layer 0 about 48 MiB before the last one.
-BIG = CacheDesc(8, (32, 64, 1024), DataType.DT_FLOAT)
-
 
 def test_first_layer_is_usable_before_the_last_has_landed(transport, remote, local, make_remote, make_local):
     """wait_layer(0) returns while later layers are still in flight (TCP).
@@ -260,10 +255,7 @@ def test_first_layer_is_usable_before_the_last_has_landed(transport, remote, loc
     """
     if transport != "tcp":
         pytest.skip("needs a transport whose bytes are produced by the source process (TCP)")
-    key = new_blocks_key()
-    name = make_remote(BIG, key)
-    remote.write(name, np.arange(1, BIG.num_tensors + 1, dtype=np.float32).reshape(-1, 1, 1, 1))
-    mine = make_local(BIG)
+    key, mine = numbered_big_caches(remote, make_remote, make_local)
     blocks = list(range(BIG.shape[0]))
     # The window is ~10 ms wide; a scheduler stall longer than that could close it, so a few
     # attempts are allowed. A wait_layer(0) that waited for the whole task fails every one.
@@ -284,9 +276,7 @@ def test_first_layer_is_usable_before_the_last_has_landed(transport, remote, loc
     assert (got[0] == 1).all() and (got[1] == 2).all()  # layer 0 was complete and usable ...
     assert not (got[-1] == BIG.num_tensors).all()  # ... while the last layer was not
     assert task.status is LLMStatusCode.SUCCESS
-    got = mine.read()
-    for t in range(BIG.num_tensors):
-        assert (got[t] == t + 1).all()
+    assert_numbered(mine)
 
 
 def test_layer_failure_is_reported_by_wait_layer(transport, remote, local, make_remote, make_local):

@@ -31,7 +31,6 @@ from .helpers import (
     listen_config,
     new_blocks_key,
     new_cache_key,
-    wait_for_done,
 )
 
 LAYERS, BLOCKS = 4, 16
@@ -182,7 +181,7 @@ def test_push_layer_by_layer_as_layers_are_computed(remote, local, make_remote, 
     np.testing.assert_array_equal(held[:, dst], mine.read()[:, src])
     untouched = [b for b in range(BLOCKS) if b not in dst]
     np.testing.assert_array_equal(held[:, untouched], before[:, untouched])
-    assert wait_for_done(remote, TransferDone(LOCAL_ID, 61, "push")) == [TransferDone(LOCAL_ID, 61, "push")]
+    assert remote.completed_requests() == [TransferDone(LOCAL_ID, 61, "push")]  # sent by synchronize
 
 
 @pytest.mark.parametrize(

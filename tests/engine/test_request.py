@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -132,3 +135,59 @@ def test_timeout_is_reported_only_after_the_chunk_being_written() -> None:
         thread.join(5)
     assert outcomes == ["timeout", "timeout"]
     assert req.status is TransferStatus.TIMEOUT
+
+
+# -- done callbacks (what ``await req`` is built on) -----------------------------------
+def test_done_callbacks_run_once_in_the_finishing_thread() -> None:
+    req = _req()
+    calls: list[tuple[str, TransferStatus, str]] = []
+
+    def record(name: str) -> Callable[[TransferReq], None]:
+        return lambda r: calls.append((name, r.status, threading.current_thread().name))
+
+    first, removed = record("first"), record("removed")
+    req.add_done_callback(first)
+    req.add_done_callback(removed)
+    req.remove_done_callback(removed)
+    req.remove_done_callback(removed)  # not there any more: no-op
+    finisher = threading.Thread(target=req.complete, name="finisher")
+    finisher.start()
+    finisher.join(5)
+    req.fail(TransferError("late"))  # already final: no second call
+    assert calls == [("first", TransferStatus.COMPLETED, "finisher")]
+    req.add_done_callback(record("late"))  # already final: called at once, here
+    assert calls[-1] == ("late", TransferStatus.COMPLETED, threading.current_thread().name)
+
+
+def test_a_raising_done_callback_is_logged_and_the_others_still_run(caplog: pytest.LogCaptureFixture) -> None:
+    req = _req()
+    seen: list[TransferStatus] = []
+
+    def broken(r: TransferReq) -> None:
+        raise RuntimeError("subscriber bug")
+
+    req.add_done_callback(broken)
+    req.add_done_callback(lambda r: seen.append(r.status))
+    with caplog.at_level(logging.ERROR, logger="hixl"):
+        req.fail(TransferTimeout("slow"))
+    assert seen == [TransferStatus.TIMEOUT]
+    assert "subscriber bug" in caplog.text
+
+
+def test_done_callbacks_see_a_deadline_noticed_by_a_waiter() -> None:
+    req = _req(timeout=0.1)
+    seen: list[TransferStatus] = []
+    req.add_done_callback(lambda r: seen.append(r.status))
+    with pytest.raises(TransferTimeout):
+        req.wait(5)
+    assert seen == [TransferStatus.TIMEOUT]
+
+
+def test_await_without_a_loop_timer_is_woken_by_another_thread() -> None:
+    req = _req(timeout=None)  # no deadline: only the finishing thread can wake the loop
+
+    async def main() -> TransferStatus:
+        threading.Timer(0.1, req.complete).start()
+        return await asyncio.wait_for(req.wait_async(), 5)
+
+    assert asyncio.run(main()) is TransferStatus.COMPLETED
