@@ -62,6 +62,15 @@ class IovCursor:
         self.keepalive: object = None
 
     @property
+    def count(self) -> int:
+        """How many iovecs the batch has."""
+        return len(self._ends)
+
+    def pending_ranges(self) -> list[tuple[int, int]]:
+        """The ``(addr, len)`` ranges of the first side not yet moved."""
+        return [(int(a), int(n)) for a, n in self._work[0][self._index :]]
+
+    @property
     def finished(self) -> bool:
         """True once every byte has been moved."""
         return self.done >= self.total

@@ -33,7 +33,8 @@ import os
 import select
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +50,9 @@ from ._exceptions import (
 from ._memory import RemoteRegions
 from ._protocol.connection import ConnectionClosed
 from ._wire import Wire
+
+if TYPE_CHECKING:
+    from ._protocol.connection import Connection
 
 __all__ = ["LinkState", "Pending", "PeerLink", "handshake"]
 
@@ -178,6 +182,45 @@ class PeerLink:
         finally:
             self.wire.read_lock.release()
             self._rearm()
+
+    def exchange(
+        self,
+        req_id: int,
+        make_frame: Callable[[Connection], bytes],
+        data: list[tuple[int, int]],
+        pending: Pending,
+        deadline: float,
+    ) -> bool:
+        """The latency path: if nobody else is reading, send one request frame (made by
+        ``make_frame`` from the connection) and its ``data`` ranges with one ``sendmsg``,
+        and read the reply on this thread. False, having sent nothing, if someone else reads.
+        """
+        wire = self.wire
+        if self.state is not LinkState.CONNECTED or not wire.read_lock.acquire(blocking=False):
+            return False
+        try:
+            self._epoll.modify(wire.fd, 0)  # park the reader: the reply is ours to read
+            self.expect(req_id, pending)
+            with wire.conn_lock:
+                frame = make_frame(wire.conn)
+            try:
+                wire.send_parts(frame, data, deadline)
+            except HixlError:
+                self.forget(req_id)
+                if wire.dead_reason:
+                    self._end(LinkState.BROKEN, wire.dead_reason)
+                raise
+            try:
+                while not pending.done and self.state is LinkState.CONNECTED:
+                    self._dispatch(wire.next_event(deadline))
+            except TransferTimeout:
+                pass
+            except HixlError as exc:
+                self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
+        finally:
+            wire.read_lock.release()
+            self._rearm()
+        return True
 
     def _send(self, message: proto.Message, data: Any, deadline: float | None, req_id: int) -> None:
         try:

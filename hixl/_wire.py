@@ -32,6 +32,7 @@ import numpy as np
 from . import _protocol as proto
 from ._exceptions import PeerDisconnected, ProtocolError, TransferTimeout
 from ._iov import IovCursor, bytes_cursor, readv, writev
+from ._memory import memory_view
 from ._protocol.connection import NEED_DATA, Connection, ConnectionClosed, Event
 
 __all__ = ["CHUNK", "READ_SIZE", "Wire"]
@@ -40,6 +41,7 @@ READ_SIZE = 16 * 1024
 """Bytes asked of the socket per frame read."""
 CHUNK = 4 << 20
 """Most bytes one ``readv`` may land; deadlines and cancellation are checked between chunks."""
+_SENDMSG_RANGES = 8
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 
@@ -261,11 +263,18 @@ class Wire:
 
     # -- sending --------------------------------------------------------------------------------
     def send(self, message: proto.Message, data: IovCursor | None = None, deadline: float | None = None) -> None:
-        """Send ``message`` and (for WRITE/DATA) its data as one unit on the wire."""
+        """Send ``message`` and (for WRITE/DATA) its data as one unit on the wire.
+
+        A few data ranges go out with the frame in one ``sendmsg`` (a small reply is
+        one segment, read by the peer in one ``recv``); more are ``writev``-ed after it.
+        """
         self.check_alive()
+        with self.conn_lock:
+            frame = self.conn.send(message)
+        if data is not None and data.count <= _SENDMSG_RANGES:
+            self.send_parts(frame, data.pending_ranges(), deadline)
+            return
         with self.send_lock:
-            with self.conn_lock:
-                frame = self.conn.send(message)
             self._send_frame(frame, deadline)
             if data is not None:
                 self._send_data(data, deadline)
@@ -283,6 +292,29 @@ class Wire:
         finally:
             self.send_lock.release()
         return True
+
+    def send_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None) -> None:
+        """Send a frame the connection made and the bulk data at ``data`` ((addr, len) ranges)
+        with one ``sendmsg`` when the socket takes it all (the latency path)."""
+        self.check_alive()
+        with self.send_lock:
+            if not data:
+                self._send_frame(frame, deadline)
+                return
+            try:
+                sent = self.sock.sendmsg([frame, *(memory_view(addr, n) for addr, n in data)])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                raise self._fail(f"socket error: {exc}", exc) from exc
+            if sent < len(frame):
+                self._send_frame(frame[sent:], deadline)
+                sent = len(frame)
+            rest = IovCursor(np.array(data, dtype=np.uint64).reshape(-1, 2))
+            if sent > len(frame):
+                rest.advance(sent - len(frame))
+            if not rest.finished:
+                self._send_data(rest, deadline)
 
     def send_raw(self, frame: bytes, deadline: float | None = None) -> None:
         """Send bytes the connection already produced (handshake steps); caller sequences them."""

@@ -450,7 +450,8 @@ class Engine:
             ):
                 return False
             total += nbytes
-        return not self._finalized and peer.channel.run_small(op, op_descs, total)
+        limit = float(self.options["transfer_timeout"]) if timeout is None else timeout
+        return not self._finalized and peer.channel.run_small(op, op_descs, total, limit)
 
     def _prepare(
         self, remote_engine: str, op: Op, op_descs: Any, timeout: float | None

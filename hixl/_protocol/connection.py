@@ -63,6 +63,7 @@ from .frames import (
     Welcome,
     encode,
     kind_of,
+    small_request,
     parse_body,
     parse_header,
 )
@@ -227,6 +228,17 @@ class Connection:
         elif kind is _F.BYE:
             self.state = ConnState.CLOSING
         return encode(message)
+
+    def transfer_frame(self, write: bool, req_id: int, deadline: int, pairs: list[tuple[int, int]], data_len: int) -> bytes:
+        """The bytes of a small READ or WRITE (the latency path): as :meth:`send` with a
+        :class:`ReadRequest`/:class:`WriteRequest`, without building numpy arrays."""
+        kind = _F.WRITE if write else _F.READ
+        if self.role is not Role.INITIATOR or self.state is not ConnState.OPEN:
+            raise ProtocolError(f"a {self.role.value} may not send {kind.name} while {self.state.name}")
+        if req_id == 0 or req_id in self._outstanding:
+            raise ProtocolError(f"request id {req_id} is zero or already in use")
+        self._outstanding[req_id] = kind
+        return small_request(kind, req_id, deadline, pairs, data_len)
 
     def forget_request(self, req_id: int) -> None:
         """Stop expecting a reply to ``req_id`` (used when the request can never be answered)."""

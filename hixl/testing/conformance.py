@@ -1,17 +1,19 @@
 """A conformance suite every hixl transport must pass, run against a real target process.
 
 Subclass :class:`TransportConformance` in a pytest module and name the
-transport; every test then runs an initiator engine in the test process that
-is *forced* onto that transport, against a target engine in a child process
-(:class:`~hixl.testing.TargetProcess`)::
+transport class; every test then runs an initiator engine in the test process
+that has only that transport, against a target engine in a child process
+(:class:`~hixl.testing.TargetProcess`) that has only that transport too — so
+both halves of the transport are under test::
 
     from hixl.testing.conformance import TransportConformance
 
     class TestTcp(TransportConformance):
         transport = "tcp"
+        transport_class = "hixl.transports.tcp:TcpTransport"
 
-A transport that is not built in overrides :meth:`TransportConformance.make_initiator`
-(a classmethod, to pass ``transports=[...]``). The checks cover what the Engine promises
+A transport from another package plugs in the same way, without touching the
+engine. The checks cover what the Engine promises
 whatever moves the bytes: READ/WRITE byte for byte from 1 byte to 64 MiB at odd
 offsets, thousands of scattered descriptors in both accepted forms, merged
 adjacent descriptors, async requests and their order, notifications and their
@@ -45,7 +47,7 @@ from .. import (
 )
 from .. import _protocol as proto
 from .._link import PeerLink
-from .peer import TargetProcess
+from .peer import TargetProcess, load_transport
 
 __all__ = ["TransportConformance"]
 
@@ -111,27 +113,31 @@ class TransportConformance:
 
     transport: str = ""
     """Name of the transport under test; forced through the engine's ``"transport"`` option."""
+    transport_class: str = ""
+    """``"package.module:Class"`` of the transport under test: both engines get only it."""
 
     # -- hooks for subclasses ----------------------------------------------------------
     # Classmethods, like the class-scoped fixtures that call them: those run once per
     # class, before (and apart from) any test instance.
     @classmethod
     def make_initiator(cls, options: dict[str, Any] | None = None) -> Engine:
-        """A client-only initiator engine forced onto :attr:`transport`."""
-        return Engine("127.0.0.1", {"transport": cls.transport, **(options or {})})
+        """A client-only initiator engine with only the transport under test."""
+        transports = [load_transport(cls.transport_class)()]
+        return Engine("127.0.0.1", {"transport": cls.transport, **(options or {})}, transports=transports)
 
     @classmethod
     def make_target(cls, sizes: list[int], options: dict[str, Any] | None = None) -> TargetProcess:
-        """A target engine in a child process with buffers of ``sizes`` registered."""
-        return TargetProcess(sizes, options)
+        """A target engine in a child process, with only the transport under test and
+        buffers of ``sizes`` registered."""
+        return TargetProcess(sizes, options, transports=[cls.transport_class])
 
     # -- fixtures ----------------------------------------------------------------------
     @pytest.fixture(scope="class")
     @classmethod
     def target(cls) -> Iterator[TargetProcess]:
         """Target with SRC (seeded random), DST and SCRATCH buffers; shared by the class."""
-        if not cls.transport:
-            pytest.fail("a TransportConformance subclass must set `transport`")
+        if not cls.transport or not cls.transport_class:
+            pytest.fail("a TransportConformance subclass must set `transport` and `transport_class`")
         tp = cls.make_target([BIG + _SLACK, BIG + _SLACK, MiB])
         try:
             tp.fill(SRC, _SEED)

@@ -20,8 +20,9 @@ __all__ = ["TargetProcess"]
 def _serve(conn: Connection) -> None:
     from .. import Engine, empty  # imported in the child only
 
-    address, options, sizes = conn.recv()
-    engine = Engine(address, options)
+    address, options, sizes, transport_paths = conn.recv()
+    transports = [load_transport(path)() for path in transport_paths] if transport_paths else None
+    engine = Engine(address, options, transports=transports)
     buffers = [empty(size) for size in sizes]
     handles = [engine.register_mem(buf) for buf in buffers]
     conn.send((engine.local_engine, [int(b.ctypes.data) for b in buffers], os.getpid()))
@@ -29,6 +30,14 @@ def _serve(conn: Connection) -> None:
         serve_commands(conn, lambda command, args: _COMMANDS[command](engine, buffers, handles, *args), _picklable)
     finally:
         engine.finalize()
+
+
+def load_transport(path: str) -> Any:
+    """The transport class named ``"package.module:Class"``."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _picklable(error: Exception) -> Exception:
@@ -143,6 +152,8 @@ class TargetProcess:
     :meth:`write`, :meth:`add_buffer`, :meth:`deregister`, :meth:`notifies`,
     :meth:`wait_notifies`, :meth:`call` (any Engine method); an exception raised
     in the child is raised again by the method. :meth:`kill` simulates a crash.
+    ``transports`` names the transport classes the child's engine uses
+    (``"package.module:Class"``, most preferred first; default: the built-in ones).
     """
 
     def __init__(
@@ -151,9 +162,10 @@ class TargetProcess:
         options: dict[str, Any] | None = None,
         address: str = "127.0.0.1:0",
         timeout: float = 30.0,
+        transports: list[str] | None = None,
     ) -> None:
         self._child = ChildProcess("hixl.testing._target_main", timeout)
-        self.engine, self.addrs, self.pid = self._child.request((address, options or {}, sizes))
+        self.engine, self.addrs, self.pid = self._child.request((address, options or {}, sizes, transports))
 
     def _do(self, command: str, *args: Any) -> Any:
         status, value = self._child.request((command, args))

@@ -94,13 +94,14 @@ class Channel(abc.ABC):
         """
         self.start(req, op, descs)
 
-    def run_small(self, op: Op, descs: list[tuple[int, int, int]], nbytes: int) -> bool:
+    def run_small(self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float) -> bool:
         """Try to move a few small, validated descriptors synchronously, right now.
 
         The latency path of ``transfer_sync``: a transport that can beat the
         general path for a handful of descriptors overrides it. Returns True if
-        every byte moved; False sends the caller down the general path, which
-        also reports any error. The default has no fast path.
+        every byte moved within ``timeout`` seconds; False sends the caller down
+        the general path, which also reports any error (so moving bytes twice
+        must be harmless). The default has no fast path.
         """
         return False
 

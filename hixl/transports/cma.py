@@ -136,7 +136,7 @@ class CmaChannel(Channel):
         else:
             req.complete()
 
-    def run_small(self, op: Op, descs: list[tuple[int, int, int]], nbytes: int) -> bool:
+    def run_small(self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float) -> bool:
         """One syscall straight from the tuples: no numpy, no cursor, no request object.
 
         Every step here is on the 8-byte latency path, hence the inlined checks.

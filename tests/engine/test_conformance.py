@@ -1,4 +1,6 @@
-"""The transport conformance suite (:mod:`hixl.testing.conformance`) against every built-in transport."""
+"""The transport conformance suite (:mod:`hixl.testing.conformance`) against every built-in
+transport, and against a transport defined outside the package, to show one plugs in without
+touching the engine."""
 
 from __future__ import annotations
 
@@ -7,7 +9,14 @@ from hixl.testing.conformance import TransportConformance
 
 class TestCma(TransportConformance):
     transport = "cma"
+    transport_class = "hixl.transports.cma:CmaTransport"
 
 
 class TestTcp(TransportConformance):
     transport = "tcp"
+    transport_class = "hixl.transports.tcp:TcpTransport"
+
+
+class TestThirdParty(TransportConformance):
+    transport = "relay"
+    transport_class = "tests.engine.thirdparty:RelayTransport"
