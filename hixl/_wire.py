@@ -182,19 +182,27 @@ class Wire:
                 self.last_alive = time.monotonic()
             return True
 
-    def receive_into(self, cursor: IovCursor, owner: object | None = None, deadline: float | None = None) -> bool:
+    def receive_into(
+        self,
+        cursor: IovCursor,
+        owner: object | None = None,
+        deadline: float | None = None,
+        abandon_at: float | None = None,
+    ) -> bool:
         """Move the current bulk data into ``cursor``'s memory; True if all of it landed.
 
         With ``owner`` (a :class:`~hixl.TransferReq`), each chunk lands under its
-        ``io_lock`` and only while it is not ``cancelled``; waiting for more stops at
-        its deadline, leaving the rest of the data to whoever reads next (it is
-        dropped then), so a caller never waits past its own timeout. Without an
-        owner, nothing lands once ``deadline`` passed, and the rest is read and
-        dropped here, so the stream stays in step. Waiting happens outside the
-        lock, so expiring a request never waits behind a stalled peer.
+        ``io_lock`` and only while it is not ``cancelled``. Waiting for more data stops
+        at ``abandon_at`` (by default the owner's deadline), leaving the rest to whoever
+        reads next (it is dropped then): a caller never waits past its own timeout.
+        Nothing lands once ``deadline`` passed (the target's rule for a WRITE); the rest
+        is read and dropped here, so the stream stays in step. Waiting happens outside
+        the lock, so expiring a request never waits behind a stalled peer.
         """
         lock = getattr(owner, "io_lock", None)
-        wait_until = getattr(owner, "deadline", None) if owner is not None else deadline
+        if abandon_at is None and owner is not None:
+            abandon_at = getattr(owner, "deadline", None)
+        wait_until = abandon_at if abandon_at is not None else deadline
         while not cursor.finished and self.conn.data_left:
             if lock is not None:
                 with lock:
@@ -209,7 +217,7 @@ class Wire:
                 try:
                     self.wait(_POLLIN, wait_until, "receiving data")
                 except TransferTimeout:
-                    if owner is not None:
+                    if abandon_at is not None:
                         return False  # the next reader drops the rest (see next_event)
                     break
         complete = cursor.finished

@@ -423,7 +423,8 @@ class Engine:
     def _run_small(self, remote_engine: str, op: Op, op_descs: Any, timeout: float | None) -> bool:
         """The latency path: validate a few small descriptors in plain Python and let the
         channel move them at once. False means "take the general path", which also
-        produces every error message, so nothing here raises on bad input."""
+        produces every error message, so nothing here raises on bad input (the channel
+        raises only what the transfer itself ran into: a timeout, a broken link)."""
         peer = self._peers.get(remote_engine)
         if peer is None or (op is not Op.READ and op is not Op.WRITE) or (timeout is not None and timeout <= 0):
             return False

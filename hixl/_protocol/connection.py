@@ -131,6 +131,7 @@ _REPLIES: dict[FrameType, frozenset[FrameType]] = {
     _F.QUERY_REGIONS: frozenset({_F.REGIONS}),
     _F.QUERY_META: frozenset({_F.META}),
 }
+_HANDSHAKE_KINDS = frozenset({_F.HELLO, _F.CHALLENGE, _F.AUTH, _F.WELCOME})
 _UNSOLICITED: frozenset[FrameType] = frozenset({_F.REGIONS, _F.PING, _F.PONG, _F.BYE, _F.ERROR})
 _I64_MAX = (1 << 63) - 1
 _GUARD = 0.010
@@ -168,6 +169,7 @@ class Connection:
         self._peer_nonce = ""
         self._session_key = b""
         self._hello_seen = False
+        self._handshake_sent: set[FrameType] = set()
         self._outstanding: dict[int, FrameType] = {}
         self._clock_offset: float | None = None
         self._offset_at = 0.0
@@ -219,6 +221,14 @@ class Connection:
         kind = kind_of(message)
         if kind not in _SENDABLE.get((self.role, self.state), ()):
             raise ProtocolError(f"a {self.role.value} may not send {kind.name} while {self.state.name}")
+        if kind in _HANDSHAKE_KINDS:
+            # Each handshake step once, in order (a CHALLENGE answers a HELLO).
+            if kind in self._handshake_sent or (kind is _F.CHALLENGE and not self._hello_seen):
+                raise ProtocolError(
+                    f"a {self.role.value} may not send {kind.name} while {self.state.name} "
+                    "(each handshake step once, a CHALLENGE only after a HELLO)"
+                )
+            self._handshake_sent.add(kind)
         if kind in _REPLIES and self.role is Role.INITIATOR:
             if message.req_id == 0 or message.req_id in self._outstanding:
                 raise ProtocolError(f"request id {message.req_id} is zero or already in use")
@@ -233,6 +243,8 @@ class Connection:
         """The bytes of a small READ or WRITE (the latency path): as :meth:`send` with a
         :class:`ReadRequest`/:class:`WriteRequest`, without building numpy arrays."""
         kind = _F.WRITE if write else _F.READ
+        if not 0 < len(pairs) <= 8:
+            raise ValueError(f"the latency path packs 1 to 8 descriptors, not {len(pairs)}")
         if self.role is not Role.INITIATOR or self.state is not ConnState.OPEN:
             raise ProtocolError(f"a {self.role.value} may not send {kind.name} while {self.state.name}")
         if req_id == 0 or req_id in self._outstanding:
@@ -315,6 +327,8 @@ class Connection:
 
     def take_data(self, limit: int) -> bytes:
         """Up to ``limit`` bytes of the current bulk data that arrived with its frame."""
+        if limit < 0:
+            raise ValueError(f"negative limit {limit}")
         n = min(limit, self.data_left, self.buffered)
         data = bytes(self._buf[self._pos : self._pos + n])
         self._pos += n
@@ -323,7 +337,7 @@ class Connection:
 
     def data_moved(self, nbytes: int) -> None:
         """The driver moved ``nbytes`` of the current bulk data straight from the socket."""
-        if nbytes > self.data_left:
+        if not 0 <= nbytes <= self.data_left:
             raise RuntimeError(f"moved {nbytes} bytes, only {self.data_left} were due")
         self.data_left -= nbytes
 

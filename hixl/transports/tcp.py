@@ -42,6 +42,21 @@ if TYPE_CHECKING:
 __all__ = ["TcpChannel", "TcpTransport"]
 
 
+def _refusal_error(message: proto.Message) -> HixlError:
+    """The error a non-ACK reply to a READ/WRITE stands for."""
+    if not isinstance(message, proto.Error):
+        return ProtocolError(f"unexpected {type(message).__name__} reply to a transfer")
+    text = f"peer refused the transfer: {message.message}"
+    if message.status == Status.PARAM_INVALID:
+        # A target refuses READ/WRITE as PARAM_INVALID only for a range outside its
+        # registrations; we checked against our copy of them, which may lag behind
+        # a deregistration. Same error as when our own check catches it.
+        return MemoryRangeError(text)
+    if message.status == Status.TIMEOUT:
+        return TransferTimeout(text)
+    return error_for_status(message.status, text)
+
+
 class _Parts:
     """Completes one :class:`TransferReq` once every frame it was split into is answered."""
 
@@ -75,22 +90,10 @@ class _InFlight(Pending):
 
     def on_reply(self, message: proto.Message) -> None:
         self.done = True
-        req = self.parts.req
         if isinstance(message, proto.Ack):
             self.parts.one_done()
-        elif isinstance(message, proto.Error):
-            text = f"peer refused the transfer: {message.message}"
-            if message.status == Status.PARAM_INVALID:
-                # A target refuses READ/WRITE as PARAM_INVALID only for a range outside its
-                # registrations; we checked against our copy of them, which may lag behind
-                # a deregistration. Same error as when our own check catches it.
-                req.fail(MemoryRangeError(text))
-            elif message.status == Status.TIMEOUT:
-                req.fail(TransferTimeout(text))
-            else:
-                req.fail(error_for_status(message.status, text))
         else:
-            req.fail(ProtocolError(f"unexpected {type(message).__name__} reply to a transfer"))
+            self.parts.req.fail(_refusal_error(message))
 
     def on_failure(self, error: HixlError) -> None:
         self.done = True
@@ -110,6 +113,7 @@ class _Small(Pending):
         self.descs = descs
         self.deadline = deadline
         self.ok = False
+        self.error: HixlError | None = None
 
     def on_data(self, link: PeerLink, nbytes: int) -> None:
         self.done = True
@@ -127,14 +131,19 @@ class _Small(Pending):
         if nbytes != local.total:
             raise ProtocolError(f"DATA carries {nbytes} bytes, the READ asked for {local.total}")
         local.copy_in(data)
-        self.ok = wire.receive_into(local, deadline=self.deadline)
+        self.ok = wire.receive_into(local, abandon_at=self.deadline)
+        if not self.ok:
+            self.error = TransferTimeout(f"the reply to a READ of {nbytes} B stalled past its deadline")
 
     def on_reply(self, message: proto.Message) -> None:
         self.done = True
-        self.ok = isinstance(message, proto.Ack)  # anything else: the general path reports it
+        self.ok = isinstance(message, proto.Ack)
+        if not self.ok:
+            self.error = _refusal_error(message)
 
     def on_failure(self, error: HixlError) -> None:
         self.done = True
+        self.error = error
 
 
 class TcpChannel(Channel):
@@ -168,9 +177,16 @@ class TcpChannel(Channel):
 
         data = [(local, length) for local, _, length in descs] if write else []
         try:
-            return link.exchange(req_id, frame, data, pending, deadline) and pending.ok
-        except HixlError:
-            return False  # the general path reports it
+            if not link.exchange(req_id, frame, data, pending, deadline):
+                return False  # someone else is reading: queue behind them on the general path
+        except HixlError as exc:
+            if pending.error is None:
+                pending.error = exc
+        if pending.error is not None:
+            raise pending.error
+        if not pending.done:
+            raise TransferTimeout(f"{op.name} of {nbytes} B from {link.remote_engine} timed out after {timeout} s")
+        return pending.ok
 
     def _send(self, req: TransferReq, op: Op, descs: np.ndarray, read_reply: bool) -> None:
         groups = [descs[i : i + proto.frames.MAX_DESCS] for i in range(0, len(descs), proto.frames.MAX_DESCS)]
