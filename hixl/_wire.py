@@ -318,10 +318,9 @@ class Wire:
             if sent < len(frame):
                 self._send_frame(frame[sent:], deadline)
                 sent = len(frame)
-            rest = IovCursor(np.array(data, dtype=np.uint64).reshape(-1, 2))
-            if sent > len(frame):
+            if sent - len(frame) < sum(n for _, n in data):
+                rest = IovCursor(np.array(data, dtype=np.uint64).reshape(-1, 2))
                 rest.advance(sent - len(frame))
-            if not rest.finished:
                 self._send_data(rest, deadline)
 
     def send_raw(self, frame: bytes, deadline: float | None = None) -> None:

@@ -65,7 +65,7 @@ from .frames import (
     kind_of,
     small_request,
     parse_body,
-    parse_header,
+    parse_header_at,
 )
 
 __all__ = ["NEED_DATA", "ConnState", "Connection", "ConnectionClosed", "Role"]
@@ -298,7 +298,7 @@ class Connection:
             return self._end_of_input()
         try:
             pos = self._pos
-            header = parse_header(bytes(self._buf[pos : pos + HEADER_SIZE]))
+            header = parse_header_at(self._buf, pos)
             # Checked on the header alone, before waiting for the body: a peer can make us
             # buffer no more than the largest frame it may send now (a HELLO, before the proofs).
             answers = self._check_incoming(header.type, header.req_id)
@@ -308,7 +308,8 @@ class Connection:
             if answers is not None:
                 del self._outstanding[answers]
             # A copy: parsed messages (numpy views of descriptors) must not alias the buffer.
-            message = parse_body(header, bytes(self._buf[pos + HEADER_SIZE : end]))
+            body = bytes(self._buf[pos + HEADER_SIZE : end]) if header.body_len else b""
+            message = parse_body(header, body)
             self._pos = end
             self.data_left = header.data_len
             return self._react(message)

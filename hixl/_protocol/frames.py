@@ -31,7 +31,7 @@ import enum
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 
@@ -109,9 +109,8 @@ BODY_LIMITS: dict[FrameType, int] = {
 MAX_BODY = max(BODY_LIMITS.values())
 
 
-@dataclass(frozen=True)
-class Header:
-    """A decoded frame header."""
+class Header(NamedTuple):
+    """A decoded frame header (a tuple: made once per frame on the hot path)."""
 
     type: FrameType
     req_id: int
@@ -296,13 +295,20 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
     """Decode and validate a header; raise :class:`ProtocolError` on anything odd."""
     if len(raw) != HEADER_SIZE:
         raise ProtocolError(f"header must be {HEADER_SIZE} bytes, got {len(raw)}")
-    magic, ftype, flags, reserved, req_id, body_len, data_len = _HEADER.unpack(raw)
+    return parse_header_at(raw, 0)
+
+
+_KINDS = {int(kind): kind for kind in FrameType}
+
+
+def parse_header_at(buf: bytes | bytearray | memoryview, offset: int) -> Header:
+    """:func:`parse_header` of the ``HEADER_SIZE`` bytes at ``offset`` in ``buf`` (no copy)."""
+    magic, ftype, flags, reserved, req_id, body_len, data_len = _HEADER.unpack_from(buf, offset)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}: not a hixl peer")
-    try:
-        kind = FrameType(ftype)
-    except ValueError:
-        raise ProtocolError(f"unknown frame type {ftype}") from None
+    kind = _KINDS.get(ftype)
+    if kind is None:
+        raise ProtocolError(f"unknown frame type {ftype}")
     if flags or reserved:
         raise ProtocolError(f"reserved header bits set ({flags:#x}, {reserved:#x})")
     if body_len > BODY_LIMITS[kind]:
@@ -318,8 +324,14 @@ def _words(body: bytes | memoryview, width: int, what: str) -> np.ndarray:
     return np.frombuffer(body, dtype=_WORD).reshape(-1, width)
 
 
+_SMALL_BODIES = {_DEADLINE.size + 16 * n: struct.Struct(f"<q{2 * n}Q") for n in range(1, 9)}
+
+
 def _request(header: Header, body: bytes | memoryview) -> tuple[np.ndarray, int]:
     """Deadline and descriptors of a READ/WRITE body, validated."""
+    small = _SMALL_BODIES.get(len(body))
+    if small is not None:
+        return _small_request(header, small.unpack(body))
     name = header.type.name
     if len(body) < _DEADLINE.size:
         raise ProtocolError(f"{name} body too short")
@@ -340,6 +352,25 @@ def _request(header: Header, body: bytes | memoryview) -> tuple[np.ndarray, int]
     if (ends[1:] < ends[:-1]).any():
         raise ProtocolError(f"{name} descriptors add up to more than 2**64 bytes")
     return descs, deadline
+
+
+def _small_request(header: Header, words: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    """:func:`_request` for up to 8 descriptors, checked in plain Python (the latency path)."""
+    deadline = words[0]
+    name = header.type.name
+    if deadline < 0:
+        raise ProtocolError(f"{name} has a negative deadline")
+    total = 0
+    for i in range(1, len(words), 2):
+        addr, length = words[i], words[i + 1]
+        if not length:
+            raise ProtocolError(f"{name} has a zero-length descriptor")
+        if addr > _U64_MAX - length:
+            raise ProtocolError(f"{name} has a descriptor that wraps around the address space")
+        total += length
+    if total > _U64_MAX:
+        raise ProtocolError(f"{name} descriptors add up to more than 2**64 bytes")
+    return np.array(words[1:], dtype=np.uint64).reshape(-1, 2), deadline
 
 
 def _json(body: bytes | memoryview, what: str) -> dict[str, Any]:
@@ -377,6 +408,13 @@ def parse_body(header: Header, body: bytes | memoryview) -> Message:
     if len(body) != header.body_len:
         raise ProtocolError(f"body is {len(body)} bytes, header said {header.body_len}")
     kind, rid = header.type, header.req_id
+    if kind is FrameType.READ:
+        descs, deadline = _request(header, body)
+        return ReadRequest(rid, descs, deadline)
+    if kind is FrameType.DATA:
+        if body:
+            raise ProtocolError("DATA must have an empty body")
+        return Data(rid, header.data_len)
     if kind in _EMPTY_BODIED:
         if body:
             raise ProtocolError(f"{kind.name} must have an empty body")
@@ -385,19 +423,12 @@ def parse_body(header: Header, body: bytes | memoryview) -> Message:
         return _JSON_BODIED[kind](_json(body, kind.name), rid)  # type: ignore[return-value]
     if kind is FrameType.REGIONS:
         return Regions(_words(body, 3, "REGIONS"), rid)
-    if kind is FrameType.READ:
-        descs, deadline = _request(header, body)
-        return ReadRequest(rid, descs, deadline)
     if kind is FrameType.WRITE:
         descs, deadline = _request(header, body)
-        total = int(descs[:, 1].sum(dtype=np.uint64))
+        total = int(descs[:, 1].sum(dtype=np.uint64)) if len(descs) > 8 else sum(int(n) for n in descs[:, 1])
         if total != header.data_len:
             raise ProtocolError(f"WRITE descriptors cover {total} bytes, frame carries {header.data_len}")
         return WriteRequest(rid, descs, header.data_len, deadline)
-    if kind is FrameType.DATA:
-        if body:
-            raise ProtocolError("DATA must have an empty body")
-        return Data(rid, header.data_len)
     if kind is FrameType.PONG:
         if len(body) not in (0, _CLOCK.size):
             raise ProtocolError("PONG body must be empty or one clock reading")
@@ -463,6 +494,10 @@ def encode(message: Message) -> bytes:
     Raises ``ValueError`` for a message no peer would accept (a body over its limit).
     """
     kind = _KIND_OF[type(message)]
+    if kind is FrameType.DATA:  # the hot replies first
+        return _frame(kind, message.req_id, b"", message.data_len)  # type: ignore[union-attr]
+    if kind is FrameType.ACK:
+        return _frame(kind, message.req_id)
     if kind in _JSON_BODIED:
         body = json.dumps(message.info, separators=(",", ":")).encode()  # type: ignore[union-attr]
         return _frame(kind, message.req_id, body)
