@@ -348,3 +348,19 @@ def test_unregistered_local_buffer_asks_whether_it_was_registered(shared_target)
         with pytest.raises(MemoryRangeError, match="local range .* did you register it with register_mem"):
             engine.transfer_sync(shared_target.engine, Op.READ, descs)
         assert not local.any()
+
+
+@pytest.mark.timeout(30)
+def test_remote_mems_lists_the_peers_registrations_oldest_first(make_target) -> None:  # type: ignore[no-untyped-def]
+    target = make_target([8192, 4096, 12288])
+    with hixl.Engine("127.0.0.1") as engine:
+        engine.connect(target.engine)
+        sizes = [8192, 4096, 12288]
+        assert engine.remote_mems(target.engine) == [MemDesc(a, n) for a, n in zip(target.addrs, sizes)]
+        target.deregister(1)
+        added = target.add_buffer(4096)  # registered last, listed last
+        assert engine.remote_mems(target.engine) == [
+            MemDesc(target.addrs[0], 8192),
+            MemDesc(target.addrs[2], 12288),
+            MemDesc(added, 4096),
+        ]
