@@ -59,3 +59,12 @@ def test_quick_start_prints_what_the_readme_says(tmp_path: Path) -> None:
     assert t.returncode == 0
     assert out == "[NotifyDesc(name='done', msg='read 1 MiB')]\n"
     assert "read 1048576 bytes, all 42" in README and "[NotifyDesc(name='done', msg='read 1 MiB')]" in README
+
+
+def test_pictures_exist_are_small_and_say_how_to_regenerate_them() -> None:
+    pictures = re.findall(r"!\[[^\]]*\]\((docs/img/[^)]+\.png)\)", README)
+    assert pictures == ["docs/img/demo.png", "docs/img/bench.png"]
+    for picture in pictures:
+        data = (ROOT / picture).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 100_000, picture
+        assert f"--plot {picture}" in README  # the command that regenerates it
