@@ -40,7 +40,8 @@ def _listening(port: int) -> bool:
 def test_quick_start_prints_what_the_readme_says(tmp_path: Path) -> None:
     target, initiator = re.findall(r"```python\n(.*?)```", README, re.S)[:2]
     port = str(_free_port())  # not 5000: other tests and programs may hold it
-    (tmp_path / "target.py").write_text(target.replace("5000", port).replace("time.sleep(10)", "time.sleep(4)"))
+    # The target's 10 s as written: a loaded machine may need seconds to start the initiator.
+    (tmp_path / "target.py").write_text(target.replace("5000", port))
     (tmp_path / "initiator.py").write_text(initiator.replace("5000", port))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = {"cwd": tmp_path, "env": env, "capture_output": True, "text": True}
