@@ -175,7 +175,6 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] = _quiet) -> dict[
                 "layer_done": [t - start for t in pre["layer_done"]],
                 "transfer_start": transfer_start - start,
                 "landed": [t - start for t in landed],
-                "decode_start": dec["start"] - start,
                 "decode_layers": [dec["usable"][i] - start for i in sorted(dec["usable"])],
                 "ttft": pre["computed"] - start,
                 "t2": dec["token_times"][0] - start if dec["token_times"] else None,
