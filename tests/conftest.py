@@ -77,9 +77,10 @@ class DocsSample:
     """The output samples shown in ``docs/*.md``, and a check that real output still has their shape.
 
     A sample is the code block right after a ``<!-- output of: COMMAND -->`` line
-    (a line ``...`` in it stands for lines left out). Its shape is the *label* of each line: the text before the first run of two
-    spaces or ``": "``, with numbers and transport names made generic — what
-    stays the same from run to run and machine to machine.
+    (a line ``...`` in it stands for lines left out). Its shape is the *label*
+    of each line: the text before the first run of two spaces or ``": "``, with
+    numbers and transport names made generic — what stays the same from run to
+    run and machine to machine.
     """
 
     DOCS = Path(__file__).resolve().parents[1] / "docs"

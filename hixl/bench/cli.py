@@ -9,10 +9,10 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from .. import _plot
 from . import kv_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
 from .progress import Progress
-from .. import _plot
 from .report import failed, format_table, summary, to_json, write_json
 from .results import Row
 from .scenarios import DEFAULT_SCENARIO, SCENARIOS
@@ -91,10 +91,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"transports to measure (default: {','.join(TRANSPORTS)})",
     )
     parser.add_argument(
-        "--max-size", type=_size, metavar="SIZE", help="largest single transfer, e.g. 64M (default: 512M; --quick: 1M)"
+        "--max-size",
+        type=_size,
+        metavar="SIZE",
+        help="largest single transfer, e.g. 64M (default: 512M; --quick: 1M)",
     )
     parser.add_argument(
-        "--repeat", type=_positive_int, metavar="N", help="timed repetitions per bandwidth figure (default: 5; --quick: 2)"
+        "--repeat",
+        type=_positive_int,
+        metavar="N",
+        help="timed repetitions per bandwidth figure (default: 5; --quick: 2)",
     )
     parser.add_argument(
         "--iterations", type=_positive_int, metavar="N", help="calls per latency figure (default: 2000; --quick: 50)"
@@ -116,7 +122,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a smoke run of a few seconds: small sizes, few repeats, only size-independent targets judged",
     )
-    parser.add_argument("--check", action="store_true", help="exit 1 if a judged target is missed (default: report only)")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if a judged target is missed (default: report only)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write every result as JSON to PATH ('-' for stdout)")
     parser.add_argument(
         "--plot",

@@ -54,9 +54,8 @@ def _bandwidth(ax: Any, rows: Sequence[Row]) -> None:
         sizes = [r.size for r in points]
         colour = _COLOURS.get((transport, op), "grey")
         ax.plot(sizes, [r.value for r in points], "o-", color=colour, label=f"{transport} {op} hixl")
-        ax.plot(
-            sizes, [r.baseline for r in points], "x--", color=colour, label=f"{transport} {op} {points[0].baseline_name}"
-        )
+        baseline = f"{transport} {op} {points[0].baseline_name}"
+        ax.plot(sizes, [r.baseline for r in points], "x--", color=colour, label=baseline)
     sizes = sorted({r.size for r in rows if r.size})
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [format_size(s) for s in sizes])

@@ -67,7 +67,12 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
     if dis["t2"] is not None and dis["decode_layers"]:
         _lane(ax, 0, _spans(dis["decode_layers"], [*dis["decode_layers"][1:], dis["t2"]]), _DECODE)
     # First token: prefill's output, on its lane; second token: the first decode step's output.
-    tokens = [(3, col["ttft"], "black"), (3, col["t2"], "tab:red"), (2, dis["ttft"], "black"), (0, dis["t2"], "tab:red")]
+    tokens = [
+        (3, col["ttft"], "black"),
+        (3, col["t2"], "tab:red"),
+        (2, dis["ttft"], "black"),
+        (0, dis["t2"], "tab:red"),
+    ]
     for y, at, colour in tokens:
         if at is not None:
             ax.plot([at * 1e3], [y + 0.45], "v", color=colour, markersize=7)

@@ -46,9 +46,10 @@ def format_report(result: dict[str, Any]) -> str:
     """The table, its legend and the verdict, as printed by ``hixl demo`` (``result``: :func:`run_demo`'s)."""
     cfg, col, dis = result["config"], result["colocated"], result["disaggregated"]
     mib = result["kv_bytes"] / 2**20
-    gib_per_s = result["kv_bytes"] / dis["transfer"] / 2**30 if dis["transfer"] > 0 else float("inf")
+    rate = result["kv_bytes"] / dis["transfer"] / 2**30 if dis["transfer"] > 0 else float("inf")
     push = cfg["mode"] == "push"
     what = "prefill pushes layer by layer while computing" if push else "decode pulls layer by layer"
+    landed = dis["layers_landed"]
     share = dis["first_layer_landed"] / dis["transfer"] * 100 if dis["transfer"] else 0.0
     lines = [
         f"hixl demo: {cfg['layers']}-layer Llama (seed {cfg['seed']}), prompt {cfg['prompt_len']} tokens, "
@@ -58,7 +59,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"{'':{_LABEL}}{'colocated':>14}{'disaggregated':>16}",
         _row("prefill compute", col["prefill"], dis["prefill"]),
         _row("time to first token", col["ttft"], dis["ttft"]),
-        _row("KV transfer", None, dis["transfer"], "overlapped with prefill compute" if push else f"{gib_per_s:.2f} GiB/s"),
+        _row("KV transfer", None, dis["transfer"], "overlapped with prefill compute" if push else f"{rate:.2f} GiB/s"),
         *([_row("  landed after compute ended", None, dis["tail_after_compute"])] if push else []),
         _row("first layer landed", None, dis["first_layer_landed"], f"({share:.0f}% of the transfer time)"),
         _row("decode starts layer 0", None, dis["decode_layer0_start"]),
@@ -67,7 +68,7 @@ def format_report(result: dict[str, Any]) -> str:
         "",
         LEGEND,
         "",
-        "layers landed at (ms after the transfer started): " + ", ".join(f"{t * 1e3:.1f}" for t in dis["layers_landed"]),
+        "layers landed at (ms after the transfer started): " + ", ".join(f"{t * 1e3:.1f}" for t in landed),
         f"completion notification received by the {'decode' if push else 'prefill'} side: "
         f"{'yes' if result['completion_notified'] else 'NO'}",
         f"tokens identical to colocated generation: {'YES' if result['identical'] else 'NO'} "

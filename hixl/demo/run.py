@@ -74,7 +74,7 @@ def _colocated(cfg: DemoConfig, spec_kwargs: dict[str, Any], prompt: list[int], 
     token_times: list[float] = []
     layer_done: list[float] = []
     start = time.monotonic()
-    first = prefill(model, prompt, cache, blocks, lambda _: layer_done.append(time.monotonic() - start))
+    first = prefill(model, prompt, cache, blocks, on_layer_done=lambda _: layer_done.append(time.monotonic() - start))
     computed = time.monotonic()
     tokens = decode(model, first, len(prompt), cache, blocks, cfg.tokens, on_token=lambda _: token_times.append(time.monotonic()))
     end = time.monotonic()

@@ -100,7 +100,8 @@ def test_notes_count_the_descriptors_issued(quick_run: tuple[dict[str, Any], str
 def test_table_is_printed(quick_run: tuple[dict[str, Any], str]) -> None:
     doc, text = quick_run
     assert text.startswith("SMOKE RUN (--quick)")
-    assert text.splitlines()[1].startswith("hixl bench: scenario kv; transports cma,tcp; kv cache 4 layers x 1024 tokens")
+    header = text.splitlines()[1]
+    assert header.startswith("hixl bench: scenario kv; transports cma,tcp; kv cache 4 layers x 1024 tokens")
     assert "pull_blocks bs=16" in text and "first layer bs=16" in text and "targets:" in text
     assert "note: kv: scaled-down cache" in text
     names = tuple(r["name"] + " " for r in doc["rows"])
