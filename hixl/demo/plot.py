@@ -60,10 +60,9 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
     _lane(ax, 2, _spans([0.0, *dis["layer_done"][:-1]], dis["layer_done"]), _COMPUTE)
     transfers = _spans(_transfer_starts(dis, push), dis["landed"])
     _lane(ax, 1, transfers, _TRANSFER)
-    if transfers:  # the KV cache of a small model moves in a sliver of the time: say how long
-        first = transfers[0][0]
+    if transfers:  # the KV cache of a small model moves in a sliver of the time: say when it was all there
         last = transfers[-1][0] + transfers[-1][1]
-        ax.text(last, 1, f"  {len(transfers)} layers in {last - first:.1f} ms", va="center", fontsize="small")
+        ax.text(last, 1, f"  {len(transfers)} layers, the last landed at {last:.1f} ms", va="center", fontsize="small")
     if dis["t2"] is not None and dis["decode_layers"]:
         _lane(ax, 0, _spans(dis["decode_layers"], [*dis["decode_layers"][1:], dis["t2"]]), _DECODE)
     # First token: prefill's output, on its lane; second token: the first decode step's output.
