@@ -96,8 +96,10 @@ class DocsSample:
 
     @staticmethod
     def label(line: str, chunks: int = 1) -> str:
-        """The first ``chunks`` columns of ``line``, generic (see the class docstring)."""
+        """The first ``chunks`` columns of ``line``, generic (see the class docstring); 0: the whole line."""
         generic = re.sub(r"\b(cma|tcp)\b", "T", re.sub(r"\d+(\.\d+)?", "#", line.strip()))
+        if chunks == 0:
+            return generic
         columns = re.split(r"\s{2,}", generic.split(": ", 1)[0])
         return "  ".join(columns[:chunks])
 

@@ -67,11 +67,12 @@ def test_cli_runs_and_exits_zero(tmp_path: Path, docs_sample: Any) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "YES (3/3)" in proc.stdout
     # Progress, as it goes, on stderr: one line per stage, the table stays alone on stdout.
-    progress = proc.stderr.splitlines()
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("hixl demo: ")]  # not library warnings
     assert progress[0] == "hixl demo: loading torch and transformers ..."
     assert progress[1].startswith("hixl demo: starting the prefill and decode processes")
     assert progress[-1].startswith("hixl demo: done;")
     assert "hixl demo: " not in proc.stdout.split("\n", 1)[1]
+    assert docs_sample.missing(docs_sample.lines("tools.md", "hixl demo, on stderr"), proc.stderr, chunks=0) == []
     labels = _labels(proc.stdout)
     assert [label for label in labels if label in ROWS] [: len(ROWS)] == ROWS  # the table, in order
     assert labels.index("time to first token") < labels.index("decode starts layer 0")
