@@ -42,6 +42,8 @@ _READ_ONLY = (
 ACCESS_MODES = ("rw", "r")
 _U64_MAX = (1 << 64) - 1
 _WRITABLE = np.uint64(1)
+# What a newcomer passing a buffer where an address belongs needs to read.
+ADDRESS_HINT = "an address is an int: buf.ctypes.data for a numpy array, tensor.data_ptr() for a torch tensor"
 
 
 def empty(shape: int | Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
@@ -70,6 +72,8 @@ def buffer_range(buf: Any, mem_type: MemType = MemType.HOST, writable: bool = Tr
     With ``writable``, read-only buffers are refused.
     """
     if isinstance(buf, MemDesc):
+        if not (_is_int(buf.addr) and _is_int(buf.len)):
+            raise ParamInvalid(f"MemDesc(addr, len) takes two ints, not {_type_names(buf)} ({ADDRESS_HINT})")
         addr, nbytes = int(buf.addr), int(buf.len)
         if addr <= 0 or nbytes <= 0 or addr + nbytes > _U64_MAX:
             raise ParamInvalid(f"invalid MemDesc {buf!r}")
@@ -93,6 +97,14 @@ def buffer_range(buf: Any, mem_type: MemType = MemType.HOST, writable: bool = Tr
     if writable and not view.flags.writeable:
         raise ParamInvalid(_READ_ONLY)
     return int(view.ctypes.data), int(view.nbytes), view
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _type_names(values: Iterable[Any]) -> str:
+    return "(" + ", ".join(type(v).__name__ for v in values) + ")"
 
 
 def _tensor_range(tensor: Any, mem_type: MemType) -> tuple[int, int, Any]:
@@ -162,14 +174,14 @@ class RegionTable:
         inside &= addrs + lens <= ends
         return np.flatnonzero(~inside)
 
-    def check(self, addrs: np.ndarray, lens: np.ndarray, what: str) -> None:
-        """Raise :class:`MemoryRangeError` naming the first range outside the table."""
+    def check(self, addrs: np.ndarray, lens: np.ndarray, what: str, hint: str = "") -> None:
+        """Raise :class:`MemoryRangeError` naming the first range outside the table (and ``hint``)."""
         bad = self.outside(addrs, lens)
         if len(bad):
             i = int(bad[0])
             raise MemoryRangeError(
                 f"{what} range [{int(addrs[i]):#x}, +{int(lens[i])}) of descriptor {i} is "
-                f"outside registered memory ({len(bad)} descriptor(s) affected)"
+                f"outside registered memory ({len(bad)} descriptor(s) affected)" + (f": {hint}" if hint else "")
             )
 
 
@@ -212,10 +224,12 @@ class RemoteRegions:
         """Indices of ranges that may not be read (or, with ``write``, written)."""
         return (self.writable if write else self.readable).outside(addrs, lens)
 
-    def check(self, addrs: np.ndarray, lens: np.ndarray, write: bool = False, what: str = "remote") -> None:
-        """Raise :class:`MemoryRangeError` for a range outside every region, and
+    def check(
+        self, addrs: np.ndarray, lens: np.ndarray, write: bool = False, what: str = "remote", hint: str = ""
+    ) -> None:
+        """Raise :class:`MemoryRangeError` for a range outside every region (ending with ``hint``), and
         :class:`AccessDenied` for one that would write into a read-only region."""
-        self.readable.check(addrs, lens, what)
+        self.readable.check(addrs, lens, what, hint)
         if write:
             bad = self.writable.outside(addrs, lens)
             if len(bad):
@@ -308,9 +322,14 @@ def as_desc_array(op_descs: Any) -> np.ndarray:
         if isinstance(op_descs, TransferOpDesc):
             raise ParamInvalid("op_descs must be a list of TransferOpDesc, not a single one")
         try:
-            descs = np.array(list(op_descs), dtype=np.uint64).reshape(-1, 3)
+            items = list(op_descs)
+        except TypeError:
+            raise ParamInvalid(f"op_descs must be a list of {_DESC_FORM}, not {type(op_descs).__name__}") from None
+        try:
+            descs = np.array(items, dtype=np.uint64).reshape(-1, 3)
         except (TypeError, ValueError, OverflowError) as exc:
-            raise ParamInvalid(f"op_descs must be TransferOpDesc(local_addr, remote_addr, len) items: {exc}") from exc
+            # numpy's own message ("inhomogeneous shape", ...) does not say which field is wrong.
+            raise ParamInvalid(_first_bad_desc(items) or f"op_descs must be {_DESC_FORM} items: {exc}") from exc
     if len(descs) == 0:
         raise ParamInvalid("op_descs is empty")
     lens = descs[:, 2]
@@ -321,6 +340,26 @@ def as_desc_array(op_descs: Any) -> np.ndarray:
     if (descs[:, 0] > limit - lens).any() or (descs[:, 1] > limit - lens).any():
         raise ParamInvalid("a descriptor's range wraps around the address space")
     return descs
+
+
+_DESC_FORM = "TransferOpDesc(local_addr, remote_addr, len)"
+
+
+def _first_bad_desc(items: Sequence[Any]) -> str | None:
+    """What is wrong with the first malformed descriptor of ``items``, in words (None if none is)."""
+    for i, desc in enumerate(items):
+        try:
+            fields = tuple(desc)
+        except TypeError:
+            fields = ()
+        if len(fields) != 3:
+            return f"descriptor {i} ({type(desc).__name__} {desc!r:.40}) is not a {_DESC_FORM}"
+        for name, value in zip(TransferOpDesc._fields, fields):
+            if not _is_int(value):
+                return f"descriptor {i}: {name} is of type {type(value).__name__}, not int ({ADDRESS_HINT})"
+            if not 0 <= int(value) <= _U64_MAX:
+                return f"descriptor {i}: {name} = {int(value)} is outside 0 .. 2**64-1"
+    return None
 
 
 def merge_adjacent(descs: np.ndarray) -> np.ndarray:

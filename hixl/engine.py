@@ -474,7 +474,9 @@ class Engine:
         if timeout <= 0:
             raise ParamInvalid(f"timeout must be positive, not {timeout}")
         descs = as_desc_array(op_descs)
-        self._registry.table.check(descs[:, 0], descs[:, 2], op is Op.READ, "local")
+        self._registry.table.check(
+            descs[:, 0], descs[:, 2], op is Op.READ, "local", hint="did you register it with register_mem?"
+        )
         peer.channel.check_remote(descs[:, 1], descs[:, 2], timeout, op is Op.WRITE)
         return peer, op, descs, timeout
 

@@ -1,11 +1,13 @@
-"""Shared fixtures: transports to parametrize over, target processes, leak checks."""
+"""Shared fixtures: transports to parametrize over, target processes, leak checks, docs samples."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +71,56 @@ class Resources:
 def resources() -> type[Resources]:
     """See :class:`Resources`."""
     return Resources
+
+
+class DocsSample:
+    """The output samples shown in ``docs/*.md``, and a check that real output still has their shape.
+
+    A sample is the code block right after a ``<!-- output of: COMMAND -->`` line
+    (a line ``...`` in it stands for lines left out). Its shape is the *label*
+    of each line: the text before the first run of two spaces or ``": "``, with
+    numbers and transport names made generic — what stays the same from run to
+    run and machine to machine.
+    """
+
+    DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+    @classmethod
+    def lines(cls, page: str, command: str) -> list[str]:
+        """The lines of the sample of ``command`` in ``docs/page`` (an error if there is none)."""
+        text = (cls.DOCS / page).read_text()
+        marker = f"<!-- output of: {command} -->"
+        assert marker in text, f"{page} has no sample marked {marker}"
+        block = text.split(marker, 1)[1].split("```", 2)[1]
+        return block.split("\n")[1:]  # drop the fence's language tag
+
+    @staticmethod
+    def label(line: str, chunks: int = 1) -> str:
+        """The first ``chunks`` columns of ``line``, generic (see the class docstring); 0: the whole line."""
+        generic = re.sub(r"\b(cma|tcp)\b", "T", re.sub(r"\d+(\.\d+)?", "#", line.strip()))
+        if chunks == 0:
+            return generic
+        columns = re.split(r"\s{2,}", generic.split(": ", 1)[0])
+        return "  ".join(columns[:chunks])
+
+    @classmethod
+    def missing(cls, sample: Sequence[str], output: str, chunks: int = 1) -> list[str]:
+        """Sample lines whose labels are not found, in the sample's order, among the output's."""
+        have = [cls.label(line, chunks) for line in output.splitlines() if line.strip()]
+        lost: list[str] = []
+        position = 0
+        for line in sample:
+            if line.strip() in ("", "..."):  # "...": lines a sample leaves out
+                continue
+            want = cls.label(line, chunks)
+            try:
+                position = have.index(want, position) + 1
+            except ValueError:
+                lost.append(line)
+        return lost
+
+
+@pytest.fixture
+def docs_sample() -> type[DocsSample]:
+    """See :class:`DocsSample`."""
+    return DocsSample

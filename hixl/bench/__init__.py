@@ -8,7 +8,8 @@ target engine in a child process (:mod:`hixl.bench.target`) and times hixl
 and its baseline (:mod:`hixl.bench.baselines`) interleaved, so noise on a
 small machine hits both alike (:mod:`hixl.bench.timing`). Reports are
 :mod:`hixl.bench.report`; the command line is :mod:`hixl.bench.cli`.
-Targets are reported as PASS/FAIL, never enforced.
+Targets are reported as PASS/FAIL and enforced only with ``--check``; a
+``--quick`` smoke run judges only the targets that hold at any size.
 """
 
 from .config import BenchConfig

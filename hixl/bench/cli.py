@@ -9,10 +9,11 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from .. import _plot
 from . import kv_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
 from .progress import Progress
-from .report import format_table, summary, to_json, write_json
+from .report import failed, format_table, summary, to_json, write_json
 from .results import Row
 from .scenarios import DEFAULT_SCENARIO, SCENARIOS
 
@@ -24,8 +25,12 @@ runs in a child process; for each transport it measures READ/WRITE bandwidth of
 single transfers, transfer_sync latency, a scattered-block batch, the cost of
 misaligned buffers, idle CPU and RSS growth, and prints each figure next to its
 raw baseline (process_vm_readv/writev, a plain socket stream, memcpy) with the
-target ratio and PASS/FAIL. Targets are reported, never enforced: the exit
-status is 0 whatever they say.
+target ratio and PASS/FAIL. Targets are reported, not enforced: the exit status
+is 0 whatever they say, unless --check is given (then a missed target exits 1).
+
+--quick is a smoke run (a few seconds): its sizes and repeat counts are too
+small for the ratio targets, so it judges only the absolute ones (idle CPU, RSS
+growth) and marks the others "smoke".
 
 --scenario kv pulls a Llama-70B-shaped KV cache (80 layers, 8 KV heads x 128,
 fp16, a 4096-token prompt: 1.25 GiB) from a prefill process with DataDist's
@@ -86,13 +91,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"transports to measure (default: {','.join(TRANSPORTS)})",
     )
     parser.add_argument(
-        "--max-size", type=_size, metavar="SIZE", help="largest single transfer, e.g. 64M (default: 512M)"
+        "--max-size",
+        type=_size,
+        metavar="SIZE",
+        help="largest single transfer, e.g. 64M (default: 512M; --quick: 1M)",
     )
     parser.add_argument(
-        "--repeat", type=_positive_int, metavar="N", help="timed repetitions per bandwidth figure (default: 5)"
+        "--repeat",
+        type=_positive_int,
+        metavar="N",
+        help="timed repetitions per bandwidth figure (default: 5; --quick: 2)",
     )
     parser.add_argument(
-        "--iterations", type=_positive_int, metavar="N", help="calls per latency figure (default: 2000)"
+        "--iterations", type=_positive_int, metavar="N", help="calls per latency figure (default: 2000; --quick: 50)"
     )
     parser.add_argument(
         "--layers", type=_positive_int, metavar="N", help="kv: layers of the KV cache (default: 80; --quick: 4)"
@@ -106,8 +117,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="N[,N]",
         help="kv: tokens per block, each dividing --tokens (default: 16,32,128; --quick: 16)",
     )
-    parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds: small sizes, few repeats")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of a few seconds: small sizes, few repeats, only size-independent targets judged",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if a judged target is missed (default: report only)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write every result as JSON to PATH ('-' for stdout)")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw bandwidth vs size and the latency distribution to FILE (.png, .svg, .pdf; "
+        "engine scenario; needs the 'plot' extra)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -149,13 +173,32 @@ def _header(config: BenchConfig, scenarios: tuple[str, ...]) -> str:
     if "engine" in scenarios:
         parts.append(f"latency over {config.iterations} calls")
     parts.append(f"{os.cpu_count()} CPUs")
-    return "; ".join(parts)
+    smoke = "SMOKE RUN (--quick): small sizes and few repeats check that everything works; not measurements\n"
+    return (smoke if config.quick else "") + "; ".join(parts)
+
+
+def _verdict_line(rows: list[Row], check: bool) -> str:
+    """Whether the targets decide the exit status, said in the output (not only in ``--help``)."""
+    if not check:
+        return "targets are reported, not enforced: exit status 0 (--check makes a missed target exit 1)"
+    missed = len(failed(rows))
+    return f"--check: {missed} target(s) missed, exit status 1" if missed else "--check: every judged target met"
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the chosen scenarios and print the table (and write ``--json``); 2 for an impossible KV shape."""
+    """Run the chosen scenarios, print the table (and write ``--json``, ``--plot``).
+
+    Exit status: 0; 1 with ``--check`` when a judged target is missed; 2 for
+    options that cannot work (an impossible KV shape, ``--plot`` without matplotlib).
+    """
     config = config_from_args(args)
     scenarios = tuple(args.scenario)
+    if args.plot and not _plot.plotting_available():
+        print(f"hixl bench: error: {_plot.MISSING}", file=sys.stderr)
+        return 2
+    if args.plot and "engine" not in scenarios:
+        print("hixl bench: error: --plot draws the engine scenario: add --scenario engine", file=sys.stderr)
+        return 2
     if "kv" in scenarios:
         try:
             kv_bench.shape_of(config)
@@ -165,27 +208,37 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(enabled=False if args.no_progress else None)
     rows: list[Row] = []
     notes: list[str] = []
+    latency_samples: dict[tuple[str, str, int, str], list[float]] = {}
     start = time.perf_counter()
     try:
         for name in scenarios:
             result = SCENARIOS[name](config, progress)
             rows += result.rows
             notes += result.notes
+            latency_samples.update(result.latency_samples)
     finally:
         progress.close()
     elapsed = time.perf_counter() - start
+    if config.quick:
+        rows = [replace(row, smoke=True) for row in rows]
     out = sys.stderr if args.json == "-" else sys.stdout  # keep stdout pure JSON when it carries the JSON
     print(_header(config, scenarios), file=out)
     print(file=out)
     print(format_table(rows), file=out)
     print(file=out)
     print(summary(rows), file=out)
+    print(_verdict_line(rows, args.check), file=out)
     for note in notes:
         print(f"note: {note}", file=out)
     print(f"total {elapsed:.1f} s", file=out)
     if args.json:
         write_json(args.json, to_json(rows, config, scenarios, notes, elapsed))
-    return 0
+    if args.plot:
+        from .plot import plot_engine
+
+        plot_engine([r for r in rows if r.scenario == "engine"], latency_samples, args.plot, smoke=config.quick)
+        print(f"plot written to {args.plot}", file=out)
+    return 1 if args.check and failed(rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from .. import __version__
 from .config import BenchConfig, format_size
 from .results import Row
 
-__all__ = ["format_number", "format_table", "summary", "to_json", "write_json"]
+__all__ = ["failed", "format_number", "format_table", "summary", "to_json", "write_json"]
 
 COLUMNS = (
     "figure",
@@ -47,7 +47,6 @@ def format_number(value: float | None) -> str:
 
 def _cells(row: Row) -> tuple[str, ...]:
     ratio = row.ratio
-    passed = row.passed
     remarks = [f"vs {row.baseline_name}" if row.baseline_name else "", row.note]
     return (
         row.name,
@@ -58,9 +57,17 @@ def _cells(row: Row) -> tuple[str, ...]:
         "-" if row.baseline is None else f"{format_number(row.baseline)} {row.unit}",
         "-" if ratio is None else f"{ratio:.2f}x",
         "" if row.target is None else str(row.target),
-        "" if passed is None else ("PASS" if passed else "FAIL"),
+        _verdict(row),
         "; ".join(r for r in remarks if r),
     )
+
+
+def _verdict(row: Row) -> str:
+    if row.target is None:
+        return ""
+    if not row.judged:
+        return "smoke"  # shown, not judged: see Row.judged
+    return {True: "PASS", False: "FAIL", None: "-"}[row.passed]
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -84,15 +91,23 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(out)
 
 
+def failed(rows: Sequence[Row]) -> list[Row]:
+    """The rows whose judged target was missed (what ``hixl bench --check`` fails on)."""
+    return [r for r in rows if r.passed is False]
+
+
 def summary(rows: Sequence[Row]) -> str:
-    """``targets: 9 PASS, 2 FAIL (name transport op size, ...)``."""
+    """``targets: 9 PASS, 2 FAIL (name transport op size, ...)``, plus how many a smoke run left unjudged."""
     judged = [r for r in rows if r.passed is not None]
-    failed = [r for r in judged if not r.passed]
-    text = f"targets: {len(judged) - len(failed)} PASS, {len(failed)} FAIL"
-    if failed:
+    missed = failed(rows)
+    unjudged = sum(1 for r in rows if r.target is not None and not r.judged)
+    text = f"targets: {len(judged) - len(missed)} PASS, {len(missed)} FAIL"
+    if unjudged:
+        text += f", {unjudged} not judged (smoke sizes are too small for them: run without --quick)"
+    if missed:
         names = ", ".join(
             " ".join(p for p in (r.transport, r.name, r.op, "" if r.size is None else format_size(r.size)) if p)
-            for r in failed
+            for r in missed
         )
         text += f" ({names})"
     return text

@@ -5,14 +5,20 @@ A :class:`Row` is one figure of the report: what was measured (``name``,
 there is one — the raw ``baseline`` it is compared with, their ``ratio``
 (value / baseline) and a :class:`Target` that ratio (or, for absolute
 figures such as idle CPU, the value itself) must meet. Rows never raise
-when a target is missed: the report says FAIL and the run goes on.
+when a target is missed: the report says FAIL and the run goes on (``hixl
+bench --check`` turns a FAIL into a non-zero exit status).
+
+A ``--quick`` run marks its rows ``smoke``: its sizes and repeat counts are
+too small for ratios against raw calls to mean anything, so only targets
+declared ``in_smoke`` (absolute limits such as idle CPU and RSS growth, which
+hold at any size) are judged there; the others are shown but not judged.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Row", "ScenarioResult", "Target", "median", "percentile"]
@@ -27,11 +33,15 @@ _COMPARE = {
 
 @dataclass(frozen=True)
 class Target:
-    """The ratio (``on="ratio"``) or the value itself (``on="value"``) must satisfy ``cmp limit``."""
+    """The ratio (``on="ratio"``) or the value itself (``on="value"``) must satisfy ``cmp limit``.
+
+    ``in_smoke``: whether a ``--quick`` run judges it too (see the module docstring).
+    """
 
     cmp: str
     limit: float
     on: str = "ratio"
+    in_smoke: bool = False
 
     def __post_init__(self) -> None:
         if self.cmp not in _COMPARE or self.on not in ("ratio", "value"):
@@ -63,6 +73,7 @@ class Row:
     target: Target | None = None
     scenario: str = ""
     note: str = ""
+    smoke: bool = False
 
     @property
     def ratio(self) -> float | None:
@@ -73,8 +84,15 @@ class Row:
 
     @property
     def passed(self) -> bool | None:
-        """Whether the target is met; None without a target."""
-        return None if self.target is None else self.target.met_by(self.value, self.ratio)
+        """Whether the target is met; None without a target, or one a smoke run does not judge."""
+        if self.target is None or not self.judged:
+            return None
+        return self.target.met_by(self.value, self.ratio)
+
+    @property
+    def judged(self) -> bool:
+        """Whether this row's target is judged: every target in a full run, ``in_smoke`` ones in a smoke run."""
+        return self.target is not None and (self.target.in_smoke or not self.smoke)
 
     def to_json(self) -> dict[str, Any]:
         """A flat, JSON-able dict (the ``--json`` schema of one row)."""
@@ -93,6 +111,7 @@ class Row:
             if self.target is None
             else {"cmp": self.target.cmp, "limit": self.target.limit, "on": self.target.on, "text": str(self.target)},
             "pass": self.passed,
+            "smoke": self.smoke,
             "note": self.note,
         }
 
@@ -120,7 +139,9 @@ def percentile(samples: Sequence[float], pct: float) -> float:
 
 @dataclass
 class ScenarioResult:
-    """What a scenario hands back: its rows, and notes for the reader (e.g. a skipped transport)."""
+    """What a scenario hands back: its rows, notes for the reader (e.g. a skipped transport), and the
+    latency samples behind its percentiles (µs, keyed ``(transport, op, size, contender)``, for plots)."""
 
     rows: list[Row]
     notes: list[str]
+    latency_samples: dict[tuple[str, str, int, str], list[float]] = field(default_factory=dict)

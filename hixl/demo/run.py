@@ -11,13 +11,17 @@ generated tokens must equal a colocated, single-process generation.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from .. import _plot
 from .._child import ChildProcess
+from .report import format_report
 
 PREFILL_CLUSTER, DECODE_CLUSTER = 1, 2
 
@@ -56,7 +60,7 @@ class _Worker:
 
 
 def _colocated(cfg: DemoConfig, spec_kwargs: dict[str, Any], prompt: list[int], num_blocks: int) -> dict[str, Any]:
-    """Reference tokens (transformers' own generate) and a single-process timeline."""
+    """Reference tokens (transformers' own generate) and a single-process timeline (seconds from its start)."""
     import torch
 
     from .model import ModelSpec, PagedKVCache, build_model, colocated_generate, decode, prefill
@@ -68,17 +72,26 @@ def _colocated(cfg: DemoConfig, spec_kwargs: dict[str, Any], prompt: list[int], 
     cache = PagedKVCache(spec, num_blocks, cfg.block_size)
     blocks = list(range(cache.blocks_for(len(prompt))))
     token_times: list[float] = []
+    layer_done: list[float] = []
     start = time.monotonic()
-    first = prefill(model, prompt, cache, blocks)
+    first = prefill(model, prompt, cache, blocks, on_layer_done=lambda _: layer_done.append(time.monotonic() - start))
     computed = time.monotonic()
     tokens = decode(model, first, len(prompt), cache, blocks, cfg.tokens, on_token=lambda _: token_times.append(time.monotonic()))
     end = time.monotonic()
     return {"reference": reference, "tokens": tokens, "prefill": computed - start, "ttft": computed - start,
-            "t2": (token_times[0] - start) if token_times else None, "total": end - start}
+            "t2": (token_times[0] - start) if token_times else None, "total": end - start, "layer_done": layer_done}
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Run the demo and return its measurements (see :func:`format_report`)."""
+def _quiet(message: str) -> None:
+    """The default ``progress`` of :func:`run_demo`: say nothing."""
+
+
+def run_demo(cfg: DemoConfig, progress: Callable[[str], None] = _quiet) -> dict[str, Any]:
+    """Run the demo and return its measurements (see :func:`format_report`).
+
+    ``progress`` is called with a line of text as each stage starts (the
+    command prints them, so the seconds of model building are not silent).
+    """
     from .model import ModelSpec, make_prompt
 
     spec = ModelSpec(num_layers=cfg.layers, seed=cfg.seed)
@@ -87,6 +100,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     needed = -(-cfg.prompt_len // cfg.block_size)
     num_blocks = needed * 2  # room to scatter: the blocks a request gets are not contiguous
     push = cfg.mode == "push"
+    progress(f"starting the prefill and decode processes (each builds the {cfg.layers}-layer model and warms it up)")
+    began = time.monotonic()
     common = {"spec": spec_kwargs, "num_blocks": num_blocks, "block_size": cfg.block_size, "transport": cfg.transport, "threads": 1}
     prefill_w = _Worker({"role": "PROMPT", "cluster_id": PREFILL_CLUSTER, "listen": not push, **common})
     decode_w = _Worker({"role": "DECODER", "cluster_id": DECODE_CLUSTER, "listen": push, **common})
@@ -94,11 +109,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     workers = [prefill_w, decode_w] if push else [decode_w, prefill_w]
     try:
         prefill_info, decode_info = prefill_w.ready(), decode_w.ready()
+        progress(f"both ready after {time.monotonic() - began:.1f} s; timing the colocated reference (one process)")
         # Timed only once both workers are idle: the machine is small.
         colocated = _colocated(cfg, spec_kwargs, prompt, num_blocks)
         rng = np.random.default_rng(cfg.seed)
         src_blocks = sorted(rng.choice(num_blocks, needed, replace=False).tolist())
         dst_blocks = rng.permutation(num_blocks)[:needed].tolist()
+        progress(f"linking {'prefill -> decode' if push else 'decode -> prefill'} (the side that links moves the data)")
         if push:
             link = prefill_w.call("link", ip_info=decode_info["ip_info"], cluster_id=DECODE_CLUSTER)
         else:
@@ -106,6 +123,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         if link["status"] != "SUCCESS":
             raise RuntimeError(f"link failed: {link['status']}")
         req_id = 1
+        progress(
+            f"one request: prefill computes {cfg.prompt_len} prompt tokens, "
+            f"{'prefill pushes' if push else 'decode pulls'} the KV cache, decode generates {cfg.tokens} tokens"
+        )
         start = time.monotonic()
         pre = prefill_w.call(
             "prefill", prompt=prompt, block_ids=src_blocks, req_id=req_id,
@@ -118,6 +139,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         )
         end = time.monotonic()
         notified = _await_completion(decode_w if push else prefill_w, req_id)
+        progress(f"done; closing the workers ({time.monotonic() - began:.1f} s in all)")
     finally:
         for worker in workers:
             worker.close()
@@ -146,6 +168,18 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             "t2": dec["token_times"][0] - start if dec["token_times"] else None,
             "total": end - start,
         },
+        # Points in time, seconds since the request arrived, for the --plot timeline.
+        "timeline": {
+            "colocated": {k: colocated[k] for k in ("layer_done", "ttft", "t2")},
+            "disaggregated": {
+                "layer_done": [t - start for t in pre["layer_done"]],
+                "transfer_start": transfer_start - start,
+                "landed": [t - start for t in landed],
+                "decode_layers": [dec["usable"][i] - start for i in sorted(dec["usable"])],
+                "ttft": pre["computed"] - start,
+                "t2": dec["token_times"][0] - start if dec["token_times"] else None,
+            },
+        },
     }
 
 
@@ -159,74 +193,84 @@ def _await_completion(worker: _Worker, req_id: int, timeout: float = 5.0) -> boo
     return False
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:9.1f} ms"
-
-
-def format_report(result: dict[str, Any]) -> str:
-    """The timeline table and the verdict, as printed by ``hixl demo``."""
-    cfg, col, dis = result["config"], result["colocated"], result["disaggregated"]
-    mib = result["kv_bytes"] / 2**20
-    gbps = result["kv_bytes"] / dis["transfer"] / 1e9 if dis["transfer"] > 0 else float("inf")
-    what = "decode pulls layer by layer" if cfg["mode"] == "pull" else "prefill pushes layer by layer while computing"
-    lines = [
-        f"hixl demo: {cfg['layers']}-layer Llama (seed {cfg['seed']}), prompt {cfg['prompt_len']} tokens, "
-        f"{cfg['tokens']} tokens generated, block {cfg['block_size']} tokens",
-        f"mode {cfg['mode']} ({what}), transport {result['transport']}, KV cache moved {mib:.2f} MiB",
-        "",
-        f"{'':34}{'colocated':>14}{'disaggregated':>16}",
-        f"{'prefill compute':34}{_ms(col['prefill']):>14}{_ms(dis['prefill']):>16}",
-        f"{'KV transfer (all layers)':34}{'-':>14}{_ms(dis['transfer']):>16}   "
-        + (f"{gbps:.2f} GB/s" if dis["tail_after_compute"] is None else "overlapped with prefill compute"),
-        *(
-            [f"{'  landed after compute ended':34}{'-':>14}{_ms(dis['tail_after_compute']):>16}"]
-            if dis["tail_after_compute"] is not None
-            else []
-        ),
-        f"{'first layer usable (landed)':34}{'-':>14}{_ms(dis['first_layer_landed']):>16}   "
-        f"({dis['first_layer_landed'] / dis['transfer'] * 100 if dis['transfer'] else 0:.0f}% of the transfer time)",
-        f"{'decode starts layer 0':34}{'-':>14}{_ms(dis['decode_layer0_start']):>16}",
-        f"{'time to first token':34}{_ms(col['ttft']):>14}{_ms(dis['ttft']):>16}",
-        f"{'time to second token':34}{_ms(col['t2']):>14}{_ms(dis['t2']):>16}",
-        f"{'total':34}{_ms(col['total']):>14}{_ms(dis['total']):>16}",
-        "",
-        "layers landed at (ms after the transfer started): " + ", ".join(f"{t * 1e3:.1f}" for t in dis["layers_landed"]),
-        f"completion notification received by the {'decode' if cfg['mode'] == 'push' else 'prefill'} side: "
-        f"{'yes' if result['completion_notified'] else 'NO'}",
-        f"tokens identical to colocated generation: {'YES' if result['identical'] else 'NO'} "
-        f"({sum(a == b for a, b in zip(result['tokens'], result['reference']))}/{len(result['reference'])})",
-    ]
-    if not result["identical"]:
-        lines.append(f"  reference: {result['reference']}\n  got:       {result['tokens']}")
-    return "\n".join(lines)
+DESCRIPTION = """\
+Prefill/decode-disaggregated generation on a small real transformer (a seeded
+Llama-architecture model from transformers; nothing is downloaded). Three
+processes: this router, a prefill instance and a decode instance. Decode pulls
+the prompt's KV cache layer by layer while it starts its first step (--mode pull),
+or prefill pushes each layer as soon as it is computed (--mode push). The tokens
+must equal a colocated single-process generation (exit status 1 if they differ or
+the completion notification is missing). Progress goes to stderr; the timeline
+table, with a legend, to stdout. Needs the 'demo' extra (torch, transformers).
+"""
 
 
 def add_parser(subparsers: Any) -> None:
     """Register ``hixl demo``."""
-    parser = subparsers.add_parser("demo", help="PD-disaggregated generation on a small real transformer")
+    parser = subparsers.add_parser(
+        "demo",
+        help="PD-disaggregated generation on a small real transformer",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     defaults = DemoConfig()
-    parser.add_argument("--tokens", type=int, default=defaults.tokens, help="tokens to generate (default %(default)s)")
-    parser.add_argument("--prompt-len", type=int, default=defaults.prompt_len, help="prompt length (default %(default)s)")
-    parser.add_argument("--layers", type=int, default=defaults.layers, help="decoder layers (default %(default)s)")
-    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block (default %(default)s)")
-    parser.add_argument("--transport", default=defaults.transport, choices=["auto", "cma", "tcp"], help="engine transport")
-    parser.add_argument("--mode", default=defaults.mode, choices=["pull", "push"], help="who moves the KV cache")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="model and prompt seed")
+    number = {"type": int, "metavar": "N"}
+    parser.add_argument("--tokens", default=defaults.tokens, **number, help="tokens to generate (default: %(default)s)")
+    parser.add_argument(
+        "--prompt-len", default=defaults.prompt_len, **number, help="prompt length in tokens (default: %(default)s)"
+    )
+    parser.add_argument("--layers", default=defaults.layers, **number, help="decoder layers (default: %(default)s)")
+    parser.add_argument(
+        "--block-size", default=defaults.block_size, **number, help="tokens per KV block (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--transport",
+        default=defaults.transport,
+        choices=["auto", "cma", "tcp"],
+        help="engine transport (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--mode",
+        default=defaults.mode,
+        choices=["pull", "push"],
+        help="who moves the KV cache: decode pulls or prefill pushes (default: %(default)s)",
+    )
+    parser.add_argument("--seed", default=defaults.seed, **number, help="model and prompt seed (default: %(default)s)")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the request's timeline, colocated vs disaggregated, to FILE "
+        "(.png, .svg, .pdf; needs the 'plot' extra)",
+    )
     parser.set_defaults(run=_main)
 
 
+def _progress(message: str) -> None:
+    print(f"hixl demo: {message} ...", file=sys.stderr, flush=True)
+
+
 def _main(args: argparse.Namespace) -> int:
+    # Every check that needs no torch comes first: a mistake is reported at once, not after seconds of imports.
+    for name in ("tokens", "prompt_len", "layers", "block_size"):
+        if getattr(args, name) < 1:
+            print(f"hixl demo: error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
+    if args.plot and not _plot.plotting_available():
+        print(f"hixl demo: error: {_plot.MISSING}", file=sys.stderr)
+        return 2
+    _progress("loading torch and transformers")
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError:
-        print("hixl demo needs torch and transformers: pip install 'hixl[demo]'")
+        print("hixl demo: error: it needs torch and transformers: pip install 'hixl[demo]'", file=sys.stderr)
         return 2
-    for name, low in (("tokens", 1), ("prompt_len", 1), ("layers", 1), ("block_size", 1)):
-        if getattr(args, name) < low:
-            print(f"--{name.replace('_', '-')} must be at least {low}")
-            return 2
     cfg = DemoConfig(args.tokens, args.prompt_len, args.layers, args.block_size, args.transport, args.mode, args.seed)
-    result = run_demo(cfg)
+    result = run_demo(cfg, _progress)
     print(format_report(result))
+    if args.plot:
+        from .plot import plot_timeline
+
+        plot_timeline(result, args.plot)
+        print(f"plot written to {args.plot}")
     return 0 if result["identical"] and result["completion_notified"] else 1

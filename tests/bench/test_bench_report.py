@@ -5,13 +5,14 @@ from __future__ import annotations
 import io
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from hixl.bench.config import BenchConfig, format_size, parse_size
 from hixl.bench.progress import Progress
-from hixl.bench.report import format_number, format_table, summary, to_json, write_json
+from hixl.bench.report import failed, format_number, format_table, summary, to_json, write_json
 from hixl.bench.results import Row, Target, median, percentile
 
 
@@ -142,6 +143,21 @@ def test_summary_names_failures() -> None:
     assert text.startswith("targets: 2 PASS, 1 FAIL")
     assert "cma latency median WRITE 8 B" in text
     assert summary(_rows()[:1]) == "targets: 0 PASS, 0 FAIL"
+
+
+def test_smoke_rows_judge_only_targets_that_hold_at_any_size() -> None:
+    smoke = [replace(row, smoke=True) for row in _rows()]
+    assert smoke[1].target is not None and smoke[1].passed is None and not smoke[1].judged  # a ratio target
+    assert smoke[3].passed is None  # missed, but a smoke run does not judge it
+    absolute = replace(smoke[4], target=Target("<", 1.0, on="value", in_smoke=True))
+    assert absolute.judged and absolute.passed is True
+    assert failed(smoke) == [] and failed(_rows()) == [_rows()[3]]
+    table = format_table([*smoke, absolute])
+    assert "FAIL" not in table and "smoke" in table and "PASS" in table
+    text = summary([*smoke, absolute])
+    assert text.startswith("targets: 1 PASS, 0 FAIL, 3 not judged")
+    assert "run without --quick" in text
+    assert smoke[1].to_json()["smoke"] is True and smoke[1].to_json()["pass"] is None
 
 
 def test_json_document_round_trips(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from hixl import (
     MemHandle,
     MemoryRangeError,
     MemType,
+    Op,
     ParamInvalid,
     TransferOpDesc,
 )
@@ -309,3 +310,57 @@ def test_read_only_buffers_are_refused(make) -> None:
         with pytest.raises(hixl.ParamInvalid, match="read-only"):
             engine.register_mem(make())
         assert engine.local_mems() == []
+
+
+# -- the mistakes a newcomer makes first ------------------------------------------------
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ([TransferOpDesc(hixl.empty(4096), 0x1000, 4096)], "descriptor 0: local_addr is of type ndarray, not int"),
+        ([(1, 2, 3), (4, np.zeros(2), 6)], "descriptor 1: remote_addr is of type ndarray, not int"),
+        ([(1, 2)], "descriptor 0 (tuple (1, 2)) is not a TransferOpDesc(local_addr, remote_addr, len)"),
+        ([(1, -2, 3)], "descriptor 0: remote_addr = -2 is outside 0 .. 2**64-1"),
+    ],
+    ids=["array-as-address", "second-desc", "short", "negative"],
+)
+def test_bad_descriptors_say_which_field_is_wrong(given: object, says: str) -> None:
+    with pytest.raises(ParamInvalid) as exc:
+        as_desc_array(given)
+    assert says in str(exc.value)
+    assert "inhomogeneous" not in str(exc.value)  # numpy's wording stays out of it
+    if "of type" in says:
+        assert "buf.ctypes.data for a numpy array, tensor.data_ptr() for a torch tensor" in str(exc.value)
+
+
+def test_an_array_as_a_memdesc_address_is_a_clear_param_invalid(engine: Engine) -> None:
+    buf = hixl.empty(4096)
+    with pytest.raises(ParamInvalid, match=r"MemDesc\(addr, len\) takes two ints, not \(ndarray, int\).*data_ptr"):
+        engine.register_mem(MemDesc(buf, 4096))  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_unregistered_local_buffer_asks_whether_it_was_registered(shared_target) -> None:  # type: ignore[no-untyped-def]
+    with hixl.Engine("127.0.0.1") as engine:
+        engine.connect(shared_target.engine)
+        remote = engine.remote_mems(shared_target.engine)[0]
+        local = hixl.empty(4096)  # never registered
+        descs = [TransferOpDesc(int(local.ctypes.data), remote.addr, 4096)]
+        with pytest.raises(MemoryRangeError, match="local range .* did you register it with register_mem"):
+            engine.transfer_sync(shared_target.engine, Op.READ, descs)
+        assert not local.any()
+
+
+@pytest.mark.timeout(30)
+def test_remote_mems_lists_the_peers_registrations_oldest_first(make_target) -> None:  # type: ignore[no-untyped-def]
+    target = make_target([8192, 4096, 12288])
+    with hixl.Engine("127.0.0.1") as engine:
+        engine.connect(target.engine)
+        sizes = [8192, 4096, 12288]
+        assert engine.remote_mems(target.engine) == [MemDesc(a, n) for a, n in zip(target.addrs, sizes)]
+        target.deregister(1)
+        added = target.add_buffer(4096)  # registered last, listed last
+        assert engine.remote_mems(target.engine) == [
+            MemDesc(target.addrs[0], 8192),
+            MemDesc(target.addrs[2], 12288),
+            MemDesc(added, 4096),
+        ]
