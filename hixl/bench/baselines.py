@@ -9,7 +9,9 @@ can never make its own yardstick slower.
 * :func:`cma_copier` / :func:`cma_batch_copier` — bare ``process_vm_readv`` /
   ``process_vm_writev``; the batch one passes IOV_MAX iovecs per call.
 * :class:`RawStream` — a plain TCP stream to the bench target's raw server,
-  ``sendall`` / ``recv_into`` of the same byte count.
+  ``sendall`` / one ``recv_into(..., MSG_WAITALL)`` of the same byte count; and
+  its round trip: blocking 8-byte request/response with TCP_NODELAY, the
+  plainest loop Python can write (the latency baseline).
 * :func:`memcpy_copier` — ``numpy.copyto`` in one process: the ceiling.
 """
 
@@ -23,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .._types import Op
-from .target import RAW_HEADER
+from .target import ECHO, ECHO_SIZE, RAW_HEADER, STREAM
 
 __all__ = ["IOV_MAX", "Copier", "RawStream", "cma_batch_copier", "cma_copier", "memcpy_copier"]
 
@@ -117,12 +119,25 @@ def memcpy_copier(dst: np.ndarray, src: np.ndarray) -> Copier:
 class RawStream:
     """A plain socket to the bench target's raw server (see :mod:`hixl.bench.target`)."""
 
-    def __init__(self, address: tuple[str, int], timeout: float = 30.0) -> None:
+    def __init__(self, address: tuple[str, int], timeout: float = 30.0, echo: bool = False) -> None:
         self.sock = socket.create_connection(address, timeout=timeout)
         # Blocking from here on: a socket with a timeout polls before every call, and the
         # baseline should be the plainest stream there is.
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(ECHO if echo else STREAM)
+
+    def round_trip(self) -> Copier:
+        """One 8-byte request and its 8-byte answer (a stream made with ``echo=True``)."""
+        sock = self.sock
+        message = bytearray(ECHO_SIZE)
+
+        def copy() -> None:
+            sock.send(message)
+            if sock.recv_into(message, ECHO_SIZE, socket.MSG_WAITALL) != ECHO_SIZE:
+                raise ConnectionError("raw server closed the stream")
+
+        return copy
 
     def copier(self, op: Op, local: memoryview, remote_addr: int) -> Copier:
         """READ: ask for ``len(local)`` bytes and ``recv_into`` them; WRITE: send them, await one byte."""
@@ -135,9 +150,9 @@ class RawStream:
 
             def copy() -> None:
                 sock.sendall(header)
-                got = 0
+                got = sock.recv_into(local, nbytes, socket.MSG_WAITALL)  # one call, unless a signal cut it
                 while got < nbytes:
-                    n = sock.recv_into(local[got:])
+                    n = sock.recv_into(local[got:], nbytes - got, socket.MSG_WAITALL)
                     if n == 0:
                         raise ConnectionError("raw server closed the stream")
                     got += n

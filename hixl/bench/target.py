@@ -30,9 +30,12 @@ import numpy as np
 
 from .._child import ChildProcess, serve_commands
 
-__all__ = ["RAW_HEADER", "BenchTarget", "RemoteBuffer", "sample_bytes"]
+__all__ = ["ECHO", "ECHO_SIZE", "RAW_HEADER", "STREAM", "BenchTarget", "RemoteBuffer", "sample_bytes"]
 
 RAW_HEADER = struct.Struct("<cQQ")
+STREAM, ECHO = b"S", b"E"
+"""First byte of a raw connection: a READ/WRITE stream, or 8-byte echo (the round-trip baseline)."""
+ECHO_SIZE = 8
 #: Bytes at the start of every target buffer that hold a seeded random pattern (for self-checks).
 SAMPLE = 64 << 10
 
@@ -80,26 +83,43 @@ class _RawServer:
         raise ValueError(f"[{addr:#x}, +{nbytes}) is in no buffer")
 
     def _serve(self, sock: socket.socket) -> None:
-        header = bytearray(RAW_HEADER.size)
+        mode = bytearray(1)
         with sock:
             try:
-                while _recv_exact(sock, memoryview(header)):
-                    op, addr, nbytes = RAW_HEADER.unpack(header)
-                    view = self._view(addr, nbytes)
-                    if op == b"R":
-                        sock.sendall(view)
-                    else:
-                        _recv_exact(sock, view)
-                        sock.sendall(b"\x01")
+                if sock.recv_into(mode, 1) != 1:
+                    return
+                if mode == ECHO:
+                    _echo(sock)
+                else:
+                    self._stream(sock)
             except (OSError, ValueError):
                 pass  # the initiator went away, or asked for nonsense: drop the connection
 
+    def _stream(self, sock: socket.socket) -> None:
+        header = bytearray(RAW_HEADER.size)
+        while _recv_exact(sock, memoryview(header)):
+            op, addr, nbytes = RAW_HEADER.unpack(header)
+            view = self._view(addr, nbytes)
+            if op == b"R":
+                sock.sendall(view)
+            else:
+                _recv_exact(sock, view)
+                sock.sendall(b"\x01")
+
+
+def _echo(sock: socket.socket) -> None:
+    """The round-trip baseline's far end: 8-byte messages back as they come, the plainest loop."""
+    message = bytearray(ECHO_SIZE)
+    while sock.recv_into(message, ECHO_SIZE, socket.MSG_WAITALL) == ECHO_SIZE:
+        sock.send(message)
+
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False on a clean EOF before the first byte."""
+    """Fill ``view`` from ``sock`` (one ``MSG_WAITALL`` call in the normal case); False on a
+    clean EOF before the first byte."""
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
         if n == 0:
             if got == 0:
                 return False

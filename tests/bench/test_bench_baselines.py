@@ -49,6 +49,18 @@ def test_raw_stream_reads_and_writes_the_target_buffer(target: BenchTarget) -> N
         target.free(remote)
 
 
+def test_the_round_trip_baseline_echoes_eight_bytes(target: BenchTarget) -> None:
+    echo = RawStream(target.raw_address, echo=True)
+    try:
+        round_trip = echo.round_trip()
+        for _ in range(100):
+            round_trip()  # each call waits for the 8-byte answer: a lost one would hang, then time out
+        echo.sock.send(b"12345678")
+        assert echo.sock.recv(8, 0) == b"12345678"
+    finally:
+        echo.close()
+
+
 def test_cma_copiers_move_single_ranges_and_scattered_blocks(target: BenchTarget) -> None:
     remote = target.alloc(SIZE, SEED)
     local = empty(SIZE)
