@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -60,16 +60,20 @@ def serve_commands(
 
 
 class ChildProcess:
-    """Start ``python -m module``; :meth:`request` sends a message and waits for the reply."""
+    """Start ``python -m module``; :meth:`request` sends a message and waits for the reply.
 
-    def __init__(self, module: str, timeout: float = 30.0) -> None:
+    ``prefix`` is a command that execs the rest (``["ip", "netns", "exec", "ns1"]``: the child
+    runs in another network namespace, with the same pid).
+    """
+
+    def __init__(self, module: str, timeout: float = 30.0, prefix: Sequence[str] = ()) -> None:
         self.timeout = timeout
         ours, theirs = socket.socketpair()
         # The child must import the same hixl as the parent, installed or not.
         path = os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))
         with ours, theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", module, str(theirs.fileno())],
+                [*prefix, sys.executable, "-m", module, str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 env={**os.environ, "PYTHONPATH": path},
             )

@@ -6,7 +6,7 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -154,6 +154,7 @@ class TargetProcess:
     in the child is raised again by the method. :meth:`kill` simulates a crash.
     ``transports`` names the transport classes the child's engine uses
     (``"package.module:Class"``, most preferred first; default: the built-in ones).
+    ``prefix`` runs the child under a command that execs it (e.g. ``ip netns exec NS``).
     """
 
     def __init__(
@@ -163,8 +164,9 @@ class TargetProcess:
         address: str = "127.0.0.1:0",
         timeout: float = 30.0,
         transports: list[str] | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
-        self._child = ChildProcess("hixl.testing._target_main", timeout)
+        self._child = ChildProcess("hixl.testing._target_main", timeout, prefix)
         self.engine, self.addrs, self.pid = self._child.request((address, options or {}, sizes, transports))
 
     def _do(self, command: str, *args: Any) -> Any:
