@@ -434,8 +434,10 @@ class Engine:
             op_descs = op_descs.tolist()  # a few Python ints beat numpy's per-call overhead here
         elif type(op_descs) is not list:
             return False
-        local_table, remote_table = self._registry.table, peer.link.table
         write = op is Op.WRITE
+        # A READ writes into local memory, a WRITE into the peer's: those sides must be writable.
+        local_table = self._registry.table.readable if write else self._registry.table.writable
+        remote_table = peer.link.table.writable if write else peer.link.table.readable
         total = 0
         for desc in op_descs:
             if type(desc) not in _DESC_TYPES or len(desc) != 3:
@@ -446,8 +448,8 @@ class Engine:
                 and type(remote) is int
                 and type(nbytes) is int
                 and nbytes > 0
-                and local_table.contains(local, nbytes, not write)
-                and remote_table.contains(remote, nbytes, write)
+                and local_table.contains(local, nbytes)
+                and remote_table.contains(remote, nbytes)
             ):
                 return False
             total += nbytes
