@@ -42,6 +42,8 @@ READ_SIZE = 16 * 1024
 CHUNK = 4 << 20
 """Most bytes one ``readv`` may land; deadlines and cancellation are checked between chunks."""
 _SENDMSG_RANGES = 8
+_LOWAT = 256 * 1024
+"""Most bytes a data wait asks the kernel to gather first (small enough to show a slow peer's progress)."""
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 
@@ -215,7 +217,7 @@ class Wire:
                 break
             if moved == 0:
                 try:
-                    self.wait(_POLLIN, wait_until, "receiving data")
+                    self._wait_for_data(min(self.conn.data_left, _LOWAT), wait_until)
                 except TransferTimeout:
                     if abandon_at is not None:
                         return False  # the next reader drops the rest (see next_event)
@@ -223,6 +225,16 @@ class Wire:
         complete = cursor.finished
         self.drain()
         return complete
+
+    def _wait_for_data(self, nbytes: int, deadline: float | None) -> None:
+        """Wait until ``nbytes`` of data are queued (``SO_RCVLOWAT``), not just one: a big
+        transfer then lands in a few large ``readv``s instead of one per segment, with as
+        few wake-ups as a blocking ``recv(MSG_WAITALL)`` would have."""
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, nbytes))
+        try:
+            self.wait(_POLLIN, deadline, "receiving data")
+        finally:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
     def _land_chunk(self, cursor: IovCursor, deadline: float | None) -> int:
         """Land what is available now (at most :data:`CHUNK`); -1 if ``deadline`` passed, 0 if nothing."""
