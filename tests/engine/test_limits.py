@@ -38,6 +38,18 @@ def _closed_within(peer: ScriptedPeer, limit: float) -> float:
     return took
 
 
+def _trickle(peer: ScriptedPeer, data: bytes, give_up: float = 4.0) -> float:
+    """Send ``data`` a byte every 0.2 s until the target hangs up (or ``give_up`` s); when it began."""
+    start = time.monotonic()
+    with contextlib.suppress(OSError):
+        for byte in data:
+            peer.send_raw(bytes([byte]))
+            time.sleep(0.2)
+            if time.monotonic() - start > give_up:
+                break
+    return start
+
+
 def test_max_connections(make_target: MakeTarget) -> None:
     target = make_target([MiB], {"max_connections": 2})
     peers = [ScriptedPeer.connect(target.engine) for _ in range(2)]
@@ -80,14 +92,7 @@ def test_the_whole_handshake_has_one_deadline(make_target: MakeTarget) -> None:
     """A peer trickling its HELLO a byte at a time is alive, but is dropped at the handshake timeout."""
     target = make_target([MiB], {"handshake_timeout": 1.0})
     hello = ScriptedPeer.connect(target.engine)
-    frame = hello.conn.initiate()
-    start = time.monotonic()
-    with contextlib.suppress(OSError):
-        for byte in frame:
-            hello.send_raw(bytes([byte]))
-            time.sleep(0.2)
-            if time.monotonic() - start > 4:
-                break
+    start = _trickle(hello, hello.conn.initiate())
     _closed_within(hello, 3.0 - (time.monotonic() - start))
     hello.close()
 
@@ -96,14 +101,7 @@ def test_a_frame_must_complete_within_the_frame_timeout(make_target: MakeTarget)
     target = make_target([MiB], {"frame_timeout": 1.0, "heartbeat_interval": 0.2})
     peer = ScriptedPeer.connect(target.engine)
     peer.handshake()
-    frame = peer.conn.send(proto.QueryRegions(1))
-    start = time.monotonic()
-    with contextlib.suppress(OSError):
-        for byte in frame[:-1]:
-            peer.send_raw(bytes([byte]))
-            time.sleep(0.2)
-            if time.monotonic() - start > 4:
-                break
+    start = _trickle(peer, peer.conn.send(proto.QueryRegions(1))[:-1])
     _closed_within(peer, 3.0 - (time.monotonic() - start))
     peer.close()
 

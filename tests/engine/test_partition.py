@@ -16,6 +16,8 @@ import hixl
 from hixl import Engine, Op, PeerDisconnected, TransferTimeout
 from hixl.testing import TargetProcess
 
+from .links import wait_until_link_dead
+
 pytestmark = pytest.mark.timeout(90)
 
 NS, HOST_SIDE, NS_SIDE = "hixl-part", "hixl-part0", "hixl-part1"
@@ -67,14 +69,6 @@ def test_a_link_cut_mid_read_fails_the_read_at_its_timeout(namespace: str) -> No
                 with pytest.raises((TransferTimeout, PeerDisconnected)):
                     req.wait(10)
                 assert time.monotonic() - start < 3.5, "the READ outlived its timeout"
-                while time.monotonic() - start < 6:
-                    try:
-                        eng.transfer_sync(target.engine, Op.READ, [(int(buf.ctypes.data), target.addrs[0], 8)], timeout=0.5)
-                    except PeerDisconnected:
-                        break
-                    except TransferTimeout:
-                        continue
-                else:
-                    pytest.fail("the link across the cut was never declared dead")
+                wait_until_link_dead(eng, target.engine, buf, target.addrs[0], start, 6)
             finally:
                 _ip("link", "set", HOST_SIDE, "up")
