@@ -260,14 +260,14 @@ class Wire:
 
     def drain(self) -> None:
         """Read and drop what is left of the current bulk data."""
-        scratch: np.ndarray | None = None
+        scratch: bytearray | None = None
         while self.conn.data_left:
             if self.conn.buffered:
                 with self.conn_lock:
                     self.conn.take_data(self.conn.data_left)
                 continue
             if scratch is None:
-                scratch = np.empty(min(self.conn.data_left, CHUNK), dtype=np.uint8)
+                scratch = bytearray(min(self.conn.data_left, CHUNK))
             n = min(self.conn.data_left, len(scratch))
             try:
                 got = self.sock.recv_into(memoryview(scratch)[:n], n)

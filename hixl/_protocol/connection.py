@@ -55,11 +55,13 @@ from .frames import (
     MIN_VERSION,
     VERSION,
     Auth,
+    Bye,
     Challenge,
     Error,
     FrameType,
     Hello,
     Message,
+    Pong,
     Welcome,
     encode,
     kind_of,
@@ -384,10 +386,10 @@ class Connection:
             self._on_welcome(message.info)
         elif isinstance(message, Error) and self.state in (ConnState.HANDSHAKE, ConnState.AUTHENTICATED):
             self._close(f"refused: {message.message}")
-        elif kind_of(message) is _F.BYE:
-            self._close(f"the peer said goodbye ({getattr(message, 'reason', '') or 'no reason given'})")
-        elif kind_of(message) is _F.PONG and self.role is Role.INITIATOR and getattr(message, "clock", 0.0):
-            self._clock_sample(message.clock)  # type: ignore[union-attr]
+        elif isinstance(message, Bye):
+            self._close(f"the peer said goodbye ({message.reason or 'no reason given'})")
+        elif isinstance(message, Pong) and self.role is Role.INITIATOR and message.clock:
+            self._clock_sample(message.clock)
         return message
 
     def _on_hello(self, info: dict[str, Any]) -> None:

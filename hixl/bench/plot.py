@@ -56,9 +56,9 @@ def _bandwidth(ax: Any, rows: Sequence[Row]) -> None:
         ax.plot(sizes, [r.value for r in points], "o-", color=colour, label=f"{transport} {op} hixl")
         baseline = f"{transport} {op} {points[0].baseline_name}"
         ax.plot(sizes, [r.baseline for r in points], "x--", color=colour, label=baseline)
-    sizes = sorted({r.size for r in rows if r.size})
+    ticks = sorted({r.size for r in rows if r.size})
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [format_size(s) for s in sizes])
+    ax.set_xticks(ticks, [format_size(s) for s in ticks])
     ax.set_xlabel("single transfer size")
     ax.set_yscale("log")  # tcp at 4 KiB and cma at 512 MiB differ a thousandfold
     ax.set_ylabel("GiB/s")

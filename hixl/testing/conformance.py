@@ -394,10 +394,10 @@ class TransportConformance:
         late = threading.Event()
         dispatch = PeerLink._dispatch
 
-        def late_updates(link: PeerLink, message: Any) -> bool:
+        def late_updates(link: PeerLink, message: Any) -> None:
             if late.is_set() and isinstance(message, proto.Regions) and message.req_id == 0:
                 time.sleep(0.1)
-            return dispatch(link, message)  # type: ignore[no-any-return]
+            dispatch(link, message)
 
         monkeypatch.setattr(PeerLink, "_dispatch", late_updates)
         size = 4096

@@ -122,8 +122,8 @@ class _Small(Pending):
             data = wire.conn.take_data(nbytes)
         if len(data) == nbytes and nbytes == sum(d[2] for d in self.descs):
             offset = 0
-            for local, _, length in self.descs:  # a few memmoves beat building an iovec cursor
-                ctypes.memmove(local, data[offset : offset + length], length)
+            for addr, _, length in self.descs:  # a few memmoves beat building an iovec cursor
+                ctypes.memmove(addr, data[offset : offset + length], length)
                 offset += length
             self.ok = True
             return
