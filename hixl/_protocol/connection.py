@@ -54,15 +54,19 @@ from .frames import (
     HEADER_SIZE,
     MIN_VERSION,
     VERSION,
+    Ack,
     Auth,
     Bye,
     Challenge,
+    Data,
     Error,
     FrameType,
     Hello,
     Message,
     Pong,
+    ReadRequest,
     Welcome,
+    WriteRequest,
     encode,
     kind_of,
     small_request,
@@ -134,8 +138,12 @@ _REPLIES: dict[FrameType, frozenset[FrameType]] = {
     _F.QUERY_META: frozenset({_F.META}),
 }
 _HANDSHAKE_KINDS = frozenset({_F.HELLO, _F.CHALLENGE, _F.AUTH, _F.WELCOME})
+_TARGET_HOT = frozenset({_F.READ, _F.WRITE})  # requests a target serves
+_HOT = frozenset({_F.READ, _F.WRITE, _F.DATA, _F.ACK})  # the latency path, both directions
 _UNSOLICITED: frozenset[FrameType] = frozenset({_F.REGIONS, _F.PING, _F.PONG, _F.BYE, _F.ERROR})
 _I64_MAX = (1 << 63) - 1
+_PLAIN = frozenset({ReadRequest, WriteRequest, Data, Ack})
+"""Messages that change no state when received."""
 _GUARD = 0.010
 """Seconds by which a deadline sent to the target is moved earlier (chunk time, clock reads)."""
 
@@ -346,6 +354,17 @@ class Connection:
 
     def _check_incoming(self, kind: FrameType, req_id: int) -> int | None:
         """Refuse a frame the peer may not send now; the request id it answers, if any. No side effects."""
+        if self.state is ConnState.OPEN and kind in _HOT:
+            # The transfers themselves, in the state they live in: the same rules, fewer steps.
+            if self.role is Role.TARGET:
+                if kind in _TARGET_HOT:
+                    if not req_id:
+                        raise ProtocolError(f"{kind.name} with request id 0")
+                    return None
+            elif kind not in _TARGET_HOT:
+                request = self._outstanding.get(req_id)
+                if request is not None and kind in _REPLIES[request]:
+                    return req_id
         peer = Role.TARGET if self.role is Role.INITIATOR else Role.INITIATOR
         if self.state is ConnState.HANDSHAKE and self.role is Role.TARGET:
             allowed: frozenset[FrameType] = frozenset({_F.AUTH if self._hello_seen else _F.HELLO})
@@ -376,6 +395,8 @@ class Connection:
 
     def _react(self, message: Message) -> Event:
         """State changes the handshake and goodbyes bring."""
+        if type(message) in _PLAIN:
+            return message
         if isinstance(message, Hello):
             self._on_hello(message.info)
         elif isinstance(message, Challenge):
