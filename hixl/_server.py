@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import itertools
 import logging
 import socket
 import threading
@@ -42,6 +43,7 @@ __all__ = ["ServerLimits", "TargetServer"]
 
 log = logging.getLogger("hixl")
 
+_serials = itertools.count(1)
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
@@ -107,6 +109,11 @@ class TargetServer:
     def connection_count(self) -> int:
         """Connections being served right now (handshakes included)."""
         return len(self._connections)
+
+    def open_connections(self) -> dict[str, str]:
+        """Authenticated connections being served: id (as in ``NotifyDesc.sender``) -> the peer's address."""
+        with self._lock:
+            return {c.id: c.wire.peer for c in self._connections if c.id}
 
     def _accept_loop(self) -> None:
         backoff = 0.05
@@ -223,6 +230,8 @@ class _ServedConnection:
         # Initiators ping every ``interval`` when idle; allow twice their patience.
         self.wire = Wire(sock, self.conn, peer, limits.heartbeat_interval, limits.heartbeat_misses * 2)
         self.keepalive: list[Any] = []
+        self.id = ""
+        """This connection's identity once authenticated: the peer's engine id and a serial."""
         self.thread = threading.Thread(target=self._run, name=f"hixl-serve-{peer}", daemon=True)
         self._regions_dirty = False
 
@@ -289,6 +298,7 @@ class _ServedConnection:
                 log.warning("hixl: refused %s: %s", wire.peer, exc)
                 _send_fatal(wire, Status.AUTH_FAILED, "authentication failed")
                 return False
+            self.id = f"{conn.peer_info.get('engine_id', '?')}/{next(_serials)}"
             with wire.conn_lock:
                 frame = conn.welcome(self.server.welcome_info(self))
             wire.send_raw(frame, deadline)
@@ -328,7 +338,7 @@ class _ServedConnection:
 
     def _serve_notify(self, message: proto.Notify) -> None:
         try:
-            self.server.on_notify(NotifyDesc(message.name, message.msg))
+            self.server.on_notify(NotifyDesc(message.name, message.msg, self.id))
         except ResourceExhausted as exc:
             self.wire.send(proto.Error(message.req_id, exc.status, str(exc)))
             return

@@ -8,7 +8,7 @@ the same here.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 __all__ = [
@@ -85,10 +85,17 @@ class TransferOpDesc(NamedTuple):
 
 @dataclass(frozen=True)
 class NotifyDesc:
-    """A small notification: ``name`` and ``msg`` are each at most 1 KiB once UTF-8 encoded."""
+    """A small notification: ``name`` and ``msg`` are each at most 1 KiB once UTF-8 encoded.
+
+    ``sender`` is filled in on receipt: it names the authenticated connection the
+    notification came on — the same for every notification on that connection,
+    different for any other (another peer, or the same peer connected again). It is
+    not compared: ``NotifyDesc("a", "b")`` equals what arrives for it.
+    """
 
     name: str
     msg: str
+    sender: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)

@@ -353,6 +353,16 @@ class Engine:
         peer.link.refresh_regions(float(self.options["connect_timeout"]))
         return list(peer.link.table.regions)
 
+    @property
+    def incarnation(self) -> str:
+        """This engine's incarnation: a fresh random id for every engine ever started, so a
+        peer restarted at the same ``"ip:port"`` is told apart from the one before it."""
+        return self._id
+
+    def peer_incarnation(self, remote_engine: str) -> str:
+        """The incarnation of the connected ``remote_engine`` (as its authenticated WELCOME said)."""
+        return str(self._peer(remote_engine).link.welcome.get("engine_id", ""))
+
     def transport_of(self, remote_engine: str) -> str:
         """Name of the transport chosen for ``remote_engine`` (``"cma"``, ``"tcp"``, ...)."""
         return self._peer(remote_engine).transport.capabilities.name
@@ -526,6 +536,11 @@ class Engine:
         peer.flush(timeout)
         message = proto.Notify(peer.link.next_id(), notify.name, notify.msg)
         peer.link.call(message, max(0.001, deadline - time.monotonic()))
+
+    def served_connections(self) -> dict[str, str]:
+        """The authenticated connections this engine serves as a target right now:
+        connection id (what ``NotifyDesc.sender`` says) -> the peer's ``"ip:port"``."""
+        return self._server.open_connections() if self._server is not None else {}
 
     def get_notifies(self) -> list[NotifyDesc]:
         """Every notification received since the last call (oldest first); drains the queue."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -127,3 +129,25 @@ def test_disconnect_and_reconnect(transport: str, shared_target: TargetProcess, 
             assert eng.connected_engines() == []
         assert resources.threads() <= threads
         assert resources.fds() == fds
+
+
+def test_notifications_name_their_connection_and_engines_their_incarnation() -> None:
+    with Engine("127.0.0.1:0") as target, Engine("127.0.0.1") as a, Engine("127.0.0.1") as b:
+        a.connect(target.local_engine)
+        b.connect(target.local_engine)
+        assert a.peer_incarnation(target.local_engine) == target.incarnation != a.incarnation
+        a.send_notify(target.local_engine, NotifyDesc("n", "from a"))
+        b.send_notify(target.local_engine, NotifyDesc("n", "from b"))
+        got = target.wait_notifies(timeout=5)
+        got += [] if len(got) == 2 else target.wait_notifies(timeout=5)
+        assert got == [NotifyDesc("n", "from a"), NotifyDesc("n", "from b")]  # sender is not compared
+        assert got[0].sender != got[1].sender and set(target.served_connections()) == {got[0].sender, got[1].sender}
+        a.disconnect(target.local_engine)
+        deadline = time.monotonic() + 5
+        while got[0].sender in target.served_connections() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert list(target.served_connections()) == [got[1].sender]
+        a.connect(target.local_engine)  # the same peer again: a new connection, a new id
+        a.send_notify(target.local_engine, NotifyDesc("n", "again"))
+        again = target.wait_notifies(timeout=5)
+        assert again[0].sender not in (got[0].sender, got[1].sender)
