@@ -12,7 +12,8 @@
     ├── AuthenticationFailed (PermissionError) AUTH_FAILED, a peer failed the shared-secret proof
     ├── AccessDenied (PermissionError)        ACCESS_DENIED, e.g. a WRITE into a read-only region
     ├── TransferError                         FAILED
-    │   └── PeerDisconnected (ConnectionError) the peer died or closed the link
+    │   ├── PeerDisconnected (ConnectionError) the peer died or closed the link
+    │   └── TransferCancelled                  TransferReq.cancel() stopped it
     └── ProtocolError                         FAILED, a malformed or unexpected frame
 
 Builtin mix-ins let callers catch by meaning (``except TimeoutError``) without
@@ -35,6 +36,7 @@ __all__ = [
     "PeerDisconnected",
     "ProtocolError",
     "ResourceExhausted",
+    "TransferCancelled",
     "TransferError",
     "TransferTimeout",
     "Unsupported",
@@ -122,6 +124,10 @@ class TransferTimeout(HixlTimeout, TransferError):
 
 class PeerDisconnected(TransferError, ConnectionError):
     """The peer closed the connection, died, or stopped answering heartbeats."""
+
+
+class TransferCancelled(TransferError):
+    """The request was stopped by :meth:`~hixl.TransferReq.cancel`."""
 
 
 class ProtocolError(HixlError):

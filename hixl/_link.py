@@ -113,6 +113,12 @@ class PeerLink:
         self.welcome = wire.conn.peer_info
         self.state = LinkState.CONNECTED
         self.table = RemoteRegions.from_rows(self.welcome.get("regions", []))
+        generation = self.welcome.get("generation")
+        self.table_generation = generation if type(generation) is int else -1
+        """The peer's registration generation that ``table`` is known to reflect (-1: unknown)."""
+        self.lease = threading.Lock()
+        """Held by a same-host copy from its last check to the end of its syscall; a REVOKE
+        is confirmed only under it, after the new regions are installed."""
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
         self._pending_lock = threading.Lock()
@@ -251,12 +257,17 @@ class PeerLink:
         assert reply is not None
         return reply
 
-    def refresh_regions(self, timeout: float) -> None:
-        """Ask the peer for its current registrations."""
+    def refresh_regions(self, timeout: float, generation: int | None = None) -> None:
+        """Ask the peer for its current registrations; ``generation``: the peer's generation
+        read before asking, which the answer is at least as new as."""
         reply = self.call(proto.QueryRegions(self.next_id()), timeout)
         if not isinstance(reply, proto.Regions):
             raise ProtocolError(f"expected REGIONS, got {type(reply).__name__}")
-        self.table = RemoteRegions.from_rows(reply.regions)
+        table = RemoteRegions.from_rows(reply.regions)
+        with self.lease:
+            self.table = table
+            if generation is not None:
+                self.table_generation = generation
 
     def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float, write: bool = False) -> None:
         """Refuse descriptors outside the peer's regions (or, for ``write``, its writable ones).
@@ -310,7 +321,14 @@ class PeerLink:
         if isinstance(message, ConnectionClosed):
             raise PeerDisconnected(f"{self.remote_engine} closed the connection")
         if isinstance(message, proto.Regions) and message.req_id == 0:
-            self.table = RemoteRegions.from_rows(message.regions)
+            self.table = RemoteRegions.from_rows(message.regions)  # of no known generation: kept as is
+            return
+        if isinstance(message, proto.Revoke):
+            table = RemoteRegions.from_rows(message.regions)
+            with self.lease:  # waits for a copy in flight: after this, none touches what was withdrawn
+                self.table = table
+                self.table_generation = message.generation
+            self.wire.send(proto.Revoked(message.generation))
             return
         if isinstance(message, proto.Ping):
             self.wire.try_send(proto.Pong(message.req_id))

@@ -251,6 +251,8 @@ class Registry:
         self._max = max_registrations
         self.table = RemoteRegions(np.empty((0, 3), dtype=np.uint64))
         """Every registration with its access; replaced (never mutated) on each change."""
+        self.generation = 0
+        """Counts the changes: the table is the one of this generation."""
         self.listeners: list[Any] = []
 
     def register(self, buf: Any, mem_type: MemType = MemType.HOST, access: str = "rw") -> MemHandle:
@@ -300,8 +302,9 @@ class Registry:
 
     def _rebuild(self) -> None:
         self.table = RemoteRegions(np.array(self.regions(), dtype=np.uint64).reshape(-1, 3))
+        self.generation += 1
         for listener in list(self.listeners):
-            listener(self.table)
+            listener(self.table, self.generation)
 
 
 def as_desc_array(op_descs: Any) -> np.ndarray:

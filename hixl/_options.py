@@ -16,6 +16,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "connect_timeout": 5.0,
     "connect_fail_fast": False,
     "transfer_timeout": 30.0,
+    "deregister_timeout": 5.0,
     "heartbeat_interval": 1.0,
     "heartbeat_misses": 5,
     "handshake_timeout": 5.0,
@@ -36,6 +37,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
 - ``connect_timeout``: how long ``connect`` keeps trying (a refused connection is retried
   until then, unless ``connect_fail_fast``) and waits for the handshake.
 - ``transfer_timeout``: default timeout of transfers and notifications.
+- ``deregister_timeout``: how long ``deregister_mem``/``finalize`` wait for peers to confirm they
+  stopped using the memory (and for requests being served in it) before cutting them off.
 - ``heartbeat_interval`` / ``heartbeat_misses``: an idle link is pinged every interval; a peer
   that shows no progress for interval × misses is declared dead.
 - ``handshake_timeout`` (target): a connection must finish its handshake within this, from accept.
@@ -51,7 +54,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
 - ``allowed_networks`` (target): CIDR strings; connections from elsewhere are refused.
 """
 
-_POSITIVE_TIMES = ("connect_timeout", "transfer_timeout", "heartbeat_interval", "handshake_timeout", "frame_timeout")
+_POSITIVE_TIMES = ("connect_timeout", "transfer_timeout", "deregister_timeout", "heartbeat_interval", "handshake_timeout", "frame_timeout")
 _POSITIVE_COUNTS = (
     "heartbeat_misses",
     "max_notifies",

@@ -20,7 +20,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from ._aio import wait_until
-from ._exceptions import HixlError, TransferTimeout
+from ._exceptions import HixlError, TransferCancelled, TransferTimeout
 from ._types import Op, TransferStatus
 
 __all__ = ["TransferReq"]
@@ -39,6 +39,7 @@ class TransferReq:
         "_lock",
         "_status",
         "cancelled",
+        "lands_remotely",
         "deadline",
         "error",
         "finished_at",
@@ -61,6 +62,8 @@ class TransferReq:
         self.finished_at: float | None = None
         """``time.monotonic()`` when the request reached its final status."""
         self.cancelled = False
+        self.lands_remotely = False
+        """Set by a transport whose target lands this request's data itself (a TCP WRITE)."""
         self.io_lock = threading.Lock()
         self._lock = threading.Lock()
         # Created only if someone has to block: a transfer_sync that completed
@@ -109,6 +112,36 @@ class TransferReq:
     def __await__(self) -> Generator[Any, None, TransferStatus]:
         """``await req``: :meth:`wait_async` without a limit of its own (the request's deadline applies)."""
         return self.wait_async().__await__()
+
+    def cancel(self) -> TransferStatus:
+        """Stop the request; when this returns, no further byte of it lands, and the final
+        status is returned (FAILED with :class:`TransferCancelled`, unless it ended first).
+
+        A READ, or a same-host copy, stops at once: the chunk being written when it is
+        called finishes first (it was already landing), none after it starts. A WRITE
+        whose data went to a target that lands it itself (TCP) cannot be called back:
+        ``cancel`` then waits until the target answered or the request's deadline passed
+        (after which the target lands nothing of it), and reports what happened.
+        """
+        if self.lands_remotely and self._status is TransferStatus.WAITING:
+            self.wait_quietly()
+        self.cancelled = True  # later chunks see it (under io_lock) and are not written
+        with self.io_lock:
+            self._finish(TransferStatus.FAILED, TransferCancelled(f"{self!r} was cancelled"))
+        return self.status
+
+    def wait_quietly(self) -> None:
+        """Wait until the request is final or its deadline passed, raising nothing."""
+        try:
+            self.wait()
+        except HixlError:
+            pass
+
+    def remaining(self, default: float = 30.0) -> float:
+        """Seconds left before the deadline (at least a millisecond); ``default`` without one."""
+        if self.deadline is None:
+            return default
+        return max(0.001, self.deadline - time.monotonic())
 
     def _limit(self, timeout: float | None) -> float | None:
         """Seconds to wait: ``timeout``, cut short by the request's own deadline."""

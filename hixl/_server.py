@@ -18,6 +18,7 @@ logs, backs off and keeps accepting.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import itertools
@@ -26,9 +27,11 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from . import _protocol as proto
 from ._exceptions import AuthenticationFailed, HixlError, ProtocolError, ResourceExhausted, TransferTimeout
@@ -59,6 +62,51 @@ class ServerLimits:
     max_connections: int
     max_connections_per_peer: int
     allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+
+
+class _Holds:
+    """The ranges of this engine's memory that requests being served right now touch.
+
+    A serving thread takes a hold *before* it checks a request against the registrations;
+    deregistration swaps the registrations *before* it looks at the holds. So either the
+    request sees the region gone, or deregistration sees the request and waits for it.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active: dict[int, tuple[_ServedConnection, np.ndarray]] = {}
+        self._keys = itertools.count()
+
+    @contextlib.contextmanager
+    def hold(self, conn: _ServedConnection, descs: np.ndarray) -> Iterator[None]:
+        """Hold ``descs`` ((N, 2): addr, len) for the duration of the block."""
+        with self._cond:
+            key = next(self._keys)
+            self._active[key] = (conn, descs)
+        try:
+            yield
+        finally:
+            with self._cond:
+                del self._active[key]
+                self._cond.notify_all()
+
+    def _touching(self, removed: list[tuple[int, int]]) -> list[_ServedConnection]:
+        touching = []
+        for conn, descs in self._active.values():
+            starts, ends = descs[:, 0], descs[:, 0] + descs[:, 1]
+            if any(bool(((starts < addr + n) & (ends > addr)).any()) for addr, n in removed):
+                touching.append(conn)
+        return touching
+
+    def wait_clear(self, removed: list[tuple[int, int]], deadline: float) -> list[_ServedConnection]:
+        """Wait until no request touches ``removed``; the connections still touching it at ``deadline``."""
+        with self._cond:
+            while touching := self._touching(removed):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return touching
+                self._cond.wait(left)
+        return []
 
 
 class TargetServer:
@@ -101,6 +149,8 @@ class TargetServer:
         self._connections: set[_ServedConnection] = set()
         self._per_peer: Counter[str] = Counter()
         self._closed = False
+        self.holds = _Holds()
+        self._acks = threading.Condition()
         registry.listeners.append(self._push_regions)
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"hixl-accept-{self.address}", daemon=True)
         self._acceptor.start()
@@ -172,7 +222,7 @@ class TargetServer:
                 if not self._per_peer[conn.host]:
                     del self._per_peer[conn.host]
 
-    def _push_regions(self, table: RemoteRegions) -> None:
+    def _push_regions(self, table: RemoteRegions, generation: int) -> None:
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
@@ -183,9 +233,45 @@ class TargetServer:
         return {
             **self.identity,
             "engine": self.address,
+            "generation": self.registry.generation,
             "regions": self.registry.table.rows.tolist(),
             "transports": {t.capabilities.name: t.advertise(session) for t in self.transports},
         }
+
+    def revoke(self, generation: int, removed: list[tuple[int, int]], timeout: float) -> None:
+        """Make sure no peer touches ``removed`` any more; return once that is certain.
+
+        Every open connection is sent REVOKE with the registrations of ``generation``
+        and must answer REVOKED within ``timeout`` (its same-host copies, which this
+        engine cannot see, have stopped); one that does not is disconnected. Requests
+        this engine serves itself (TCP) that touch ``removed`` are waited for, and cut
+        off (their connection closed) if they outlast ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        table = self.registry.table
+        with self._lock:
+            peers = [c for c in self._connections if c.id]
+        for conn in peers:
+            conn.send_revoke(generation, table, deadline)
+        with self._acks:
+            self._acks.wait_for(
+                lambda: all(c.acked >= generation or c.wire.dead_reason for c in peers),
+                max(0.0, deadline - time.monotonic()),
+            )
+        for conn in peers:
+            if conn.acked < generation and not conn.wire.dead_reason:
+                log.warning("hixl: %s did not confirm a deregistration within %.1f s: disconnected", conn.wire.peer, timeout)
+                conn.wire.mark_dead("did not confirm a deregistration in time")
+        for conn in self.holds.wait_clear(removed, deadline):
+            log.warning("hixl: cutting off %s: its request outlasted a deregistration of its memory", conn.wire.peer)
+            conn.wire.mark_dead("its request touched memory being deregistered")
+        # A cut-off request fails at its next chunk: the socket is shut down.
+        self.holds.wait_clear(removed, time.monotonic() + timeout)
+
+    def confirmed(self) -> None:
+        """Called by a connection that received REVOKED."""
+        with self._acks:
+            self._acks.notify_all()
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop accepting, end every connection and join every thread; idempotent."""
@@ -231,7 +317,9 @@ class _ServedConnection:
         self.wire = Wire(sock, self.conn, peer, limits.heartbeat_interval, limits.heartbeat_misses * 2)
         self.keepalive: list[Any] = []
         self.id = ""
-        """This connection's identity once authenticated: the peer's engine id and a serial."""
+        """This connection's identity once open: the peer's engine id and a serial."""
+        self.acked = 0
+        """The newest registration generation the peer confirmed (REVOKED)."""
         self.thread = threading.Thread(target=self._run, name=f"hixl-serve-{peer}", daemon=True)
         self._regions_dirty = False
 
@@ -243,6 +331,17 @@ class _ServedConnection:
     def expired(self, deadline_us: int) -> bool:
         """Whether a carried deadline (our clock, microseconds; 0: none) has passed."""
         return bool(deadline_us) and time.monotonic() * 1e6 >= deadline_us
+
+    def hold(self, descs: np.ndarray) -> contextlib.AbstractContextManager[None]:
+        """Hold ``descs`` ((N, 2): addr, len) of this engine's memory while a request uses them."""
+        return self.server.holds.hold(self, descs)
+
+    def send_revoke(self, generation: int, table: RemoteRegions, deadline: float) -> None:
+        """Tell the peer the registrations of ``generation``; a peer we cannot tell is cut off."""
+        try:
+            self.wire.send(proto.Revoke(generation, table.rows), deadline=deadline)
+        except (HixlError, OSError) as exc:
+            self.wire.mark_dead(f"could not be told of a deregistration: {exc}")
 
     def local_deadline(self, deadline_us: int) -> float:
         """A carried deadline in ``time.monotonic()`` seconds, capped by ``request_time_cap``."""
@@ -298,10 +397,11 @@ class _ServedConnection:
                 log.warning("hixl: refused %s: %s", wire.peer, exc)
                 _send_fatal(wire, Status.AUTH_FAILED, "authentication failed")
                 return False
-            self.id = f"{conn.peer_info.get('engine_id', '?')}/{next(_serials)}"
             with wire.conn_lock:
                 frame = conn.welcome(self.server.welcome_info(self))
             wire.send_raw(frame, deadline)
+            # Open from here: deregistrations tell it (its WELCOME named the generation it saw).
+            self.id = f"{conn.peer_info.get('engine_id', '?')}/{next(_serials)}"
         except TransferTimeout:
             log.warning("hixl: dropped %s: no complete handshake within %.1f s", wire.peer, self.server.limits.handshake_timeout)
             return False
@@ -334,6 +434,9 @@ class _ServedConnection:
                 wire.send(proto.Meta(message.req_id, value))
         elif kind is proto.FrameType.PING:
             wire.send(proto.Pong(message.req_id, time.monotonic()))
+        elif kind is proto.FrameType.REVOKED:
+            self.acked = max(self.acked, message.generation)
+            self.server.confirmed()
         return True
 
     def _serve_notify(self, message: proto.Notify) -> None:

@@ -22,10 +22,12 @@ moved by the kernel straight into registered memory.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -287,17 +289,28 @@ class Wire:
 
         A few data ranges go out with the frame in one ``sendmsg`` (a small reply is
         one segment, read by the peer in one ``recv``); more are ``writev``-ed after it.
+        Waiting for another sender counts against ``deadline`` too.
         """
         self.check_alive()
-        with self.conn_lock:
-            frame = self.conn.send(message)
-        if data is not None and data.count <= _SENDMSG_RANGES:
-            self.send_parts(frame, data.pending_ranges(), deadline)
-            return
-        with self.send_lock:
+        with self._sending(deadline):
+            with self.conn_lock:
+                frame = self.conn.send(message)
+            if data is not None and data.count <= _SENDMSG_RANGES:
+                self._send_parts(frame, data.pending_ranges(), deadline)
+                return
             self._send_frame(frame, deadline)
             if data is not None:
                 self._send_data(data, deadline)
+
+    @contextlib.contextmanager
+    def _sending(self, deadline: float | None) -> Iterator[None]:
+        """Hold ``send_lock``, waiting for it no later than ``deadline``."""
+        if not self.send_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise TransferTimeout(f"sending to {self.peer} waited past its deadline for another send")
+        try:
+            yield
+        finally:
+            self.send_lock.release()
 
     def try_send(self, message: proto.Message) -> bool:
         """Send a small frame only if nobody else is sending right now."""
@@ -317,23 +330,26 @@ class Wire:
         """Send a frame the connection made and the bulk data at ``data`` ((addr, len) ranges)
         with one ``sendmsg`` when the socket takes it all (the latency path)."""
         self.check_alive()
-        with self.send_lock:
-            if not data:
-                self._send_frame(frame, deadline)
-                return
-            try:
-                sent = self.sock.sendmsg([frame, *(memory_view(addr, n) for addr, n in data)])
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                raise self._fail(f"socket error: {exc}", exc) from exc
-            if sent < len(frame):
-                self._send_frame(frame[sent:], deadline)
-                sent = len(frame)
-            if sent - len(frame) < sum(n for _, n in data):
-                rest = IovCursor(np.array(data, dtype=np.uint64).reshape(-1, 2))
-                rest.advance(sent - len(frame))
-                self._send_data(rest, deadline)
+        with self._sending(deadline):
+            self._send_parts(frame, data, deadline)
+
+    def _send_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None) -> None:
+        if not data:
+            self._send_frame(frame, deadline)
+            return
+        try:
+            sent = self.sock.sendmsg([frame, *(memory_view(addr, n) for addr, n in data)])
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            raise self._fail(f"socket error: {exc}", exc) from exc
+        if sent < len(frame):
+            self._send_frame(frame[sent:], deadline)
+            sent = len(frame)
+        if sent - len(frame) < sum(n for _, n in data):
+            rest = IovCursor(np.array(data, dtype=np.uint64).reshape(-1, 2))
+            rest.advance(sent - len(frame))
+            self._send_data(rest, deadline)
 
     def send_raw(self, frame: bytes, deadline: float | None = None) -> None:
         """Send bytes the connection already produced (handshake steps); caller sequences them."""

@@ -225,15 +225,26 @@ class Engine:
         return self._registry.register(buf, mem_type, access)
 
     def deregister_mem(self, handle: MemHandle) -> None:
-        """Withdraw a registration; peers' later transfers to it are refused."""
+        """Withdraw a registration. When this returns, no peer moves a byte into or out of it.
+
+        New requests for the range are refused at once. Then every connected peer
+        is told and must confirm within the ``deregister_timeout`` option that its
+        same-host copies have stopped (one that does not is disconnected), and
+        requests this engine is serving in the range (TCP) are waited for, or cut
+        off (their connection closed) once the timeout has passed.
+        """
         self._check_open()
         if not isinstance(handle, MemHandle):
             raise ParamInvalid(f"expected a MemHandle, got {type(handle).__name__}")
         self._registry.deregister(handle)
+        if self._server is not None:
+            self._server.revoke(
+                self._registry.generation, [(handle.addr, handle.len)], float(self.options["deregister_timeout"])
+            )
 
-    def _regions_changed(self, table: object) -> None:
+    def _regions_changed(self, table: object, generation: int) -> None:
         for transport in self._transports:
-            transport.regions_changed()
+            transport.regions_changed(generation)
 
     def local_mems(self) -> list[MemDesc]:
         """This engine's registered regions."""
@@ -607,9 +618,12 @@ class Engine:
         for peer in peers:
             if peer is not None:
                 peer.close()
-        if self._server is not None:
-            self._server.close()
+        regions = [(addr, nbytes) for addr, nbytes, _ in self._registry.regions()]
         self._registry.clear()
+        if self._server is not None:
+            # Like deregistering everything: when finalize returns, no peer touches this memory.
+            self._server.revoke(self._registry.generation, regions, float(self.options["deregister_timeout"]))
+            self._server.close()
         for transport in self._transports:
             transport.close()
         self._wake_notify_waiters()  # they return what they have (nothing more will come)

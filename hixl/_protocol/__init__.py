@@ -25,6 +25,8 @@ from .frames import (
     QueryRegions,
     ReadRequest,
     Regions,
+    Revoke,
+    Revoked,
     Welcome,
     WriteRequest,
     encode,

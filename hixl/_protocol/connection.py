@@ -113,9 +113,11 @@ Event = Message | ConnectionClosed | _NeedData
 _F = FrameType
 _OPEN_BY: dict[Role, frozenset[FrameType]] = {
     Role.INITIATOR: frozenset(
-        {_F.READ, _F.WRITE, _F.NOTIFY, _F.QUERY_REGIONS, _F.QUERY_META, _F.PING, _F.PONG, _F.BYE}
+        {_F.READ, _F.WRITE, _F.NOTIFY, _F.QUERY_REGIONS, _F.QUERY_META, _F.PING, _F.PONG, _F.BYE, _F.REVOKED}
     ),
-    Role.TARGET: frozenset({_F.REGIONS, _F.DATA, _F.ACK, _F.ERROR, _F.META, _F.PING, _F.PONG, _F.BYE}),
+    Role.TARGET: frozenset(
+        {_F.REGIONS, _F.DATA, _F.ACK, _F.ERROR, _F.META, _F.PING, _F.PONG, _F.BYE, _F.REVOKE}
+    ),
 }
 # What each side may send in each state. During the handshake the target may answer with
 # ERROR (a refusal) and then closes; CLOSING allows the goodbye and heartbeats' answers only.
@@ -140,7 +142,7 @@ _REPLIES: dict[FrameType, frozenset[FrameType]] = {
 _HANDSHAKE_KINDS = frozenset({_F.HELLO, _F.CHALLENGE, _F.AUTH, _F.WELCOME})
 _TARGET_HOT = frozenset({_F.READ, _F.WRITE})  # requests a target serves
 _HOT = frozenset({_F.READ, _F.WRITE, _F.DATA, _F.ACK})  # the latency path, both directions
-_UNSOLICITED: frozenset[FrameType] = frozenset({_F.REGIONS, _F.PING, _F.PONG, _F.BYE, _F.ERROR})
+_UNSOLICITED: frozenset[FrameType] = frozenset({_F.REGIONS, _F.PING, _F.PONG, _F.BYE, _F.ERROR, _F.REVOKE})
 _I64_MAX = (1 << 63) - 1
 _PLAIN = frozenset({ReadRequest, WriteRequest, Data, Ack})
 """Messages that change no state when received."""

@@ -57,6 +57,7 @@ _ERROR_HEAD = struct.Struct("<I")
 _NOTIFY_HEAD = struct.Struct("<H")
 _DEADLINE = struct.Struct("<q")
 _CLOCK = struct.Struct("<d")
+_GENERATION = struct.Struct("<Q")
 _WORD = np.dtype("<u8")
 
 REGION_WRITABLE = 1
@@ -83,6 +84,8 @@ class FrameType(enum.IntEnum):
     META = 15
     CHALLENGE = 16
     AUTH = 17
+    REVOKE = 18
+    REVOKED = 19
 
 
 BODY_LIMITS: dict[FrameType, int] = {
@@ -103,6 +106,8 @@ BODY_LIMITS: dict[FrameType, int] = {
     FrameType.BYE: 1024,
     FrameType.QUERY_META: MAX_NAME,
     FrameType.META: MAX_META,
+    FrameType.REVOKE: 8 + 24 * MAX_REGIONS,
+    FrameType.REVOKED: 8,
 }
 """Largest body each frame type may have; checked before the body is read."""
 
@@ -255,6 +260,24 @@ class Bye:
 
 
 @dataclass(frozen=True)
+class Revoke:
+    """Target -> initiator: "my regions are now ``regions`` (registration ``generation``); stop
+    using anything else, then confirm with REVOKED". Sent when registrations are withdrawn."""
+
+    generation: int
+    regions: np.ndarray
+    req_id: int = 0
+
+
+@dataclass(frozen=True)
+class Revoked:
+    """Initiator -> target: no copy of ours touches memory outside the regions of ``generation``."""
+
+    generation: int
+    req_id: int = 0
+
+
+@dataclass(frozen=True)
 class QueryMeta:
     """Initiator asks for the metadata value the target published under ``key``."""
 
@@ -288,6 +311,8 @@ Message = Union[
     Bye,
     QueryMeta,
     Meta,
+    Revoke,
+    Revoked,
 ]
 
 
@@ -442,6 +467,14 @@ def parse_body(header: Header, body: bytes | memoryview) -> Message:
         return _parse_notify(rid, body)
     if kind is FrameType.QUERY_META:
         return QueryMeta(rid, _text(body, "QUERY_META key"))
+    if kind is FrameType.REVOKE:
+        if len(body) < _GENERATION.size:
+            raise ProtocolError("REVOKE body too short")
+        return Revoke(_GENERATION.unpack_from(body)[0], _words(body[_GENERATION.size :], 3, "REVOKE"), rid)
+    if kind is FrameType.REVOKED:
+        if len(body) != _GENERATION.size:
+            raise ProtocolError("REVOKED body must be one generation number")
+        return Revoked(_GENERATION.unpack(body)[0], rid)
     if kind is FrameType.META:
         return Meta(rid, bytes(body))
     assert kind is FrameType.BYE
@@ -526,6 +559,10 @@ def encode(message: Message) -> bytes:
         return _frame(kind, message.req_id, message.key.encode())
     if isinstance(message, Meta):
         return _frame(kind, message.req_id, message.value)
+    if isinstance(message, Revoke):
+        return _frame(kind, message.req_id, _GENERATION.pack(message.generation) + _words_bytes(message.regions))
+    if isinstance(message, Revoked):
+        return _frame(kind, message.req_id, _GENERATION.pack(message.generation))
     return _frame(kind, message.req_id)
 
 
@@ -547,6 +584,8 @@ _KIND_OF: dict[type, FrameType] = {
     Bye: FrameType.BYE,
     QueryMeta: FrameType.QUERY_META,
     Meta: FrameType.META,
+    Revoke: FrameType.REVOKE,
+    Revoked: FrameType.REVOKED,
 }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from contextlib import AbstractContextManager
 from dataclasses import field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,6 +47,10 @@ class ServedSession(Protocol):
 
     def regions(self) -> RemoteRegions:
         """This engine's registrations, with access rights, as of now."""
+
+    def hold(self, descs: np.ndarray) -> AbstractContextManager[None]:
+        """Hold ``descs`` ((N, 2): addr, len) of this engine's memory while a request uses them:
+        deregistering them waits (see ``Engine.deregister_mem``). Take it before checking them."""
 
     def expired(self, deadline_us: int) -> bool:
         """Whether a deadline carried in a request (our clock, microseconds) has passed."""
@@ -140,8 +145,9 @@ class Transport(abc.ABC):
     def open(self, link: PeerLink) -> Channel:
         """Initiator side: a channel to a peer whose probe passed."""
 
-    def regions_changed(self) -> None:
-        """Target side: this engine's registrations changed (called before the change returns)."""
+    def regions_changed(self, generation: int) -> None:
+        """Target side: this engine's registrations changed, to ``generation`` (called before the
+        change returns, and before any peer is told)."""
 
     def close(self) -> None:
         """Release what ``advertise`` set up."""

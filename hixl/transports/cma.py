@@ -87,13 +87,20 @@ _scratch = _Scratch()
 
 
 class CmaChannel(Channel):
-    """Copies to and from one target process."""
+    """Copies to and from one target process.
+
+    Every copy holds the link's *lease* from its last check to the end of its syscall,
+    and checks first that our copy of the peer's regions is of the generation the
+    peer publishes (its memfd page) and still contains the ranges. The peer bumps
+    that generation before it tells anyone of a deregistration, and our link answers
+    its REVOKE only under the lease, after installing the new regions: so once the
+    peer has our confirmation, no copy of ours touches what it withdrew.
+    """
 
     def __init__(self, link: PeerLink, pid: int, generation: mmap.mmap) -> None:
         self.link = link
         self.pid = pid
         self._generation = generation
-        self._seen = -1  # the generation our copy of the peer's regions is from; -1: unknown
 
     def _current(self) -> int:
         try:
@@ -101,33 +108,49 @@ class CmaChannel(Channel):
         except ValueError:  # unmapped by close()
             raise PeerDisconnected(f"channel to {self.link.remote_engine} is closed") from None
 
+    def _fresh(self, timeout: float) -> None:
+        """Make our copy of the peer's regions the one of its current generation."""
+        current = self._current()
+        if current != self.link.table_generation:
+            self.link.refresh_regions(timeout, generation=current)
+
     def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float, write: bool) -> None:
         """Check against the peer's regions, fetched again if it changed them since we last did.
 
         The target's CPU takes no part in a CMA copy, so nothing on its side would stop
-        one into memory it has just deregistered (or freed); its REGIONS update may
-        still be on the wire. The generation it bumps on every change is a plain
-        memory load here, cheap enough for every transfer.
+        one into memory it has just deregistered (or freed); its REVOKE may still be on
+        the wire. The generation it bumps on every change is a plain memory load here,
+        cheap enough for every transfer.
         """
-        current = self._current()
-        if current != self._seen:
-            self.link.refresh_regions(timeout)
-            self._seen = current
+        self._fresh(timeout)
         self.link.check_remote(addrs, lens, timeout, write)
 
     def start(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
         """Run the whole copy in the calling thread (no target involvement)."""
         call = process_vm_readv if op is Op.READ else process_vm_writev
+        write = op is Op.WRITE
         cursor = IovCursor(iovecs(descs[:, 0], descs[:, 2]), iovecs(descs[:, 1], descs[:, 2]))
+        link = self.link
+        checked = link.table  # what the engine validated the request against, just before
         try:
-            self.link.ensure_alive()
+            link.ensure_alive()
             while not cursor.finished:
                 with req.io_lock:
                     if req.cancelled:
                         return
-                    (local, remote), count, _ = cursor.window()
-                    moved = call(self.pid, local, count, remote, count, 0)
-                    err = ctypes.get_errno()
+                    with link.lease:
+                        current = self._current() == link.table_generation and link.table is checked
+                        if current:
+                            (local, remote), count, _ = cursor.window()
+                            moved = call(self.pid, local, count, remote, count, 0)
+                            err = ctypes.get_errno()
+                if not current:
+                    # The peer's regions changed under the request: fetch them (outside the
+                    # locks: that is a network round trip), and go on only if it still fits.
+                    self._fresh(req.remaining())
+                    checked = link.table
+                    checked.check(descs[:, 1], descs[:, 2], write)
+                    continue
                 if moved <= 0:
                     raise _errno_error(err, self.pid) if moved < 0 else TransferError("copy made no progress")
                 cursor.advance(moved)
@@ -142,12 +165,8 @@ class CmaChannel(Channel):
         Every step here is on the 8-byte latency path, hence the inlined checks.
         """
         count = len(descs)
-        try:
-            if count > _SMALL_IOVECS or _GENERATION.unpack_from(self._generation)[0] != self._seen:
-                return False  # (a changed generation: the general path refreshes the regions first)
-        except ValueError:  # unmapped by close(): the general path reports it
-            return False
-        if self.link.state is not LinkState.CONNECTED:
+        link = self.link
+        if count > _SMALL_IOVECS or link.state is not LinkState.CONNECTED:
             return False
         scratch = _scratch
         if count == 1:  # the common latency case: both iovecs in one call, no argument lists
@@ -158,8 +177,17 @@ class CmaChannel(Channel):
             pack.pack_into(scratch.buf, 0, *[v for d in descs for v in (d[0], d[2])])
             pack.pack_into(scratch.buf, _REMOTE_OFFSET, *[v for d in descs for v in (d[1], d[2])])
         call = process_vm_readv if op is Op.READ else process_vm_writev
-        # Short or failed: the general path resumes (copying again is harmless) and reports it.
-        return bool(call(self.pid, scratch.local, count, scratch.remote, count, 0) == nbytes)
+        table = link.table.writable if op is Op.WRITE else link.table.readable
+        with link.lease:
+            try:
+                if _GENERATION.unpack_from(self._generation)[0] != link.table_generation:
+                    return False  # (a changed generation: the general path refreshes the regions first)
+            except ValueError:  # unmapped by close(): the general path reports it
+                return False
+            if link.table.writable is not table and link.table.readable is not table:
+                return False  # replaced since the engine checked: check again on the general path
+            # Short or failed: the general path resumes (copying again is harmless) and reports it.
+            return bool(call(self.pid, scratch.local, count, scratch.remote, count, 0) == nbytes)
 
     def close(self) -> None:
         """Unmap the peer's generation page."""
@@ -180,7 +208,6 @@ class CmaTransport(Transport):
     def __init__(self) -> None:
         # Registration generation, in a memfd that initiators map (see CmaChannel.check_remote).
         # Without one (memfd refused), initiators' probes fail and they use another transport.
-        self._generation = 0
         self._generation_fd = -1
         self._generation_map: mmap.mmap | None = None
         try:
@@ -201,11 +228,10 @@ class CmaTransport(Transport):
             "generation_fd": self._generation_fd if self._generation_map is not None else None,
         }
 
-    def regions_changed(self) -> None:
-        """Bump the generation that initiators compare before trusting their copy of our regions."""
+    def regions_changed(self, generation: int) -> None:
+        """Publish the generation that initiators compare before trusting their copy of our regions."""
         if self._generation_map is not None:
-            self._generation += 1
-            _GENERATION.pack_into(self._generation_map, 0, self._generation)
+            _GENERATION.pack_into(self._generation_map, 0, generation)
 
     def close(self) -> None:
         """Release the generation page; idempotent."""

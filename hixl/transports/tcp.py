@@ -191,6 +191,7 @@ class TcpChannel(Channel):
     def _send(self, req: TransferReq, op: Op, descs: np.ndarray, read_reply: bool) -> None:
         groups = [descs[i : i + proto.frames.MAX_DESCS] for i in range(0, len(descs), proto.frames.MAX_DESCS)]
         parts = _Parts(req, len(groups))
+        req.lands_remotely = op is Op.WRITE
         wire = self.link.wire
         for group in groups:
             local = IovCursor(iovecs(group[:, 0], group[:, 2]))
@@ -233,11 +234,16 @@ class TcpTransport(Transport):
 
     # -- target half ----------------------------------------------------------------------------
     def serve(self, session: ServedSession, message: Any) -> None:
-        """Answer one READ or WRITE on the target's I/O thread."""
-        if isinstance(message, proto.ReadRequest):
-            self._serve_read(session, message)
-        else:
-            self._serve_write(session, message)
+        """Answer one READ or WRITE on the target's I/O thread.
+
+        The request holds its ranges from before the check until its last byte moved,
+        so a deregistration of them waits for it (or cuts it off).
+        """
+        with session.hold(message.descs):
+            if isinstance(message, proto.ReadRequest):
+                self._serve_read(session, message)
+            else:
+                self._serve_write(session, message)
 
     @staticmethod
     def _refusal(session: ServedSession, descs: np.ndarray, write: bool) -> proto.Error | None:

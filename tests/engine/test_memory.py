@@ -142,15 +142,16 @@ def test_register_refuses(engine: Engine, bad: object) -> None:
 
 def test_registry_notifies_listeners() -> None:
     registry = Registry()
-    seen: list[int] = []
-    registry.listeners.append(lambda table: seen.append(len(table)))
+    seen: list[tuple[int, int]] = []
+    registry.listeners.append(lambda table, generation: seen.append((len(table), generation)))
     a, b = hixl.empty(4096), hixl.empty(4096)
     handle = registry.register(a)
     registry.register(a)  # no change, no notification
     registry.register(b)
     registry.deregister(handle)
     registry.clear()
-    assert seen == [1, 2, 1, 0]
+    assert seen == [(1, 1), (2, 2), (1, 3), (0, 4)]  # every change is a new generation
+    assert registry.generation == 4
 
 
 # -- RegionTable -------------------------------------------------------------------------

@@ -29,8 +29,10 @@ INITIATOR_INFO = {"engine": "127.0.0.1:1", "engine_id": "ii"}
 TARGET_INFO = {"engine": "127.0.0.1:2", "pid": 4242, "regions": [[4096, 8192, 1]]}
 
 _T = FrameType
-INITIATOR_OPEN = frozenset({_T.READ, _T.WRITE, _T.NOTIFY, _T.QUERY_REGIONS, _T.QUERY_META, _T.PING, _T.PONG, _T.BYE})
-TARGET_OPEN = frozenset({_T.REGIONS, _T.DATA, _T.ACK, _T.ERROR, _T.META, _T.PING, _T.PONG, _T.BYE})
+INITIATOR_OPEN = frozenset(
+    {_T.READ, _T.WRITE, _T.NOTIFY, _T.QUERY_REGIONS, _T.QUERY_META, _T.PING, _T.PONG, _T.BYE, _T.REVOKED}
+)
+TARGET_OPEN = frozenset({_T.REGIONS, _T.DATA, _T.ACK, _T.ERROR, _T.META, _T.PING, _T.PONG, _T.BYE, _T.REVOKE})
 
 SENDABLE: dict[tuple[Role, str], frozenset[FrameType]] = {
     (Role.INITIATOR, "start"): frozenset(),  # its HELLO is sent: each handshake step goes once
@@ -117,6 +119,7 @@ def request(kind: FrameType, req_id: int) -> F.Message:
         _T.PING: lambda: F.Ping(req_id),
         _T.PONG: lambda: F.Pong(req_id, 5.0),
         _T.BYE: lambda: F.Bye(0, "done"),
+        _T.REVOKED: lambda: F.Revoked(3, req_id),
     }[kind]()
 
 
@@ -131,6 +134,7 @@ def reply(kind: FrameType, req_id: int) -> F.Message:
         _T.PING: lambda: F.Ping(req_id),
         _T.PONG: lambda: F.Pong(req_id, 7.0),
         _T.BYE: lambda: F.Bye(0, "done"),
+        _T.REVOKE: lambda: F.Revoke(3, np.array([[4096, 8192, 1]], dtype=np.uint64), 0),
     }[kind]()
 
 

@@ -79,6 +79,9 @@ MESSAGES = {
     "bye-empty": proto.Bye(),
     "query-meta": proto.QueryMeta(2, "layout/\u00e9"),
     "meta": proto.Meta(2, b"\x00\xff binary"),
+    "revoke": proto.Revoke(7, np.array([[4096, 8192, 1], [1 << 40, 4096, 0]], dtype=np.uint64)),
+    "revoke-all": proto.Revoke(8, np.empty((0, 3), dtype=np.uint64)),
+    "revoked": proto.Revoked(7),
 }
 
 
@@ -206,7 +209,7 @@ def test_frame_type_numbers_are_stable() -> None:
     assert {t.name: int(t) for t in proto.FrameType} == {
         "HELLO": 1, "WELCOME": 2, "REGIONS": 3, "QUERY_REGIONS": 4, "READ": 5, "WRITE": 6, "DATA": 7,
         "ACK": 8, "ERROR": 9, "NOTIFY": 10, "PING": 11, "PONG": 12, "BYE": 13, "QUERY_META": 14, "META": 15,
-        "CHALLENGE": 16, "AUTH": 17,
+        "CHALLENGE": 16, "AUTH": 17, "REVOKE": 18, "REVOKED": 19,
     }
 
 
@@ -223,7 +226,7 @@ def test_bad_magic(magic: bytes) -> None:
         proto.parse_header(header(proto.FrameType.PING, magic=magic))
 
 
-@pytest.mark.parametrize("kind", [0, 18, 99, 255])
+@pytest.mark.parametrize("kind", [0, 20, 99, 255])
 def test_unknown_frame_type(kind: int) -> None:
     with pytest.raises(ProtocolError, match="unknown frame type"):
         proto.parse_header(header(kind))

@@ -83,6 +83,7 @@ MESSAGES = st.one_of(
     st.builds(proto.Bye, U64, TEXT),
     st.builds(proto.QueryMeta, U64, TEXT),
     st.builds(proto.Meta, U64, st.binary(max_size=64)),
+    st.builds(proto.Revoked, U64, U64),
 )
 
 
