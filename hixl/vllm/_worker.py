@@ -205,8 +205,11 @@ class WorkerSide:
         return self._cache
 
     def _link(self, endpoint: Endpoint) -> None:
-        if endpoint.cluster_id in self.datadist.linked_clusters():
+        linked = self.datadist.linked_clusters().get(endpoint.cluster_id)
+        if linked == endpoint.ip_info:
             return
+        if linked is not None:  # that cluster id now lives elsewhere: a prefill restarted with it
+            self.datadist.unlink_clusters([LLMClusterInfo(endpoint.cluster_id, linked)], force=True)
         (status,) = self.datadist.link_clusters([LLMClusterInfo(endpoint.cluster_id, endpoint.ip_info)])
         if status not in (LLMStatusCode.SUCCESS, LLMStatusCode.ALREADY_LINK):
             raise LLMException(f"cannot link to prefill {endpoint.ip_info} (cluster {endpoint.cluster_id})", status)

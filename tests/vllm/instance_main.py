@@ -1,7 +1,9 @@
 """One offline ``vllm.LLM`` instance driven over stdin/stdout, for the end-to-end tests.
 
 ``python instance_main.py ROLE MODEL_DIR [JSON_SETTINGS]`` — ROLE is
-``prefill``, ``decode`` or ``reference``. It prints ``{"ready": ..., "startup_s": ...}``
+``prefill``, ``decode`` or ``reference``; SETTINGS become the connector's
+extra config, except ``connector`` / ``module`` (another connector class) and
+``kv_load_failure_policy``. It prints ``{"ready": ..., "startup_s": ...}``
 once the engine is up, then answers each JSON line
 ``{"prompts": [...], "max_tokens": n, "params": [kv_transfer_params or null, ...]}``
 with one JSON line listing, per prompt: token ids, text, ``num_cached_tokens``
@@ -38,6 +40,7 @@ if __name__ == "__main__":
     kwargs = {}
     if role != "reference":
         kwargs["kv_transfer_config"] = {
+            "kv_load_failure_policy": settings.pop("kv_load_failure_policy", "fail"),
             "kv_connector": settings.pop("connector", "HixlConnector"),
             "kv_connector_module_path": settings.pop("module", "hixl.vllm"),
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",

@@ -1,0 +1,48 @@
+"""A :class:`~hixl.vllm.HixlConnector` that misbehaves on demand, for the negative tests.
+
+The extra config's ``fault_file`` names a file the test writes before each
+request; this connector reads it at every layer it waits for:
+
+* ``zeros`` — pull as usual, then zero the pulled blocks of that layer before
+  attention reads them: the control that shows the pulled KV matters.
+* ``die`` — SIGKILL this whole process while waiting for layer 1, with layer 0
+  landed and the later layers in flight: a decode dying mid-pull.
+* anything else — behave.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from hixl.vllm import HixlConnector
+
+
+class FaultyConnector(HixlConnector):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        # The scheduler's and the worker's connectors share this dict: hide the key
+        # from HixlConnector (it rejects unknown settings) only while it reads them.
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.fault_file = Path(extra.pop("fault_file"))
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            extra["fault_file"] = str(self.fault_file)
+        self.kv_caches: dict[str, Any] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        self.kv_caches = kv_caches
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        fault = self.fault_file.read_text().strip() if self.fault_file.exists() else ""
+        blocks = self.loading_block_ids()
+        if fault == "die" and blocks and self.worker.layers[layer_name] == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().wait_for_layer_load(layer_name)
+        if fault == "zeros" and blocks:
+            self.kv_caches[layer_name][blocks] = 0
