@@ -5,8 +5,9 @@ request; this connector reads it at every layer it waits for:
 
 * ``zeros`` — pull as usual, then zero the pulled blocks of that layer before
   attention reads them: the control that shows the pulled KV matters.
-* ``die`` — SIGKILL this whole process while waiting for layer 1, with layer 0
-  landed and the later layers in flight: a decode dying mid-pull.
+* ``die`` — SIGKILL this whole process right after the layer-by-layer pull was
+  issued, with its layers in flight: a decode dying mid-pull, before it could
+  tell prefill it has the blocks.
 * anything else — behave.
 """
 
@@ -38,11 +39,16 @@ class FaultyConnector(HixlConnector):
         super().register_kv_caches(kv_caches)
         self.kv_caches = kv_caches
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        fault = self.fault_file.read_text().strip() if self.fault_file.exists() else ""
-        blocks = self.loading_block_ids()
-        if fault == "die" and blocks and self.worker.layers[layer_name] == 1:
+    def _fault(self) -> str:
+        return self.fault_file.read_text().strip() if self.fault_file.exists() else ""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        if self._fault() == "die" and self.loading_block_ids():
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
         super().wait_for_layer_load(layer_name)
-        if fault == "zeros" and blocks:
+        blocks = self.loading_block_ids()
+        if self._fault() == "zeros" and blocks:
             self.kv_caches[layer_name][blocks] = 0
