@@ -1,4 +1,4 @@
-"""The ``hixl`` command: ``hixl bench`` and ``hixl demo``."""
+"""The ``hixl`` command: ``hixl bench``, ``hixl demo`` and ``hixl proxy``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     from .demo.cli import add_parser as add_demo
 
     add_demo(sub)
+    from .proxy import add_parser as add_proxy
+
+    add_proxy(sub)
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)
 
