@@ -1,9 +1,9 @@
-"""The README's "Serving with vLLM" commands, run as written: two ``vllm serve`` + ``hixl proxy``.
+"""The README's "Serving with vLLM" commands, run as written: two vLLM servers + ``hixl proxy``.
 
 The commands are read from the README itself, with three substitutions: the
 tiny local model for ``$MODEL``, free ports for the fixed ones, and test
-sizing flags appended to ``vllm serve`` (later flags win). A plain ``vllm
-serve`` of the same model is the reference. OpenAI-client requests through
+sizing flags appended to each server's (later flags win). A plain vLLM
+server of the same model is the reference. OpenAI-client requests through
 the proxy — completions and chat, streamed and not — must give the
 reference's text, and prefill must report each request's blocks released
 after decode pulled them.
@@ -36,16 +36,17 @@ from tiny_model import build, words  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STARTUP_TIMEOUT = 400.0
+SERVER = "-m vllm.entrypoints.openai.api_server --model $MODEL"
 TEST_FLAGS = "--dtype float32 --max-model-len 512 --block-size 32 --kv-cache-memory-bytes 64M --distributed-executor-backend uni"
 
 
 def readme_commands() -> list[str]:
-    """The README's serving block: the two ``vllm serve`` lines and the ``hixl proxy`` line."""
+    """The README's serving block: the two vLLM server lines and the ``hixl proxy`` line."""
     text = (ROOT / "README.md").read_text()
     section = text.split("## Serving with vLLM", 1)[1]
     block = section.split("```bash", 1)[1].split("```", 1)[0]
     lines = [line.strip() for line in block.strip().splitlines()]
-    return [line for line in lines if "vllm serve" in line or line.startswith("hixl proxy")]
+    return [line for line in lines if SERVER in line or line.startswith("hixl proxy")]
 
 
 def free_port() -> int:
@@ -64,10 +65,10 @@ class Servers:
         swap = {"8100": self.ports["prefill"], "8200": self.ports["decode"], "8000": self.ports["proxy"]}
 
         def adapt(line: str) -> str:
-            line = line.rstrip("&").strip().replace("$MODEL", shlex.quote(str(model)))
+            line = line.rstrip("&").strip().replace(SERVER, f"{SERVER} {TEST_FLAGS}")
+            line = line.replace("python3 -m", f"{shlex.quote(sys.executable)} -m").replace("$MODEL", shlex.quote(str(model)))
             line = re.sub(r"\b(8100|8200|8000)\b", lambda m: str(swap[m.group(1)]), line)
-            line = line.replace("hixl proxy", f"{shlex.quote(sys.executable)} -m hixl.cli proxy")  # this checkout's hixl
-            return line.replace(f"vllm serve {shlex.quote(str(model))}", f"vllm serve {shlex.quote(str(model))} {TEST_FLAGS}")
+            return line.replace("hixl proxy", f"{shlex.quote(sys.executable)} -m hixl.cli proxy")  # this checkout's hixl
 
         reference = re.sub(r"--kv-transfer-config '[^']*'", "", adapt(prefill)).replace(
             str(self.ports["prefill"]), str(self.ports["reference"])
