@@ -8,7 +8,6 @@ package imports vLLM; ``import hixl`` does not import it.
 """
 
 from ._config import ConnectorConfig, LoadMode
-from ._worker import PullTiming
 from .connector import HixlConnector
 
-__all__ = ["ConnectorConfig", "HixlConnector", "LoadMode", "PullTiming"]
+__all__ = ["ConnectorConfig", "HixlConnector", "LoadMode"]

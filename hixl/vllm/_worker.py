@@ -36,22 +36,11 @@ from ..datadist import (
 from ._config import ConnectorConfig, LoadMode
 from ._params import Endpoint, LoadSpec
 
-__all__ = ["PullTiming", "WorkerSide"]
+__all__ = ["WorkerSide"]
 
 log = logging.getLogger("vllm.hixl")
 
 _TENSORS_PER_LAYER = 1  # K and V share a tensor (interleaved per head inside a block)
-
-
-@dataclass(frozen=True)
-class PullTiming:
-    """How one request's pull went, in seconds from the moment it was issued."""
-
-    request_id: str
-    blocks: int
-    nbytes: int
-    first_layer: float  # when layer 0 was usable (the whole pull, for a sync load)
-    total: float
 
 
 @dataclass
@@ -84,7 +73,6 @@ class WorkerSide:
         self._cache: Cache | None = None
         self._pulls: list[_Pull] = []
         self._failed_blocks: set[int] = set()
-        self.timings: list[PullTiming] = []
         # Prefill side: transfer id -> (vLLM request id, release deadline), and ids
         # decode reported pulled before this worker heard of them.
         self._held: dict[int, tuple[str, float]] = {}
@@ -178,25 +166,18 @@ class WorkerSide:
         return failed
 
     def _record(self, pull: _Pull) -> None:
+        """Log the pull's figures: its KV transfer time and when its first layer was usable."""
         if pull.task is not None:
             first, last = pull.task.landed_at(pull.task.layers[0]), pull.task.landed_at(pull.task.layers[-1])
         else:
-            first = last = pull.ended
-        total = (last or pull.started) - pull.started
-        cache = self._local_cache()
-        timing = PullTiming(
-            pull.spec.request_id,
-            len(pull.spec.local_blocks),
-            len(pull.spec.local_blocks) * cache.cache_desc.row_bytes * cache.cache_desc.num_tensors,
-            (first or pull.started) - pull.started,
-            total,
-        )
-        self.timings.append(timing)
-        del self.timings[:-1000]  # a bounded history, for diagnostics
+            first = last = pull.ended  # a sync pull is usable all at once
+        desc = self._local_cache().cache_desc
+        blocks = len(pull.spec.local_blocks)
         log.info(
             "hixl: pulled request %s: %d blocks, %.2f MiB in %.2f ms (%s), first layer usable after %.2f ms",
-            timing.request_id, timing.blocks, timing.nbytes / 2**20, timing.total * 1e3,
-            self.config.load_mode.value, timing.first_layer * 1e3,
+            pull.spec.request_id, blocks, blocks * desc.row_bytes * desc.num_tensors / 2**20,
+            ((last or pull.started) - pull.started) * 1e3, self.config.load_mode.value,
+            ((first or pull.started) - pull.started) * 1e3,
         )
 
     def _local_cache(self) -> Cache:

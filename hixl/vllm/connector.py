@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ._config import ConnectorConfig
 from ._params import Endpoint, StepMetadata
 from ._scheduler import SchedulerSide
-from ._worker import PullTiming, WorkerSide
+from ._worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -108,10 +108,6 @@ class HixlConnector(KVConnectorBase_V1):
     def loading_block_ids(self) -> list[int]:
         """Local block ids this step's pulls write into."""
         return self.worker.loading_blocks()
-
-    def pull_timings(self) -> list[PullTiming]:
-        """How recent pulls went (per request: transfer time, first layer usable)."""
-        return list(self.worker.timings)
 
     def shutdown(self) -> None:
         """Finalize the worker's DataDist."""

@@ -14,7 +14,7 @@ from hixl.vllm._params import Endpoint, RemotePrefill  # noqa: E402
 
 
 def test_public_surface() -> None:
-    assert sorted(hixl.vllm.__all__) == ["ConnectorConfig", "HixlConnector", "LoadMode", "PullTiming"]
+    assert sorted(hixl.vllm.__all__) == ["ConnectorConfig", "HixlConnector", "LoadMode"]
     assert hixl.vllm.HixlConnector.__name__ == "HixlConnector"  # the name vLLM looks up in the module
 
 
