@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SchedulerSide"]
 
+# A child of vLLM's logger: these lines show in vLLM's log, with its format and level.
 log = logging.getLogger("vllm.hixl")
 
 

@@ -38,6 +38,7 @@ from ._params import Endpoint, LoadSpec
 
 __all__ = ["WorkerSide"]
 
+# A child of vLLM's logger: these lines show in vLLM's log, with its format and level.
 log = logging.getLogger("vllm.hixl")
 
 _TENSORS_PER_LAYER = 1  # K and V share a tensor (interleaved per head inside a block)
@@ -45,6 +46,8 @@ _TENSORS_PER_LAYER = 1  # K and V share a tensor (interleaved per head inside a 
 
 @dataclass
 class _Pull:
+    """One request's pull within the current step."""
+
     spec: LoadSpec
     started: float
     task: CacheTask | None = None  # layer-wise pulls only

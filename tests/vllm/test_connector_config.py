@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-pytest.importorskip("vllm")
+# Not just "vllm": where vLLM is missing, this folder itself would import under that name.
+pytest.importorskip("vllm.distributed.kv_transfer")
 
 import hixl.vllm  # noqa: E402
 from hixl.vllm import ConnectorConfig, LoadMode  # noqa: E402
