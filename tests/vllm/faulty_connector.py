@@ -5,9 +5,12 @@ request; this connector reads it at every layer it waits for:
 
 * ``zeros`` — pull as usual, then zero the pulled blocks of that layer before
   attention reads them: the control that shows the pulled KV matters.
-* ``die`` — SIGKILL this whole process right after the layer-by-layer pull was
-  issued, with its layers in flight: a decode dying mid-pull, before it could
-  tell prefill it has the blocks.
+* ``die`` — SIGKILL this whole process while it waits for layer 1 of a
+  layer-by-layer pull: a decode dying mid-pull. Its completion notifications
+  are dropped first: DataDist may send one the moment the last layer lands,
+  which on this machine can be before attention reaches layer 1 — and then
+  prefill would rightly free the blocks at once, and the test would show
+  nothing.
 * anything else — behave.
 """
 
@@ -43,11 +46,13 @@ class FaultyConnector(HixlConnector):
         return self.fault_file.read_text().strip() if self.fault_file.exists() else ""
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._fault() == "die":
+            self.worker.datadist.engine.send_notify = lambda *args, **kwargs: None  # type: ignore[method-assign]
         super().start_load_kv(forward_context, **kwargs)
-        if self._fault() == "die" and self.loading_block_ids():
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._fault() == "die" and self.loading_block_ids() and self.worker.layers[layer_name] == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
         super().wait_for_layer_load(layer_name)
         blocks = self.loading_block_ids()
         if self._fault() == "zeros" and blocks:
