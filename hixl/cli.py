@@ -2,6 +2,7 @@
 
   hixl demo    prefill/decode-disaggregated generation on a small real transformer
   hixl bench   the engine measured against the raw calls it is built on
+  hixl proxy   an OpenAI-compatible front door for a vLLM prefill and decode pair
 
 Run "hixl COMMAND --help" for a command's options ("python3 -m hixl" works too).
 """
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     from .demo.cli import add_parser as add_demo
 
     add_demo(sub)
+    from .proxy import add_parser as add_proxy
+
+    add_proxy(sub)
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)
 

@@ -37,7 +37,10 @@ fp16, a 4096-token prompt: 1.25 GiB) from a prefill process with DataDist's
 pull_blocks, its blocks scattered over a paged pool on both sides, at 16-,
 32- and 128-token blocks; it reports pull_blocks bandwidth against the
 engine's own single contiguous transfer of the same bytes, and how soon the
-first layer lands with pull_blocks_async.
+first layer lands with pull_blocks_async. --scenario kv-vllm does the same on
+vLLM's CPU layout (one tensor per layer, K and V interleaved in each block) at
+a Llama-3-8B shape (32 layers, 8 KV heads x 128, fp16, 4096 tokens: 512 MiB),
+32-token blocks.
 """
 
 
@@ -167,8 +170,7 @@ def _header(config: BenchConfig, scenarios: tuple[str, ...]) -> str:
     parts = [f"hixl bench: scenario {','.join(scenarios)}", f"transports {','.join(config.transports)}"]
     if "engine" in scenarios:
         parts.append(f"sizes {format_size(min(config.sizes))}..{format_size(max(config.sizes))}")
-    if "kv" in scenarios:
-        parts.append(kv_bench.describe(config))
+    parts += [kv_bench.describe(config, name) for name in scenarios if name in kv_bench.PRESETS]
     parts.append(f"median of {config.repeat} (+{config.warmup} warm-up)")
     if "engine" in scenarios:
         parts.append(f"latency over {config.iterations} calls")
@@ -199,12 +201,13 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and "engine" not in scenarios:
         print("hixl bench: error: --plot draws the engine scenario: add --scenario engine", file=sys.stderr)
         return 2
-    if "kv" in scenarios:
-        try:
-            kv_bench.shape_of(config)
-        except ValueError as exc:
-            print(f"hixl bench: error: {exc}", file=sys.stderr)
-            return 2
+    try:
+        for name in scenarios:
+            if name in kv_bench.PRESETS:
+                kv_bench.shape_of(config, name)
+    except ValueError as exc:
+        print(f"hixl bench: error: {exc}", file=sys.stderr)
+        return 2
     progress = Progress(enabled=False if args.no_progress else None)
     rows: list[Row] = []
     notes: list[str] = []

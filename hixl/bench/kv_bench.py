@@ -30,6 +30,12 @@ share of ``100 / layers`` % — so the ratio is "how many layers' worth of time
 the first layer took", and the issue's target ``share <= 1.5 / layers`` reads
 ``ratio <= 1.5x``. Figures are medians over ``repeat`` repetitions.
 
+The ``kv-vllm`` scenario is the same measurement on vLLM's CPU layout
+(:attr:`KvShape.fused_kv`: one tensor per layer, K and V interleaved inside
+each block, as hixl's vLLM connector registers it) at a Llama-3-8B shape —
+32 layers x 8 KV heads x 128, fp16, a 4096-token prompt, 32-token blocks —
+with the same targets.
+
 Before anything is timed, each configuration is checked: a sample of
 destination blocks is poisoned, pulled (sync, then async) and compared byte
 for byte with the pattern the prefill side was filled with; the contiguous
@@ -69,15 +75,31 @@ from .progress import Progress
 from .results import Row, ScenarioResult, Target, median
 from .timing import interleaved_reps
 
-__all__ = ["FULL_SHAPE", "QUICK_SHAPE", "describe", "issued_descriptors", "pull_descriptors", "run", "shape_of"]
+__all__ = [
+    "FULL_SHAPE",
+    "PRESETS",
+    "QUICK_SHAPE",
+    "VLLM_FULL_SHAPE",
+    "VLLM_QUICK_SHAPE",
+    "describe",
+    "issued_descriptors",
+    "pull_descriptors",
+    "run",
+    "run_vllm",
+    "shape_of",
+]
 
-SCENARIO = "kv"
 DECODE_CLUSTER = 2
 
 #: The issue's shape, at full size; ``--layers`` / ``--tokens`` / ``--block-sizes`` scale it.
 FULL_SHAPE = KvShape()
 #: ``--quick``: a few layers, a short prompt, one block size (a few MiB, well under a second).
 QUICK_SHAPE = KvShape(layers=4, tokens=1024, block_sizes=(16,))
+#: ``kv-vllm``: vLLM's CPU layout of a Llama-3-8B cache, 32-token blocks.
+VLLM_FULL_SHAPE = KvShape(layers=32, tokens=4096, block_sizes=(32,), fused_kv=True)
+VLLM_QUICK_SHAPE = KvShape(layers=4, tokens=1024, block_sizes=(32,), fused_kv=True)
+#: Scenario name -> (full shape, ``--quick`` shape).
+PRESETS = {"kv": (FULL_SHAPE, QUICK_SHAPE), "kv-vllm": (VLLM_FULL_SHAPE, VLLM_QUICK_SHAPE)}
 
 # The issue's targets.
 PULL_BANDWIDTH = Target(">=", 0.9)  # pull_blocks vs one contiguous transfer_sync
@@ -87,9 +109,10 @@ TIMEOUT = 300.0  # seconds per transfer: generous, a slow machine is not a failu
 SAMPLE_BLOCKS = 32  # blocks checked byte for byte per configuration (plus the first and the last)
 
 
-def shape_of(config: BenchConfig) -> KvShape:
-    """The cache shape ``config`` asks for: the preset, with ``kv_*`` keys of ``config.extra`` applied."""
-    shape = QUICK_SHAPE if config.quick else FULL_SHAPE
+def shape_of(config: BenchConfig, scenario: str = "kv") -> KvShape:
+    """The cache shape ``config`` asks for: the scenario's preset, with ``kv_*`` keys of ``config.extra`` applied."""
+    full, quick = PRESETS[scenario]
+    shape = quick if config.quick else full
     overrides: dict[str, Any] = {}
     for key, field_name in (("kv_layers", "layers"), ("kv_tokens", "tokens"), ("kv_block_sizes", "block_sizes")):
         if key in config.extra:
@@ -99,18 +122,28 @@ def shape_of(config: BenchConfig) -> KvShape:
     return replace(shape, **overrides)
 
 
-def describe(config: BenchConfig) -> str:
+def describe(config: BenchConfig, scenario: str = "kv") -> str:
     """One line for the run's header: the shape and what one pull moves."""
-    shape = shape_of(config)
+    shape = shape_of(config, scenario)
+    layout = "K|V fused per layer (vLLM CPU)" if shape.fused_kv else "K+V"
     return (
-        f"kv cache {shape.layers} layers x {shape.tokens} tokens x {shape.kv_heads}x{shape.head_dim} fp16 K+V "
-        f"({format_size(shape.prompt_bytes)}), blocks of {','.join(map(str, shape.block_sizes))} tokens"
+        f"{scenario} cache {shape.layers} layers x {shape.tokens} tokens x {shape.kv_heads}x{shape.head_dim} fp16 "
+        f"{layout} ({format_size(shape.prompt_bytes)}), blocks of {','.join(map(str, shape.block_sizes))} tokens"
     )
 
 
 def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
-    """Run the scenario (see the module docstring) and return its rows."""
-    shape = shape_of(config)
+    """Run the ``kv`` scenario (see the module docstring) and return its rows."""
+    return _run(config, progress, "kv")
+
+
+def run_vllm(config: BenchConfig, progress: Progress) -> ScenarioResult:
+    """Run the ``kv-vllm`` scenario: the same, on vLLM's CPU layout at a Llama-3-8B shape."""
+    return _run(config, progress, "kv-vllm")
+
+
+def _run(config: BenchConfig, progress: Progress, scenario: str) -> ScenarioResult:
+    shape = shape_of(config, scenario)
     progress.expect(1 + len(config.transports) * len(shape.block_sizes))
     rows: list[Row] = []
     notes: list[str] = []
@@ -122,7 +155,7 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
         contiguous.fill(0)  # every page resident before anything is timed
         storage.view(np.uint8).fill(0)
         for transport in config.transports:
-            decode = _DecodeSide(transport, shape, prefill, storage, contiguous)
+            decode = _DecodeSide(scenario, transport, shape, prefill, storage, contiguous)
             if not decode.linked:
                 notes.append(f"{transport}: skipped, decode could not link to prefill this way ({decode.status.name})")
                 decode.close()
@@ -130,42 +163,48 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
                 continue
             try:
                 for bs in shape.block_sizes:
-                    with progress.step(f"kv {transport} pull {bs}-token blocks"):
+                    with progress.step(f"{scenario} {transport} pull {bs}-token blocks"):
                         rows += decode.measure(bs, config)
             finally:
                 decode.close()
-    if shape.layers != FULL_SHAPE.layers or shape.tokens != FULL_SHAPE.tokens:
-        notes.append(f"kv: scaled-down cache ({describe(config)}); the issue's shape is 80 layers x 4096 tokens")
+    full = PRESETS[scenario][0]
+    if shape.layers != full.layers or shape.tokens != full.tokens:
+        notes.append(
+            f"{scenario}: scaled-down cache ({describe(config, scenario)}); "
+            f"the issue's shape is {full.layers} layers x {full.tokens} tokens"
+        )
     return ScenarioResult(rows, notes)
 
 
 def pull_descriptors(
     shape: KvShape, block_size: int, local_storage: int, remote_storage: int, src: np.ndarray, dst: np.ndarray
 ) -> np.ndarray:
-    """The ``(2 * layers, len(src), 3)`` descriptors of a pull of blocks ``src`` into ``dst``.
+    """The ``(tensors, len(src), 3)`` descriptors of a pull of blocks ``src`` into ``dst``.
 
-    Built as DataDist builds them: tensor by tensor (K0, V0, K1, ...), blocks in
-    the order given, one (local, remote, length) per block per tensor.
+    Built as DataDist builds them: tensor by tensor (K0, V0, K1, ..., or one per
+    layer with ``fused_kv``), blocks in the order given, one (local, remote,
+    length) per block per tensor.
     """
+    tensors = shape.tensors_per_layer * shape.layers
     tensor_bytes = np.uint64(shape.pool_tokens * shape.token_bytes)
     block = np.uint64(shape.block_bytes(block_size))
-    bases = np.arange(2 * shape.layers, dtype=np.uint64)[:, None] * tensor_bytes
-    descs = np.empty((2 * shape.layers, len(src), 3), dtype=np.uint64)
+    bases = np.arange(tensors, dtype=np.uint64)[:, None] * tensor_bytes
+    descs = np.empty((tensors, len(src), 3), dtype=np.uint64)
     descs[..., 0] = np.uint64(local_storage) + bases + np.asarray(dst, dtype=np.uint64)[None, :] * block
     descs[..., 1] = np.uint64(remote_storage) + bases + np.asarray(src, dtype=np.uint64)[None, :] * block
     descs[..., 2] = block
     return descs
 
 
-def issued_descriptors(descs: np.ndarray) -> tuple[int, int]:
+def issued_descriptors(descs: np.ndarray, tensors_per_layer: int = 2) -> tuple[int, int]:
     """How many descriptors the engine issues for :func:`pull_descriptors`: (sync, summed over async layers).
 
     The engine merges runs contiguous on both sides (:func:`merge_adjacent`);
     the sync pull is one transfer, the async one a transfer per layer.
     """
     sync = len(merge_adjacent(descs.reshape(-1, 3)))
-    layers = len(descs) // 2
-    per_layer = sum(len(merge_adjacent(descs[2 * i : 2 * i + 2].reshape(-1, 3))) for i in range(layers))
+    n = tensors_per_layer
+    per_layer = sum(len(merge_adjacent(descs[n * i : n * i + n].reshape(-1, 3))) for i in range(len(descs) // n))
     return sync, per_layer
 
 
@@ -177,8 +216,15 @@ class _DecodeSide:
     """The decode instance for one transport: linked to prefill, one blocks cache per block size."""
 
     def __init__(
-        self, transport: str, shape: KvShape, prefill: PrefillProcess, storage: np.ndarray, contiguous: np.ndarray
+        self,
+        scenario: str,
+        transport: str,
+        shape: KvShape,
+        prefill: PrefillProcess,
+        storage: np.ndarray,
+        contiguous: np.ndarray,
     ) -> None:
+        self.scenario = scenario
         self.transport = transport
         self.shape = shape
         self.prefill = prefill
@@ -202,7 +248,7 @@ class _DecodeSide:
             raise RuntimeError(f"asked for {self.transport}, linked over {engine.transport_of(peer)}")
         engine.register_mem(self.contiguous)
         for bs in shape.block_sizes:
-            desc = CacheDesc(2 * shape.layers, shape.tensor_shape(bs), DataType.DT_FLOAT16)
+            desc = CacheDesc(shape.tensors_per_layer * shape.layers, shape.tensor_shape(bs), DataType.DT_FLOAT16)
             self.caches[bs] = self.datadist.cache_manager.register_blocks_cache(desc, shape.tensors(self.storage, bs))
 
     def close(self) -> None:
@@ -245,18 +291,21 @@ class _Pull:
         self.descs = pull_descriptors(
             shape, bs, int(side.storage.ctypes.data), side.prefill.storage, self.src, self.dst
         )
+        self.per_layer = shape.tensors_per_layer
         self.laps: list[tuple[float, float]] = []
         """Per async pull: (first layer landed, last layer landed), seconds after the call."""
 
     # -- the contenders ----------------------------------------------------------------------
     def sync(self) -> None:
         """``pull_blocks``: every block of every layer, one call."""
-        self.manager.pull_blocks(self.key, self.cache, self.src_list, self.dst_list)
+        self.manager.pull_blocks(self.key, self.cache, self.src_list, self.dst_list, tensor_num_per_layer=self.per_layer)
 
     def async_(self) -> None:
         """``pull_blocks_async`` + ``synchronize``, recording when the first and last layers landed."""
         start = time.monotonic()  # the clock of CacheTask.landed_at
-        task = self.manager.pull_blocks_async(self.key, self.cache, self.src_list, self.dst_list)
+        task = self.manager.pull_blocks_async(
+            self.key, self.cache, self.src_list, self.dst_list, tensor_num_per_layer=self.per_layer
+        )
         task.synchronize()
         first, last = task.landed_at(task.layers[0]), task.landed_at(task.layers[-1])
         if first is None or last is None:
@@ -275,10 +324,11 @@ class _Pull:
         """
         shape, bs, transport = self.shape, self.bs, self.side.transport
         block_words = shape.block_bytes(bs) // 8
-        words = self.side.storage.view(np.uint64).reshape(shape.layers, 2, self.pool, block_words)
+        per_layer = shape.tensors_per_layer
+        words = self.side.storage.view(np.uint64).reshape(shape.layers, per_layer, self.pool, block_words)
         rng = np.random.default_rng(1000 + bs)
-        sample = [(0, 0, 0), (shape.layers - 1, 1, self.n - 1)] + [
-            (int(rng.integers(shape.layers)), int(rng.integers(2)), int(rng.integers(self.n)))
+        sample = [(0, 0, 0), (shape.layers - 1, per_layer - 1, self.n - 1)] + [
+            (int(rng.integers(shape.layers)), int(rng.integers(per_layer)), int(rng.integers(self.n)))
             for _ in range(SAMPLE_BLOCKS)
         ]
         for what, pull in (("pull_blocks", self.sync), ("pull_blocks_async", self.async_)):
@@ -290,7 +340,7 @@ class _Pull:
                 if not np.array_equal(words[layer, kv, self.dst[i]], expected):
                     raise RuntimeError(
                         f"kv self-check failed on {transport}, {bs}-token blocks: {what} left wrong bytes in layer "
-                        f"{layer} {'KV'[kv]} block {int(self.dst[i])} (prefill block {int(self.src[i])})"
+                        f"{layer} tensor {kv} block {int(self.dst[i])} (prefill block {int(self.src[i])})"
                     )
         flat = self.side.contiguous.view(np.uint64)
         spans = [0, len(flat) - block_words] + [
@@ -307,7 +357,7 @@ class _Pull:
     def rows(self, times: dict[str, list[int]], laps: list[tuple[float, float]]) -> list[Row]:
         """The rows of this block size from the contenders' times (ns) and the async pulls' laps."""
         shape, bs, nbytes = self.shape, self.bs, self.shape.prompt_bytes
-        sync_descs, async_descs = issued_descriptors(self.descs)
+        sync_descs, async_descs = issued_descriptors(self.descs, self.per_layer)
 
         def gib_per_s(name: str) -> float:
             return _gib_per_s(nbytes, median(times[name]))
@@ -319,7 +369,7 @@ class _Pull:
             size=nbytes,
             baseline=gib_per_s("contiguous"),
             baseline_name="1 contiguous transfer_sync",
-            scenario=SCENARIO,
+            scenario=self.side.scenario,
         )
         blocks = f"{self.n} of {self.pool} {format_size(shape.block_bytes(bs))} blocks per tensor, shuffled"
         out = [

@@ -8,6 +8,11 @@ block size is a *view* of it, so one storage serves every block size (the
 tensors of a view are ``storage[layer, k_or_v]`` reshaped to
 ``(pool_tokens // block_size, block_size, kv_heads, head_dim)``).
 
+With ``fused_kv`` it is vLLM's CPU layout instead: one tensor per layer,
+``(pool_blocks, kv_heads, block_size, 2 * head_dim)`` — K and V interleaved
+inside a block — so a block of a layer is one row twice as long, and the
+storage is ``(layers, 1, pool_tokens, kv_heads, 2 * head_dim)``.
+
 The prefill instance runs in a child process (``python -m
 hixl.bench._kv_prefill_main``, started through :class:`hixl._child.ChildProcess`
 like the engine scenario's target): an :class:`~hixl.datadist.LLMDataDist`
@@ -67,6 +72,7 @@ class KvShape:
     head_dim: int = 128
     block_sizes: tuple[int, ...] = (16, 32, 128)
     pool_factor: int = 2
+    fused_kv: bool = False
 
     itemsize = 2  # fp16
 
@@ -81,9 +87,19 @@ class KvShape:
                 raise ValueError(f"block size {bs} does not divide the prompt's {self.tokens} tokens")
 
     @property
+    def tensors_per_layer(self) -> int:
+        """2 (K, V), or 1 with ``fused_kv``."""
+        return 1 if self.fused_kv else 2
+
+    @property
+    def head_values(self) -> int:
+        """Values of one token and one head in one tensor: ``head_dim``, doubled with ``fused_kv``."""
+        return 2 * self.head_dim if self.fused_kv else self.head_dim
+
+    @property
     def token_bytes(self) -> int:
         """Bytes of one token in one tensor (all heads)."""
-        return self.kv_heads * self.head_dim * self.itemsize
+        return self.kv_heads * self.head_values * self.itemsize
 
     @property
     def pool_tokens(self) -> int:
@@ -93,12 +109,12 @@ class KvShape:
     @property
     def storage_shape(self) -> tuple[int, ...]:
         """Shape of one side's whole pool, fp16."""
-        return (self.layers, 2, self.pool_tokens, self.kv_heads, self.head_dim)
+        return (self.layers, self.tensors_per_layer, self.pool_tokens, self.kv_heads, self.head_values)
 
     @property
     def prompt_bytes(self) -> int:
         """Bytes of the prompt's KV: what one pull moves."""
-        return self.layers * 2 * self.tokens * self.token_bytes
+        return self.layers * self.tensors_per_layer * self.tokens * self.token_bytes
 
     def prompt_blocks(self, block_size: int) -> int:
         """Blocks the prompt occupies."""
@@ -113,18 +129,21 @@ class KvShape:
         return block_size * self.token_bytes
 
     def tensor_shape(self, block_size: int) -> tuple[int, int, int, int]:
-        """Shape of each K/V tensor at this block size."""
+        """Shape of each tensor at this block size (vLLM's CPU shape with ``fused_kv``)."""
+        if self.fused_kv:
+            return (self.pool_blocks(block_size), self.kv_heads, block_size, self.head_values)
         return (self.pool_blocks(block_size), block_size, self.kv_heads, self.head_dim)
 
     def tensors(self, storage: np.ndarray, block_size: int) -> list[np.ndarray]:
-        """The cache's tensors (K0, V0, K1, ...) as views of ``storage`` at this block size."""
-        blocks = storage.reshape(self.layers, 2, *self.tensor_shape(block_size))
-        return [blocks[layer, kv] for layer in range(self.layers) for kv in range(2)]
+        """The cache's tensors (K0, V0, K1, ... or one per layer) as views of ``storage`` at this block size."""
+        per_layer = self.tensors_per_layer
+        blocks = storage.reshape(self.layers, per_layer, *self.tensor_shape(block_size))
+        return [blocks[layer, kv] for layer in range(self.layers) for kv in range(per_layer)]
 
     def block_word(self, layer: int, kv: int, block: int, block_size: int) -> int:
-        """Index of the first 8-byte word of a block in the storage."""
+        """Index of the first 8-byte word of a block in the storage (``kv`` is 0 with ``fused_kv``)."""
         tensor_words = self.pool_tokens * self.token_bytes // 8
-        return (layer * 2 + kv) * tensor_words + block * self.block_bytes(block_size) // 8
+        return (layer * self.tensors_per_layer + kv) * tensor_words + block * self.block_bytes(block_size) // 8
 
 
 def pattern(start: int, count: int, salt: int) -> np.ndarray:
@@ -154,7 +173,7 @@ def _serve(conn: Connection) -> None:
     with LLMDataDist(LLMRole.PROMPT, PREFILL_CLUSTER) as datadist:
         datadist.init(LLMConfig(listen_ip_info="127.0.0.1:0"))
         for bs in shape.block_sizes:
-            desc = CacheDesc(2 * shape.layers, shape.tensor_shape(bs), DataType.DT_FLOAT16)
+            desc = CacheDesc(shape.tensors_per_layer * shape.layers, shape.tensor_shape(bs), DataType.DT_FLOAT16)
             datadist.cache_manager.register_blocks_cache(
                 desc, shape.tensors(storage, bs), BlocksCacheKey(PREFILL_CLUSTER, model_id=bs)
             )

@@ -7,7 +7,7 @@ ratio and target where one applies) plus notes. To add one, write a module
 with a ``run`` function and add it below; the CLI, table and JSON pick it up.
 Scenario-specific knobs can travel in ``BenchConfig.extra`` — as the ``kv``
 scenario's (:mod:`hixl.bench.kv_bench`, a KV cache on :mod:`hixl.datadist`)
-``kv_layers`` / ``kv_tokens`` / ``kv_block_sizes`` do.
+``kv_layers`` / ``kv_tokens`` / ``kv_block_sizes`` do (for ``kv-vllm`` too).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ Scenario = Callable[[BenchConfig, Progress], ScenarioResult]
 SCENARIOS: dict[str, Scenario] = {
     "engine": engine_bench.run,
     "kv": kv_bench.run,
+    "kv-vllm": kv_bench.run_vllm,
 }
 
 DEFAULT_SCENARIO = "engine"

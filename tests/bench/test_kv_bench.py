@@ -204,3 +204,40 @@ def test_self_check_refuses_to_time_a_broken_pull(monkeypatch: pytest.MonkeyPatc
     config = BenchConfig(transports=("tcp",), repeat=1, quick=True)
     with pytest.raises(RuntimeError, match="kv self-check failed on tcp, 16-token blocks: pull_blocks left wrong"):
         kv_bench.run(config, Progress(enabled=False))
+
+
+# -- the kv-vllm scenario: vLLM's CPU layout -------------------------------------------------------
+VLLM_QUICK = kv_bench.VLLM_QUICK_SHAPE
+
+
+def test_vllm_scenario_rows_and_targets(tmp_path: Any) -> None:
+    path = tmp_path / "vllm.json"
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["--scenario", "kv-vllm", "--quick", "--transport", "tcp", "--no-progress", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["scenarios"] == ["kv-vllm"]
+    (bs,) = VLLM_QUICK.block_sizes
+    assert bs == 32 and VLLM_QUICK.fused_kv
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert set(rows) == {f"pull_blocks bs={bs}", f"pull_async bs={bs}", f"first layer bs={bs}"}
+    assert all(r["scenario"] == "kv-vllm" and r["size"] == VLLM_QUICK.prompt_bytes for r in rows.values())
+    assert rows[f"pull_blocks bs={bs}"]["target"]["text"] == ">=0.9x"
+    assert rows[f"first layer bs={bs}"]["target"]["text"] == "<=1.5x"
+    # One tensor per layer: one descriptor per block per layer, (next to) none merged.
+    issued = int(rows[f"pull_blocks bs={bs}"]["note"].split(" descriptors issued")[0].rsplit(" ", 1)[1])
+    assert 0.9 * VLLM_QUICK.layers * VLLM_QUICK.prompt_blocks(bs) <= issued <= VLLM_QUICK.layers * VLLM_QUICK.prompt_blocks(bs)
+    assert "K|V fused per layer (vLLM CPU)" in out.getvalue()
+
+
+def test_vllm_shape_is_llama3_8b_in_vllm_cpu_layout() -> None:
+    shape = kv_bench.shape_of(_config("--scenario", "kv-vllm"), "kv-vllm")
+    assert (shape.layers, shape.kv_heads, shape.head_dim, shape.block_sizes, shape.tokens) == (32, 8, 128, (32,), 4096)
+    assert shape.tensor_shape(32) == (shape.pool_blocks(32), 8, 32, 256)  # [blocks, kv heads, block, 2 * head]
+    assert shape.prompt_bytes == 512 << 20
+    storage = empty(VLLM_QUICK.storage_shape, np.float16)
+    fill_pattern(storage, POOL_SALT)
+    tensors = VLLM_QUICK.tensors(storage, 32)
+    assert len(tensors) == VLLM_QUICK.layers and tensors[0].shape == VLLM_QUICK.tensor_shape(32)
+    for layer, block in ((0, 0), (3, VLLM_QUICK.pool_blocks(32) - 1), (2, 5)):
+        got = tensors[layer][block].view(np.uint64).reshape(-1)
+        assert np.array_equal(got, pattern(VLLM_QUICK.block_word(layer, 0, block, 32), len(got), POOL_SALT))

@@ -292,3 +292,32 @@ def test_layer_failure_is_reported_by_wait_layer(transport, remote, local, make_
         task.synchronize()
     assert info.value.status_code is LLMStatusCode.TIMEOUT
     assert task.status is LLMStatusCode.TIMEOUT
+
+
+def test_pull_async_vllm_cpu_layout(remote, local, make_remote, make_local):
+    """vLLM's CPU KV cache: one torch tensor per layer ``[blocks, kv heads, block size, 2 * head]``
+    (K and V interleaved inside a block), all views of one storage; blocks pulled by id into
+    *different* ids, layer by layer, with ``tensor_num_per_layer=1`` — what hixl.vllm does."""
+    pytest.importorskip("torch")
+    desc = CacheDesc(LAYERS, (BLOCKS, 2, 32, 2 * 16), DataType.DT_FLOAT16)
+    key = new_blocks_key()
+    name = make_remote(desc, key, seed=31)
+    mine = make_local(desc, lib="torch", layout="shared")
+    held = remote.read(name)
+    src, dst = [4, 9, 2], [0, 11, 7]
+    task = local.cache_manager.pull_blocks_async(key, mine.cache, src, dst, tensor_num_per_layer=1, req_id=77)
+    for layer in range(LAYERS):
+        task.wait_layer(layer)
+        np.testing.assert_array_equal(mine.storage.numpy()[layer, dst], held[layer, src])
+    task.synchronize()
+    untouched = [b for b in range(BLOCKS) if b not in dst]
+    assert not mine.storage[:, untouched].any()
+    # Prefill may now free its blocks. (Polled: whether the notification is sent as the last
+    # layer lands or by synchronize, it travels on its own.)
+    import time
+
+    seen: list[TransferDone] = []
+    deadline = time.monotonic() + 10
+    while TransferDone(LOCAL_ID, 77, "pull") not in seen:
+        assert time.monotonic() < deadline, seen
+        seen += remote.completed_requests()

@@ -1,0 +1,72 @@
+"""The connector's settings, read from ``kv_transfer_config.kv_connector_extra_config``.
+
+Every key is optional: one prefill and one decode instance on one host need
+none (the DataDist port is picked by the OS, the cluster id at random).
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["ConnectorConfig", "LoadMode"]
+
+
+class LoadMode(enum.Enum):
+    """How decode pulls a request's blocks within the step that needs them."""
+
+    LAYERWISE = "layerwise"  # one request per layer; each attention layer waits only for its own
+    SYNC = "sync"  # every layer in one transfer, finished before the forward starts
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Settings of one :class:`~hixl.vllm.HixlConnector` (all keys of the extra config are optional).
+
+    ``host``: the address prefill's DataDist listens on and tells decode about
+    (another host's decode needs a routable one); ``port``: 0 picks a free one;
+    ``cluster_id``: this instance's DataDist cluster id (random by default);
+    ``load_mode``: ``"layerwise"`` or ``"sync"``; ``transfer_timeout``: seconds
+    a pull may take before the request's load fails; ``release_timeout``:
+    seconds prefill keeps a finished request's blocks for a decode that never
+    reports it pulled them; ``transport``: ``"auto"``, ``"cma"`` or ``"tcp"``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    cluster_id: int = 0
+    load_mode: LoadMode = LoadMode.LAYERWISE
+    transfer_timeout: float = 30.0
+    release_timeout: float = 120.0
+    transport: str = "auto"
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Build from ``kv_connector_extra_config``; unknown keys and bad values raise ``ValueError``."""
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"unknown hixl connector settings {unknown}; known: {sorted(known)}")
+        try:
+            config = cls(
+                host=str(extra.get("host", cls.host)),
+                port=int(extra.get("port", cls.port)),
+                # Random rather than fixed: two instances must never share an id, and
+                # nothing has to be configured for the common case.
+                cluster_id=int(extra.get("cluster_id", 1 + secrets.randbelow(2**31 - 1))),
+                load_mode=LoadMode(extra.get("load_mode", LoadMode.LAYERWISE.value)),
+                transfer_timeout=float(extra.get("transfer_timeout", cls.transfer_timeout)),
+                release_timeout=float(extra.get("release_timeout", cls.release_timeout)),
+                transport=str(extra.get("transport", cls.transport)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad hixl connector setting: {exc}") from exc
+        if not 0 <= config.port < 65536 or config.cluster_id < 0:
+            raise ValueError(f"bad hixl connector port {config.port} or cluster id {config.cluster_id}")
+        if config.transfer_timeout <= 0 or config.release_timeout <= 0:
+            raise ValueError("hixl connector timeouts must be positive")
+        return config

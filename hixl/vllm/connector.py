@@ -1,0 +1,138 @@
+"""``HixlConnector``: vLLM's KV-connector interface (v1, as in vLLM 0.32), on hixl's DataDist.
+
+vLLM builds one connector in its scheduler and one in each worker, with a
+role; each half delegates to :class:`~._scheduler.SchedulerSide` or
+:class:`~._worker.WorkerSide`. The scheduler half learns the worker's DataDist
+address through vLLM's handshake metadata (``get_handshake_metadata`` ->
+``set_xfer_handshake_metadata``), so no port has to be configured.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ._config import ConnectorConfig
+from ._params import Endpoint, StepMetadata
+from ._scheduler import SchedulerSide
+from ._worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["HixlConnector"]
+
+
+class HixlConnector(KVConnectorBase_V1):
+    """Prefill/decode KV transfer over hixl; load it with ``kv_connector_module_path="hixl.vllm"``.
+
+    Settings come from ``kv_connector_extra_config`` (see
+    :class:`~hixl.vllm.ConnectorConfig`); none are required.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("the hixl connector supports one worker per instance (TP=1, PP=1)")
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config.cache_config.block_size)
+        else:
+            self._worker = WorkerSide(
+                self.config, transfer.is_kv_producer, transfer.is_kv_consumer, kv_cache_config.num_blocks
+            )
+
+    @property
+    def scheduler(self) -> SchedulerSide:
+        """The scheduler half (only in the scheduler's connector)."""
+        assert self._scheduler is not None, "not the scheduler's connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerSide:
+        """The worker half (only in a worker's connector)."""
+        assert self._worker is not None, "not a worker's connector"
+        return self._worker
+
+    # -- worker side -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register vLLM's KV tensors with DataDist, once."""
+        self.worker.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """This worker's DataDist endpoint, for its scheduler (None if it only pulls)."""
+        return self.worker.endpoint()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Take this step's orders: hold finished requests' blocks, start pulls."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        self.worker.hold(meta.sends)
+        self.worker.start(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return once this layer's KV has landed (at once for a sync load)."""
+        self.worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """Nothing: decode pulls, prefill never pushes."""
+
+    def wait_for_save(self) -> None:
+        """End of the step: settle its pulls."""
+        self.worker.end_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose blocks prefill may free (pulls finish within their step: nothing to report)."""
+        return self.worker.released() or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose pull failed this step: vLLM fails or recomputes their requests."""
+        return self.worker.take_failed_blocks()
+
+    def loading_block_ids(self) -> list[int]:
+        """Local block ids this step's pulls write into."""
+        return self.worker.loading_blocks()
+
+    def shutdown(self) -> None:
+        """Finalize the worker's DataDist."""
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- scheduler side ----------------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Learn the worker's DataDist endpoint (TP rank 0; there is only one)."""
+        endpoint = metadata.get(0)
+        if isinstance(endpoint, Endpoint):
+            self.scheduler.endpoint = endpoint
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Prompt tokens decode takes from prefill; loaded within the step (not async)."""
+        return self.scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Queue the pull into the blocks vLLM just allocated."""
+        self.scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's orders for the worker."""
+        return self.scheduler.build_metadata()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Keep a prefilled request's blocks for decode and return where to find them."""
+        return self.scheduler.finished(request, block_ids)

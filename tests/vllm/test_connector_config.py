@@ -1,0 +1,48 @@
+"""The connector's settings and its ``kv_transfer_params``: parsing, defaults, refusals (no engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+# Not just "vllm": where vLLM is missing, this folder itself would import under that name.
+pytest.importorskip("vllm.distributed.kv_transfer")
+
+import hixl.vllm  # noqa: E402
+from hixl.vllm import ConnectorConfig, LoadMode  # noqa: E402
+from hixl.vllm._params import Endpoint, RemotePrefill  # noqa: E402
+
+
+def test_public_surface() -> None:
+    assert sorted(hixl.vllm.__all__) == ["ConnectorConfig", "HixlConnector", "LoadMode"]
+    assert hixl.vllm.HixlConnector.__name__ == "HixlConnector"  # the name vLLM looks up in the module
+
+
+def test_defaults_need_no_settings() -> None:
+    a, b = ConnectorConfig.from_extra({}), ConnectorConfig.from_extra(None)
+    assert (a.host, a.port, a.load_mode, a.transport) == ("127.0.0.1", 0, LoadMode.LAYERWISE, "auto")
+    assert a.cluster_id > 0 and a.cluster_id != b.cluster_id  # random: two instances never share one
+
+
+def test_settings_are_parsed_and_checked() -> None:
+    config = ConnectorConfig.from_extra({"load_mode": "sync", "port": "5000", "release_timeout": 3, "cluster_id": 9})
+    assert (config.load_mode, config.port, config.release_timeout, config.cluster_id) == (LoadMode.SYNC, 5000, 3.0, 9)
+    for bad in ({"load_mod": "sync"}, {"load_mode": "eager"}, {"port": 70000}, {"transfer_timeout": 0}, {"port": "x"}):
+        with pytest.raises(ValueError):
+            ConnectorConfig.from_extra(bad)
+
+
+def test_transfer_params_are_plain_json_and_round_trip() -> None:
+    remote = RemotePrefill(Endpoint("127.0.0.1:4242", 17), 3, [5, 9, 2], 70, "req-1")
+    params = json.loads(json.dumps(remote.to_params()))
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert RemotePrefill.from_params(params) == remote
+
+
+@pytest.mark.parametrize(
+    "params",
+    [None, {}, {"do_remote_decode": True}, {"do_remote_prefill": True}, {"do_remote_prefill": True, "remote_engine": "x"}],
+)
+def test_params_without_a_whole_remote_prefill_load_nothing(params: dict | None) -> None:
+    assert RemotePrefill.from_params(params) is None

@@ -1,0 +1,165 @@
+"""The connector in real vLLM engines: offline ``vllm.LLM`` instances in separate processes.
+
+One prefill instance (kv_producer), decode instances (kv_consumer: layer-wise
+with the default settings, synchronous with the ``recompute`` failure policy,
+and one with a connector that misbehaves on demand) and a plain single-instance
+reference, all on the same tiny random-weight Llama. Every prompt's decode
+tokens must equal the reference's, and vLLM must report that decode took all
+but the last prompt token from the connector rather than computing them —
+matching tokens alone would also come from a connector that moves nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Not just "vllm": where vLLM is missing, this folder itself would import under that name.
+pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("transformers")
+
+from instances import Instance  # noqa: E402
+from tiny_model import BLOCK_SIZE, build, words  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+# Prompt lengths with BOS: 2 (one token to load), 20 (part of a block), 33 (a block and
+# one token), 64 (exactly two blocks), 100 (three blocks and part of a fourth).
+PROMPTS = [words(1, 5), words(19, 1), words(32, 4), words(63, 2), words(99, 3)]
+MAX_TOKENS = 12
+RELEASE_TIMEOUT = 15.0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.fixture(scope="module")
+def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fault") / "fault"
+
+
+@pytest.fixture(scope="module")
+def vllms(tmp_path_factory: pytest.TempPathFactory, fault_file: Path) -> Iterator[dict[str, Instance]]:
+    """Every instance of this module, started together (each takes tens of seconds to start)."""
+    model = build(tmp_path_factory.mktemp("model"))
+    logs = tmp_path_factory.mktemp("logs")
+    specs: dict[str, tuple[str, int, dict[str, Any]]] = {
+        # Prefill's engine steps on its own while it holds blocks: give it a core of its own.
+        "prefill": ("prefill", 0, {"release_timeout": RELEASE_TIMEOUT}),
+        "decode": ("decode", 1, {}),  # every default: layer-wise, fail on load errors
+        "decode_sync": ("decode", 1, {"load_mode": "sync", "kv_load_failure_policy": "recompute"}),
+        "faulty": ("decode", 1, {"connector": "FaultyConnector", "module": "faulty_connector", "fault_file": str(fault_file)}),
+        "reference": ("reference", 1, {}),
+    }
+    started = {name: Instance(role, model, logs / f"{name}.log", cpu, settings) for name, (role, cpu, settings) in specs.items()}
+    try:
+        for instance in started.values():
+            instance.wait_ready()
+        print("\nvLLM start-up (all five starting at once):", {n: round(i.startup_s or 0, 1) for n, i in started.items()})
+        yield started
+    finally:
+        for instance in started.values():
+            instance.close()
+
+
+@pytest.fixture(scope="module")
+def reference(vllms: dict[str, Instance]) -> list[dict[str, Any]]:
+    return vllms["reference"].generate(PROMPTS, MAX_TOKENS)
+
+
+def prefill(vllms: dict[str, Instance], prompts: list[str] = PROMPTS) -> list[dict[str, Any]]:
+    """Prefill ``prompts`` for remote decode; returns the kv_transfer_params decode needs."""
+    outs = vllms["prefill"].generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    params = [o["kv_transfer_params"] for o in outs]
+    for p in params:
+        # vLLM reports prefill's own cache hits through this key as decode's cached tokens;
+        # without it, decode's count is what *it* did not compute: the connector's tokens.
+        p.pop("remote_prefill_cached_tokens", None)
+    return params
+
+
+def assert_loaded_externally(decode: Instance, outs: list[dict[str, Any]], params: list[dict[str, Any]]) -> None:
+    """vLLM counted all but the last prompt token as loaded, and the connector pulled their blocks."""
+    for out, p in zip(outs, params):
+        assert out["num_cached_tokens"] == out["prompt_tokens"] - 1, out
+        line = decode.wait_for_log(rf"hixl: pulled request \S+: (\d+) blocks.*\n", 5)
+        assert line  # the pull was logged (per-request figures, see the closing note)
+        assert len(p["remote_block_ids"]) == _cdiv(out["prompt_tokens"], BLOCK_SIZE)
+
+
+def test_prefill_returns_plain_json_params(vllms: dict[str, Instance]) -> None:
+    import json
+
+    (params,) = prefill(vllms, PROMPTS[4:])
+    assert json.loads(json.dumps(params)) == params
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    host, port = params["remote_engine"].rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0  # picked by the OS: nothing configured
+    assert params["remote_num_tokens"] == 100 and len(params["remote_block_ids"]) == 4
+
+
+@pytest.mark.parametrize("decode_name", ["decode", "decode_sync"])
+def test_decode_tokens_equal_reference(vllms: dict[str, Instance], reference: list[dict[str, Any]], decode_name: str) -> None:
+    decode = vllms[decode_name]
+    params = prefill(vllms)
+    outs = decode.generate(PROMPTS, MAX_TOKENS, params)
+    assert [o["token_ids"] for o in outs] == [r["token_ids"] for r in reference]
+    assert all(len(o["token_ids"]) == MAX_TOKENS for o in outs)
+    for out, p in zip(outs, params):
+        assert out["num_cached_tokens"] == out["prompt_tokens"] - 1, out  # all but the last from prefill
+        assert len(p["remote_block_ids"]) == _cdiv(out["prompt_tokens"], BLOCK_SIZE)
+    pulls = re.findall(r"hixl: pulled request (\S+): (\d+) blocks, .* in ([\d.]+) ms \((\w+)\), first layer usable after ([\d.]+) ms", decode.log())
+    mode = "sync" if decode_name == "decode_sync" else "layerwise"
+    mine = [p for p in pulls if p[3] == mode][-len(PROMPTS) :]
+    assert sorted(int(p[1]) for p in mine) == sorted(_cdiv(o["prompt_tokens"] - 1, BLOCK_SIZE) for o in outs)
+    print(f"\n{decode_name} pulls (request, blocks, total ms, mode, first layer ms):", mine)
+    # Prefill frees each request's blocks once decode reports it pulled them, well before the timeout.
+    for p in params:
+        vllms["prefill"].wait_for_log(rf"request {re.escape(p['remote_request_id'])} was pulled by decode", RELEASE_TIMEOUT / 2)
+
+
+def test_zeroed_kv_gives_different_tokens(vllms: dict[str, Instance], reference: list[dict[str, Any]], fault_file: Path) -> None:
+    """The control: the same pull, then the pulled blocks zeroed — so the pulled KV is what made tokens match."""
+    fault_file.write_text("zeros")
+    params = prefill(vllms)
+    outs = vllms["faulty"].generate(PROMPTS, MAX_TOKENS, params)
+    fault_file.write_text("")
+    for out, ref in zip(outs, reference):
+        assert out["num_cached_tokens"] == out["prompt_tokens"] - 1  # it did take them from the connector
+        assert out["token_ids"] != ref["token_ids"]
+
+
+def test_failed_pull_fails_the_request(vllms: dict[str, Instance]) -> None:
+    """A pull that cannot happen (nobody at that address) fails that request, promptly, under policy=fail."""
+    (params,) = prefill(vllms, PROMPTS[1:2])
+    dead = dict(params, remote_engine="127.0.0.1:1", remote_cluster_id=7)
+    (out,) = vllms["decode"].generate(PROMPTS[1:2], MAX_TOKENS, [dead])
+    assert len(out["token_ids"]) < MAX_TOKENS
+    vllms["decode"].wait_for_log(r"hixl: pull of request \S+ failed", 5)
+
+
+def test_failed_pull_recomputes_under_recompute_policy(vllms: dict[str, Instance], reference: list[dict[str, Any]]) -> None:
+    (params,) = prefill(vllms, PROMPTS[4:])
+    dead = dict(params, remote_engine="127.0.0.1:1", remote_cluster_id=7)
+    (out,) = vllms["decode_sync"].generate(PROMPTS[4:], MAX_TOKENS, [dead])
+    assert out["token_ids"] == reference[4]["token_ids"]
+
+
+def test_decode_dying_mid_pull_leaves_prefill_healthy(vllms: dict[str, Instance], reference: list[dict[str, Any]], fault_file: Path) -> None:
+    """Decode is SIGKILLed inside a layer-wise pull; prefill frees those blocks after the timeout and serves on."""
+    params = prefill(vllms, PROMPTS[3:])
+    fault_file.write_text("die")
+    with pytest.raises(RuntimeError, match="exited"):
+        vllms["faulty"].generate(PROMPTS[3:], MAX_TOKENS, params)
+    for p in params:
+        vllms["prefill"].wait_for_log(
+            rf"request {re.escape(p['remote_request_id'])} was not pulled within", RELEASE_TIMEOUT + 10
+        )
+    again = prefill(vllms, PROMPTS[3:])
+    outs = vllms["decode"].generate(PROMPTS[3:], MAX_TOKENS, again)
+    assert [o["token_ids"] for o in outs] == [r["token_ids"] for r in reference[3:]]
