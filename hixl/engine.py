@@ -256,7 +256,8 @@ class Engine:
 
         A refused connection (the target not listening yet) is retried until
         ``timeout`` (default: the ``connect_timeout`` option) unless the
-        ``connect_fail_fast`` option is set. Raises :class:`ParamInvalid` for a
+        ``connect_fail_fast`` option is set. Connecting again to a peer whose link broke
+        replaces that link. Raises :class:`ParamInvalid` for a
         malformed address or for this engine itself, :class:`AlreadyConnected`,
         :class:`NotConnected` if nobody answers, :class:`AuthenticationFailed` if
         either side fails the shared-secret proof, :class:`HixlTimeout` if the
@@ -274,9 +275,14 @@ class Engine:
         if timeout <= 0:
             raise ParamInvalid(f"timeout must be positive, not {timeout}")
         with self._peers_lock:
-            if name in self._peers:
+            stale = self._peers.get(name)
+            if name in self._peers and (stale is None or stale.link.state is LinkState.CONNECTED):
                 raise AlreadyConnected(f"already connected to {name}")
             self._peers[name] = None  # type: ignore[assignment]  # reserve the name
+        if stale is not None:
+            # The link broke (the peer died, or restarted): a new connection is a new peer —
+            # its incarnation, regions and everything learned from the old one start afresh.
+            stale.close()
         try:
             peer = self._open_peer(name, host, port, timeout)
         except BaseException:
