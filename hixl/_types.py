@@ -90,12 +90,12 @@ class NotifyDesc:
     ``sender`` is filled in on receipt: it names the authenticated connection the
     notification came on — the same for every notification on that connection,
     different for any other (another peer, or the same peer connected again). It is
-    not compared: ``NotifyDesc("a", "b")`` equals what arrives for it.
+    neither compared nor shown: ``NotifyDesc("a", "b")`` equals what arrives for it.
     """
 
     name: str
     msg: str
-    sender: str = field(default="", compare=False)
+    sender: str = field(default="", compare=False, repr=False)
 
 
 @dataclass(frozen=True)
