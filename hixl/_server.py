@@ -250,9 +250,8 @@ class TargetServer:
         deadline = time.monotonic() + timeout
         table = self.registry.table
         with self._lock:
-            peers = [c for c in self._connections if c.id]
-        for conn in peers:
-            conn.send_revoke(generation, table, deadline)
+            connections = list(self._connections)
+        peers = [conn for conn in connections if conn.send_revoke(generation, table, deadline)]
         with self._acks:
             self._acks.wait_for(
                 lambda: all(c.acked >= generation or c.wire.dead_reason for c in peers),
@@ -320,6 +319,7 @@ class _ServedConnection:
         """This connection's identity once open: the peer's engine id and a serial."""
         self.acked = 0
         """The newest registration generation the peer confirmed (REVOKED)."""
+        self._welcome_gate = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"hixl-serve-{peer}", daemon=True)
         self._regions_dirty = False
 
@@ -336,12 +336,17 @@ class _ServedConnection:
         """Hold ``descs`` ((N, 2): addr, len) of this engine's memory while a request uses them."""
         return self.server.holds.hold(self, descs)
 
-    def send_revoke(self, generation: int, table: RemoteRegions, deadline: float) -> None:
-        """Tell the peer the registrations of ``generation``; a peer we cannot tell is cut off."""
-        try:
-            self.wire.send(proto.Revoke(generation, table.rows), deadline=deadline)
-        except (HixlError, OSError) as exc:
-            self.wire.mark_dead(f"could not be told of a deregistration: {exc}")
+    def send_revoke(self, generation: int, table: RemoteRegions, deadline: float) -> bool:
+        """Tell an open peer the registrations of ``generation``; False if it is not open yet
+        (its WELCOME, still to come, names them). A peer we cannot tell is cut off."""
+        with self._welcome_gate:
+            if not self.id:
+                return False
+            try:
+                self.wire.send(proto.Revoke(generation, table.rows), deadline=deadline)
+            except (HixlError, OSError) as exc:
+                self.wire.mark_dead(f"could not be told of a deregistration: {exc}")
+        return True
 
     def local_deadline(self, deadline_us: int) -> float:
         """A carried deadline in ``time.monotonic()`` seconds, capped by ``request_time_cap``."""
@@ -397,11 +402,13 @@ class _ServedConnection:
                 log.warning("hixl: refused %s: %s", wire.peer, exc)
                 _send_fatal(wire, Status.AUTH_FAILED, "authentication failed")
                 return False
-            with wire.conn_lock:
-                frame = conn.welcome(self.server.welcome_info(self))
-            wire.send_raw(frame, deadline)
-            # Open from here: deregistrations tell it (its WELCOME named the generation it saw).
-            self.id = f"{conn.peer_info.get('engine_id', '?')}/{next(_serials)}"
+            # Under the gate: a deregistration either comes before the WELCOME is made (which
+            # then lists what is left) or waits for it to be sent, and sends its REVOKE after.
+            with self._welcome_gate:
+                with wire.conn_lock:
+                    frame = conn.welcome(self.server.welcome_info(self))
+                wire.send_raw(frame, deadline)
+                self.id = f"{conn.peer_info.get('engine_id', '?')}/{next(_serials)}"
         except TransferTimeout:
             log.warning("hixl: dropped %s: no complete handshake within %.1f s", wire.peer, self.server.limits.handshake_timeout)
             return False
