@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -63,10 +63,12 @@ class ChildProcess:
     """Start ``python -m module``; :meth:`request` sends a message and waits for the reply.
 
     ``prefix`` is a command that execs the rest (``["ip", "netns", "exec", "ns1"]``: the child
-    runs in another network namespace, with the same pid).
+    runs in another network namespace, with the same pid). ``env`` adds to the environment it inherits.
     """
 
-    def __init__(self, module: str, timeout: float = 30.0, prefix: Sequence[str] = ()) -> None:
+    def __init__(
+        self, module: str, timeout: float = 30.0, prefix: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> None:
         self.timeout = timeout
         ours, theirs = socket.socketpair()
         # The child must import the same hixl as the parent, installed or not.
@@ -75,7 +77,7 @@ class ChildProcess:
             self.process = subprocess.Popen(
                 [*prefix, sys.executable, "-m", module, str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
-                env={**os.environ, "PYTHONPATH": path},
+                env={**os.environ, **(env or {}), "PYTHONPATH": path},
             )
             self.conn = Connection(ours.detach())
 

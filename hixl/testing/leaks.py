@@ -1,0 +1,96 @@
+"""What a process holds that an engine could leak: threads, file descriptors, memory mappings.
+
+Take a :class:`Snapshot` before the engine starts and compare one taken after
+``finalize()`` with :meth:`Snapshot.leaked_since`. Mappings that the
+interpreter or the C library keep on their own (shared libraries loaded on
+first use, the heap, small allocator arenas, freed thread stacks glibc caches)
+are not an engine's leak, so only *anonymous or memfd* mappings count (what
+``hixl.empty`` and the cma generation page are), less Python's 1 MiB object
+arenas, told apart by their size. Run
+the process with :data:`QUIET_MALLOC_ENV` so that glibc neither caches thread
+stacks nor keeps per-thread arenas, which would otherwise look like leaks;
+the one stack glibc keeps of the last thread that exited is recognised by its
+guard page, and threads are counted by the kernel instead.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+__all__ = ["QUIET_MALLOC_ENV", "Snapshot"]
+
+QUIET_MALLOC_ENV = {"GLIBC_TUNABLES": "glibc.pthread.stack_cache_size=0:glibc.malloc.arena_max=1"}
+"""Environment for a child whose mappings are checked: freed thread stacks are unmapped at once."""
+
+# Python's object allocator maps 1 MiB arenas (256 KiB before 3.10) and keeps
+# those that still hold a live object; they are neither hixl's nor a leak.
+_PYTHON_ARENA = 1 << 20
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _maps() -> frozenset[tuple[int, int, str]]:
+    rows = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            rows.append((start, end, fields[1], fields[5].strip() if len(fields) > 5 else ""))
+    found = set()
+    for i, (start, end, perms, path) in enumerate(rows):
+        if path and not path.startswith("/memfd:"):
+            continue  # a file mapping (a shared library) or [heap] / [stack] / [vvar]
+        if perms.startswith("---") or end - start == _PYTHON_ARENA:
+            continue  # a guard page, or an arena of Python's allocator
+        previous = rows[i - 1] if i else None
+        if previous and previous[1] == start and previous[1] - previous[0] == _PAGE and previous[2].startswith("---"):
+            # A thread stack below its guard page: Python's threads are detached, so
+            # glibc keeps the last one that exited mapped for reuse. Threads are
+            # counted (in /proc/self/task) instead.
+            continue
+        found.add((start, end, path))
+    return frozenset(found)
+
+
+def _fds() -> frozenset[str]:
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            pass  # the listing's own descriptor, closed already
+    return frozenset(fds)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Threads, open file descriptors and anonymous mappings of this process at one moment."""
+
+    threads: frozenset[str]
+    tasks: int
+    fds: frozenset[str]
+    maps: frozenset[tuple[int, int, str]]
+
+    @classmethod
+    def take(cls, settle: float = 0.0, than: Snapshot | None = None) -> Snapshot:
+        """What this process holds now.
+
+        With ``than``: wait up to ``settle`` seconds for the OS threads to be as
+        few as in ``than`` (a Python thread that was joined may still be exiting).
+        """
+        deadline = time.monotonic() + settle
+        while than is not None and len(os.listdir("/proc/self/task")) > than.tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        names = frozenset(f"{t.name}#{t.ident}" for t in threading.enumerate())
+        return cls(names, len(os.listdir("/proc/self/task")), _fds(), _maps())
+
+    def leaked_since(self, before: Snapshot) -> dict[str, list[str]]:
+        """What this snapshot holds that ``before`` did not, by kind (``threads``, ``tasks``, ``fds``, ``maps``)."""
+        return {
+            "threads": sorted(self.threads - before.threads),
+            "tasks": [f"{self.tasks - before.tasks} more OS threads"] if self.tasks > before.tasks else [],
+            "fds": sorted(self.fds - before.fds),
+            "maps": [f"{s:#x}-{e:#x} {p}".rstrip() for s, e, p in sorted(self.maps - before.maps)],
+        }
