@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from .. import _plot
-from . import kv_bench
+from . import kv_bench, soak_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
 from .progress import Progress
 from .report import failed, format_table, summary, to_json, write_json
@@ -41,6 +41,16 @@ first layer lands with pull_blocks_async. --scenario kv-vllm does the same on
 vLLM's CPU layout (one tensor per layer, K and V interleaved in each block) at
 a Llama-3-8B shape (32 layers, 8 KV heads x 128, fp16, 4096 tokens: 512 MiB),
 32-token blocks.
+
+--scenario soak runs the soak test for --duration seconds (default 60;
+--quick: 5): --targets processes register and deregister memory under
+--initiators processes that each keep --concurrency async READs and WRITEs of
+random sizes and layouts in flight (initiators alternate over --transport), a
+DataDist pair pulls and pushes alongside, and every --fault-interval seconds on
+average one process is SIGKILLed and restarted. Every completed transfer is
+verified, every byte that was not registered is checked untouched, and the
+survivors are checked for leaked threads, fds and mappings: corrupted bytes
+and leaks must be 0.
 """
 
 
@@ -69,6 +79,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
     return value
 
 
@@ -120,6 +140,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="N[,N]",
         help="kv: tokens per block, each dividing --tokens (default: 16,32,128; --quick: 16)",
     )
+    parser.add_argument("--duration", type=_positive_float, metavar="S", help="soak: seconds (default: 60; --quick: 5)")
+    parser.add_argument("--targets", type=_positive_int, metavar="N", help="soak: target processes (default: 2)")
+    parser.add_argument("--initiators", type=_positive_int, metavar="N", help="soak: initiator processes (default: 4)")
+    parser.add_argument(
+        "--concurrency", type=_positive_int, metavar="N", help="soak: requests in flight per initiator (default: 16)"
+    )
+    parser.add_argument(
+        "--fault-interval",
+        type=_positive_float,
+        metavar="S",
+        help="soak: mean seconds between SIGKILLs (default: 2)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -161,8 +193,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         config = replace(config, iterations=args.iterations)
     if args.max_size is not None:
         config = config.capped(args.max_size)
-    kv = {"kv_layers": args.layers, "kv_tokens": args.tokens, "kv_block_sizes": args.block_sizes}
-    config = replace(config, extra={**config.extra, **{k: v for k, v in kv.items() if v is not None}})
+    knobs = {
+        "kv_layers": args.layers,
+        "kv_tokens": args.tokens,
+        "kv_block_sizes": args.block_sizes,
+        "soak_duration": args.duration,
+        "soak_targets": args.targets,
+        "soak_initiators": args.initiators,
+        "soak_concurrency": args.concurrency,
+        "soak_fault_interval": args.fault_interval,
+    }
+    config = replace(config, extra={**config.extra, **{k: v for k, v in knobs.items() if v is not None}})
     return config
 
 
@@ -171,7 +212,10 @@ def _header(config: BenchConfig, scenarios: tuple[str, ...]) -> str:
     if "engine" in scenarios:
         parts.append(f"sizes {format_size(min(config.sizes))}..{format_size(max(config.sizes))}")
     parts += [kv_bench.describe(config, name) for name in scenarios if name in kv_bench.PRESETS]
-    parts.append(f"median of {config.repeat} (+{config.warmup} warm-up)")
+    if "soak" in scenarios:
+        parts.append(soak_bench.describe(config))
+    if set(scenarios) - {"soak"}:
+        parts.append(f"median of {config.repeat} (+{config.warmup} warm-up)")
     if "engine" in scenarios:
         parts.append(f"latency over {config.iterations} calls")
     parts.append(f"{os.cpu_count()} CPUs")

@@ -7,14 +7,15 @@ ratio and target where one applies) plus notes. To add one, write a module
 with a ``run`` function and add it below; the CLI, table and JSON pick it up.
 Scenario-specific knobs can travel in ``BenchConfig.extra`` — as the ``kv``
 scenario's (:mod:`hixl.bench.kv_bench`, a KV cache on :mod:`hixl.datadist`)
-``kv_layers`` / ``kv_tokens`` / ``kv_block_sizes`` do (for ``kv-vllm`` too).
+``kv_layers`` / ``kv_tokens`` / ``kv_block_sizes`` do (for ``kv-vllm`` too), and
+the ``soak`` scenario's ``soak_*`` (:mod:`hixl.bench.soak_bench`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import engine_bench, kv_bench
+from . import engine_bench, kv_bench, soak_bench
 from .config import BenchConfig
 from .progress import Progress
 from .results import ScenarioResult
@@ -27,6 +28,7 @@ SCENARIOS: dict[str, Scenario] = {
     "engine": engine_bench.run,
     "kv": kv_bench.run,
     "kv-vllm": kv_bench.run_vllm,
+    "soak": soak_bench.run,
 }
 
 DEFAULT_SCENARIO = "engine"

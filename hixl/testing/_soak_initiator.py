@@ -122,7 +122,9 @@ class _Initiator:
         self.errors: dict[str, int] = {}  # failed requests by error
         self.deaths: list[tuple[str, float, float]] = []
         self.before = Snapshot.take()
-        self.engine = Engine("127.0.0.1", config.get("options") or {})
+        options = config.get("options") or {}
+        self.transport = str(options.get("transport", "auto"))  # named in what it reports
+        self.engine = Engine("127.0.0.1", options)
         self.engine.register_mem(self.local)
 
     # -- peers -----------------------------------------------------------------------------
@@ -230,7 +232,7 @@ class _Initiator:
     def flag(self, data: np.ndarray, addr: int, bad: np.ndarray, what: str) -> None:
         if bad.any():
             self.stats["corrupted_bytes"] += int(bad.sum()) * _WORD
-            self.violations.append(f"{what}: {soakwords.describe(data, addr, bad)}")
+            self.violations.append(f"{self.transport} {what}: {soakwords.describe(data, addr, bad)}")
 
     def reset(self, slot: int) -> None:
         start = slot * self.local_slot
@@ -264,7 +266,7 @@ class _Initiator:
             self.flag(data, r_addr, bad, f"{planned.kind} from {planned.peer.address}")
         if planned.kind == "read-r" and len(fill_tags) > 1:  # a read-only region holds one fill tag
             self.stats["corrupted_bytes"] += int(planned.descs[:, 2].sum())
-            self.violations.append(f"read-only region read with several fill tags: {sorted(fill_tags)}")
+            self.violations.append(f"{self.transport} read-only region read with several fill tags: {sorted(fill_tags)}")
         return fresh
 
     def finish(self, slot: int, when: float) -> None:

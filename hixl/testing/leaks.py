@@ -5,7 +5,7 @@ Take a :class:`Snapshot` before the engine starts and compare one taken after
 interpreter or the C library keep on their own (shared libraries loaded on
 first use, the heap, small allocator arenas, freed thread stacks glibc caches)
 are not an engine's leak, so only *anonymous or memfd* mappings count (what
-``hixl.empty`` and the cma generation page are), less Python's 1 MiB object
+``hixl.empty`` and the cma generation page are), compared by address range, less Python's 1 MiB object
 arenas, told apart by their size. Run
 the process with :data:`QUIET_MALLOC_ENV` so that glibc neither caches thread
 stacks nor keeps per-thread arenas, which would otherwise look like leaks;
@@ -40,8 +40,10 @@ def _maps() -> frozenset[tuple[int, int, str]]:
             rows.append((start, end, fields[1], fields[5].strip() if len(fields) > 5 else ""))
     found = set()
     for i, (start, end, perms, path) in enumerate(rows):
-        if path and not path.startswith("/memfd:"):
-            continue  # a file mapping (a shared library) or [heap] / [stack] / [vvar]
+        if path and not path.startswith(("/memfd:", "/dev/zero", "[anon")):
+            # A file mapping (a shared library) or [heap] / [stack] / [vvar]. Shared
+            # anonymous memory (hixl.empty's mmap) shows as "/dev/zero (deleted)".
+            continue
         if perms.startswith("---") or end - start == _PYTHON_ARENA:
             continue  # a guard page, or an arena of Python's allocator
         previous = rows[i - 1] if i else None
@@ -52,6 +54,24 @@ def _maps() -> frozenset[tuple[int, int, str]]:
             continue
         found.add((start, end, path))
     return frozenset(found)
+
+
+def _uncovered(now: frozenset[tuple[int, int, str]], before: frozenset[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """The address ranges of ``now`` that no mapping of ``before`` covered.
+
+    By range, not by mapping: the kernel merges a new anonymous mapping with an
+    adjacent one, so a leak can show up as an old mapping grown.
+    """
+    old = sorted((s, e) for s, e, _ in before)
+    left = []
+    for start, end, path in sorted(now):
+        pieces = [(start, end)]
+        for s, e in old:
+            if s >= end:
+                break
+            pieces = [p for a, b in pieces for p in ((a, min(b, s)), (max(a, e), b)) if p[0] < p[1]]
+        left += [(a, b, path) for a, b in pieces]
+    return left
 
 
 def _fds() -> frozenset[str]:
@@ -92,5 +112,5 @@ class Snapshot:
             "threads": sorted(self.threads - before.threads),
             "tasks": [f"{self.tasks - before.tasks} more OS threads"] if self.tasks > before.tasks else [],
             "fds": sorted(self.fds - before.fds),
-            "maps": [f"{s:#x}-{e:#x} {p}".rstrip() for s, e, p in sorted(self.maps - before.maps)],
+            "maps": [f"{s:#x}-{e:#x} {p}".rstrip() for s, e, p in _uncovered(self.maps, before.maps)],
         }

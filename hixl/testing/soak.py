@@ -125,7 +125,10 @@ class SoakReport:
             f"corrupted bytes           {self.corrupted_bytes}",
             f"leaks                     {self.leaks}",
         ]
-        return "\n".join(lines + [f"violation: {v}" for v in self.violations])
+        shown = [f"violation: {v}" for v in self.violations[:_SHOWN]]
+        if len(self.violations) > _SHOWN:
+            shown.append(f"violation: ... and {len(self.violations) - _SHOWN} more (SoakReport.violations)")
+        return "\n".join(lines + shown)
 
     def to_json(self) -> dict[str, Any]:
         """The report as a JSON-able dict."""
@@ -140,6 +143,8 @@ class SoakReport:
             "ok": self.ok,
         }
 
+
+_SHOWN = 12  # violations spelled out in a summary
 
 _COUNTERS = ("transfers", "completed", "verified", "verified_bytes", "superseded", "failed", "refused")
 _FROM_CHILD = {"transfers": "submitted"}
