@@ -106,7 +106,7 @@ class _Initiator:
         self.quarantined: list[tuple[float, int]] = []
         self.peers = [_Peer(a) for a in config["targets"]]
         self.seq = 0
-        self.done: queue.SimpleQueue[tuple[int, float]] = queue.SimpleQueue()
+        self.done: queue.SimpleQueue[tuple[int, TransferReq, float]] = queue.SimpleQueue()
         self.pending: dict[int, _Op] = {}
         self.stats: dict[str, int] = {
             "submitted": 0,
@@ -212,7 +212,7 @@ class _Initiator:
         planned.req = req
         self.pending[slot] = planned
         self.stats["submitted"] += 1
-        req.add_done_callback(lambda r, s=slot: self.done.put((s, time.monotonic())))
+        req.add_done_callback(lambda r, s=slot: self.done.put((s, r, time.monotonic())))
         return True
 
     def fill_up(self) -> None:
@@ -315,8 +315,8 @@ class _Initiator:
     def collect(self, wait: float) -> None:
         """Finish what completed (callbacks) or passed its deadline (only seen when asked)."""
         try:
-            slot, when = self.done.get(timeout=wait)
-            if slot in self.pending:
+            slot, req, when = self.done.get(timeout=wait)
+            if slot in self.pending and self.pending[slot].req is req:  # not one finished by the scan below
                 self.finish(slot, when)
         except queue.Empty:
             for slot, planned in list(self.pending.items()):
