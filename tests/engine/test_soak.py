@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import pytest
 import hixl
 from hixl.bench.cli import config_from_args, configure
 from hixl.bench.soak_bench import soak_config
-from hixl.testing import soakwords
+from hixl.testing import TargetProcess, soakwords
 from hixl.testing.leaks import Snapshot
 from hixl.testing.soak import SoakConfig, run_soak
 
@@ -99,3 +100,45 @@ def test_soak_moves_no_byte_astray_and_leaks_nothing() -> None:
     assert report.corrupted_bytes == 0, report.summary()
     assert report.leaks == 0, report.summary()
     assert report.ok, report.summary()
+
+
+@pytest.mark.timeout(60)
+def test_a_regions_query_racing_a_deregistration_does_not_bring_the_region_back() -> None:
+    """What the soak found: remote_mems() answered just before a REVOKE must not reinstate the old table.
+
+    A thread keeps asking the target for its regions while the target deregisters
+    buffer after buffer; each deregistered buffer stays mapped in the target, so a
+    READ that gets through would complete — and must be refused instead.
+    """
+    rounds = 200
+    with TargetProcess([4096]) as target, hixl.Engine("127.0.0.1", {"transport": "cma"}) as engine:
+        local = hixl.empty(4096)
+        engine.register_mem(local)
+        engine.connect(target.engine)
+        if engine.transport_of(target.engine) != "cma":
+            pytest.skip("cma is not available here")
+        stop = threading.Event()
+
+        def ask() -> None:
+            while not stop.is_set():
+                engine.remote_mems(target.engine)
+
+        askers = [threading.Thread(target=ask, name=f"asker-{i}") for i in range(3)]
+        for asker in askers:
+            asker.start()
+        served = []
+        try:
+            for i in range(rounds):
+                addr = target.add_buffer(4096)
+                time.sleep(0.002)
+                target.deregister(i + 1)
+                try:
+                    engine.transfer_sync(target.engine, hixl.Op.READ, [hixl.TransferOpDesc(local.ctypes.data, addr, 4096)])
+                    served.append(i)
+                except hixl.MemoryRangeError:
+                    pass
+        finally:
+            stop.set()
+            for asker in askers:
+                asker.join(10)
+    assert not served, f"READs of deregistered buffers completed in rounds {served} of {rounds}"
