@@ -36,6 +36,10 @@ def describe(config: BenchConfig) -> str:
     return f"soak {soak.duration:g} s, {soak.targets} targets x {soak.initiators} initiators x {soak.concurrency}"
 
 
+def _sigkills(report: SoakReport) -> str:
+    return "SIGKILLs: " + (", ".join(f"{n} {k}" for k, n in sorted(report.faults.items())) or "none")
+
+
 def _rows(report: SoakReport, transports: str) -> list[Row]:
     zero = Target("<=", 0, on="value", in_smoke=True)
     lat = sorted(report.death_to_failure)
@@ -47,7 +51,7 @@ def _rows(report: SoakReport, transports: str) -> list[Row]:
         row("transfers run", report.transfers, note=f"{report.failed} failed, {report.refused} refused at submit"),
         row("transfers verified", report.verified, target=Target(">=", 1, on="value", in_smoke=True)),
         row("datadist verified", report.datadist_verified, note=f"{report.datadist_failed} failed"),
-        row("faults injected", sum(report.faults.values()), note="SIGKILLs"),
+        row("faults injected", sum(report.faults.values()), note=_sigkills(report)),
     ]
     if lat:
         rows += [
@@ -66,5 +70,6 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
     progress.expect(1)
     with progress.step(f"soak: {describe(config)}"):
         report = run_soak(soak)
-    notes = [f"soak: {line}" for line in report.summary().splitlines() if line.startswith("violation")]
+    kept = ("failed with", "violation")  # the rest of the summary is in the rows
+    notes = [f"soak: {' '.join(line.split())}" for line in report.summary().splitlines() if line.startswith(kept)]
     return ScenarioResult(_rows(report, ",".join(soak.transports)), notes)
