@@ -8,19 +8,26 @@ canary overwritten, a leaked fd, mapping or thread are all seen.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import json
 import socket
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import hixl
+from hixl.bench import soak_bench
 from hixl.bench.cli import config_from_args, configure
+from hixl.bench.cli import main as bench_main
 from hixl.bench.soak_bench import soak_config
 from hixl.testing import TargetProcess, soakwords
 from hixl.testing.leaks import Snapshot
-from hixl.testing.soak import SoakConfig, run_soak
+from hixl.testing.soak import SoakConfig, SoakReport, run_soak
 
 
 def test_words_are_valid_only_where_they_belong() -> None:
@@ -88,6 +95,20 @@ def test_bench_options_reach_the_soak() -> None:
     assert (soak.duration, soak.targets, soak.initiators, soak.concurrency) == (7.5, 3, 5, 2)
     assert (soak.fault_interval, soak.transports) == (0.5, ("tcp",))
     assert soak_config(config_from_args(_bench_args(["--quick"]))).duration == 5.0
+
+
+def test_bench_prints_the_rows_the_docs_show(monkeypatch: pytest.MonkeyPatch, docs_sample: Any, tmp_path: Path) -> None:
+    """The table's shape and JSON, from a report the soak could give (the soak itself runs below)."""
+    found = SoakReport(transfers=9, completed=8, verified=7, faults={"target": 1}, death_to_failure=[0.02, 0.03])
+    found.corrupted_bytes, found.violations = 16, ["cma read-r from t: 2 words from 0x10: 2 canary (first tag 0x7fffffff)"]
+    monkeypatch.setattr(soak_bench, "run_soak", lambda config: found)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert bench_main(["--scenario", "soak", "--no-progress", "--json", str(tmp_path / "soak.json")]) == 0
+    assert docs_sample.missing(docs_sample.lines("tools.md", "hixl bench --scenario soak"), out.getvalue(), 1) == []
+    rows = {r["name"]: r for r in json.loads((tmp_path / "soak.json").read_text())["rows"]}
+    assert rows["corrupted bytes"]["pass"] is False and rows["leaks"]["pass"] is True
+    assert rows["death -> failed, median"]["value"] == pytest.approx(25.0)
 
 
 @pytest.mark.slow
