@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import threading
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hixl.testing import TargetProcess
+from hixl.testing.leaks import open_fds
 
 TRANSPORTS = ["cma", "tcp"]
 
@@ -58,13 +58,7 @@ class Resources:
     @staticmethod
     def fds() -> set[str]:
         """Open file descriptors, each with what it points to."""
-        fds = set()
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
-            except OSError:
-                pass  # the listing's own descriptor, closed already
-        return fds
+        return set(open_fds())
 
 
 @pytest.fixture

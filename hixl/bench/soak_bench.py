@@ -10,6 +10,7 @@ leaks have a target of 0, judged in a quick run too.
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from typing import Any
 
 from ..testing.soak import SoakConfig, SoakReport, run_soak
 from .config import BenchConfig
@@ -27,7 +28,8 @@ def soak_config(config: BenchConfig) -> SoakConfig:
     soak = SoakConfig(transports=config.transports)
     if config.quick:
         soak = replace(soak, duration=QUICK_DURATION)
-    return replace(soak, **{_KNOBS[k]: v for k, v in config.extra.items() if k in _KNOBS and v is not None})
+    knobs: dict[str, Any] = {_KNOBS[k]: v for k, v in config.extra.items() if k in _KNOBS and v is not None}
+    return replace(soak, **knobs)
 
 
 def describe(config: BenchConfig) -> str:

@@ -39,7 +39,16 @@ from typing import Any
 
 import numpy as np
 
-from .. import Engine, HixlError, MemoryRangeError, Op, ResourceExhausted, TransferReq, TransferStatus, empty
+from .. import (
+    Engine,
+    HixlError,
+    MemoryRangeError,
+    Op,
+    ResourceExhausted,
+    TransferReq,
+    TransferStatus,
+    empty,
+)
 from .._child import child_connection
 from . import soakwords
 from .leaks import Snapshot
@@ -212,7 +221,10 @@ class _Initiator:
         planned.req = req
         self.pending[slot] = planned
         self.stats["submitted"] += 1
-        req.add_done_callback(lambda r, s=slot: self.done.put((s, r, time.monotonic())))
+        def finished(req: TransferReq, slot: int = slot) -> None:
+            self.done.put((slot, req, time.monotonic()))
+
+        req.add_done_callback(finished)
         return True
 
     def fill_up(self) -> None:

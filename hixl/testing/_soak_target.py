@@ -85,10 +85,9 @@ class _Target:
 
     def check_canary(self, slot: _Slot, what: str, skip: tuple[int, int] = (0, 0)) -> None:
         """Every word of ``slot`` outside ``skip`` (offset, length) must be canary."""
-        is_canary = lambda t: t == soakwords.CANARY  # noqa: E731
         off, length = skip
         for start, end in ((0, off), (off + length, self.slot_size)):
-            self.expect(slot, start, end - start, is_canary, what)
+            self.expect(slot, start, end - start, lambda t: t == soakwords.CANARY, what)
             # Mend it, so that one stray byte is counted once, not at every later check.
             soakwords.fill(self.view(slot, start, end - start), self.base + slot.start + start, soakwords.CANARY)
 
@@ -113,8 +112,9 @@ class _Target:
         if slot.access == "r":
             self.expect(slot, *slot.region, lambda t: t == fill_tag, "read-only region after deregistration")
         else:
-            ok = lambda t: (t == fill_tag) | (t >= soakwords.WRITE_BIT)  # noqa: E731
-            self.expect(slot, *slot.region, ok, "read-write region after deregistration")
+            self.expect(
+                slot, *slot.region, lambda t: (t == fill_tag) | (t >= soakwords.WRITE_BIT), "read-write region after deregistration"
+            )
         self.check_canary(slot, "guard at deregistration", slot.region)
         soakwords.fill(self.view(slot, *slot.region), self.base + slot.start + slot.region[0], soakwords.CANARY)
         slot.since = time.monotonic()

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["QUIET_MALLOC_ENV", "Snapshot"]
+__all__ = ["QUIET_MALLOC_ENV", "Snapshot", "open_fds"]
 
 QUIET_MALLOC_ENV = {"GLIBC_TUNABLES": "glibc.pthread.stack_cache_size=0:glibc.malloc.arena_max=1"}
 """Environment for a child whose mappings are checked: freed thread stacks are unmapped at once."""
@@ -74,7 +74,8 @@ def _uncovered(now: frozenset[tuple[int, int, str]], before: frozenset[tuple[int
     return left
 
 
-def _fds() -> frozenset[str]:
+def open_fds() -> frozenset[str]:
+    """This process's open file descriptors, each as ``"fd->what it points to"``."""
     fds = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -104,7 +105,7 @@ class Snapshot:
         while than is not None and len(os.listdir("/proc/self/task")) > than.tasks and time.monotonic() < deadline:
             time.sleep(0.01)
         names = frozenset(f"{t.name}#{t.ident}" for t in threading.enumerate())
-        return cls(names, len(os.listdir("/proc/self/task")), _fds(), _maps())
+        return cls(names, len(os.listdir("/proc/self/task")), open_fds(), _maps())
 
     def leaked_since(self, before: Snapshot) -> dict[str, list[str]]:
         """What this snapshot holds that ``before`` did not, by kind (``threads``, ``tasks``, ``fds``, ``maps``)."""

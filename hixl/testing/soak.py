@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -109,11 +109,15 @@ class SoakReport:
         faults = ", ".join(f"{n} {k}" for k, n in sorted(self.faults.items())) or "none"
         lines = [
             f"duration                  {self.duration:.1f} s",
-            f"transfers run             {self.transfers} ({self.completed} completed, {self.failed} failed, "
-            f"{self.refused} refused at submit)",
+            (
+                f"transfers run             {self.transfers} ({self.completed} completed, {self.failed} failed, "
+                f"{self.refused} refused at submit)"
+            ),
             f"failed with               {', '.join(f'{n} {e}' for e, n in sorted(self.errors.items())) or '-'}",
-            f"transfers verified        {self.verified} ({self.verified_bytes / 2**20:.1f} MiB; "
-            f"{self.superseded} superseded by re-registration)",
+            (
+                f"transfers verified        {self.verified} ({self.verified_bytes / 2**20:.1f} MiB; "
+                f"{self.superseded} superseded by re-registration)"
+            ),
             f"datadist pulls/pushes     {self.datadist_verified} verified, {self.datadist_failed} failed",
             f"faults injected           {sum(self.faults.values())} SIGKILLs ({faults})",
             "death -> pending failed   "
@@ -226,9 +230,10 @@ class _Soak:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             conns: dict[Connection, _Proc] = {p.child.conn: p for p in self.procs()}
-            for conn in wait(list(conns), left):
+            for ready in wait(list(conns), left):
+                conn = cast(Connection, ready)  # wait() returns what it was given: connections
                 try:
-                    self.take(conns[conn], conn.recv())  # type: ignore[index]
+                    self.take(conns[conn], conn.recv())
                 except (EOFError, OSError):
                     pass  # it was killed: its last figures stand
 

@@ -24,8 +24,8 @@ import numpy as np
 __all__ = [
     "CANARY",
     "SEQ_BITS",
-    "WRITE_BIT",
     "WRITER_BITS",
+    "WRITE_BIT",
     "describe",
     "fill",
     "tags",
