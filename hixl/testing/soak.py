@@ -159,8 +159,12 @@ class _Proc:
 
     def __init__(self, module: str, config: dict[str, Any]) -> None:
         self.child = ChildProcess(module, 30.0, env=QUIET_MALLOC_ENV)
-        self.child.send(config)
-        self.ready = self.child.receive()
+        try:
+            self.child.send(config)
+            self.ready = self.child.receive()
+        except BaseException:
+            self.child.close()  # e.g. a restarted target whose port is not free yet: the caller tries again
+            raise
         self.last: dict[str, Any] = {}
         self.final: dict[str, Any] | None = None
 
