@@ -116,6 +116,7 @@ class PeerLink:
         generation = self.welcome.get("generation")
         self.table_generation = generation if type(generation) is int else -1
         """The peer's registration generation that ``table`` is known to reflect (-1: unknown)."""
+        self._revokes = 0  # REVOKEs applied: a regions answer asked for before one is stale
         self.lease = threading.Lock()
         """Held by a same-host copy from its last check to the end of its syscall; a REVOKE
         is confirmed only under it, after the new regions are installed."""
@@ -172,22 +173,14 @@ class PeerLink:
         """
         req_id = message.req_id
         self.expect(req_id, pending)
-        if not read_reply or not self.wire.read_lock.acquire(blocking=False):
-            self._send(message, data, deadline, req_id)
+        if not read_reply or not self._take_read_role():
+            self._send(req_id, lambda: self.wire.send(message, data, deadline))
             return
         try:
-            self._epoll.modify(self.wire.fd, 0)  # park the reader: replies are ours to read now
-            self._send(message, data, deadline, req_id)
-            try:
-                while not pending.done and self.state is LinkState.CONNECTED:
-                    self._dispatch(self.wire.next_event(deadline))
-            except TransferTimeout:
-                pass  # the request's own deadline reports it; the reader takes over the socket
-            except HixlError as exc:
-                self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
+            self._send(req_id, lambda: self.wire.send(message, data, deadline))
+            self._read_until(pending, deadline)
         finally:
-            self.wire.read_lock.release()
-            self._rearm()
+            self._give_back_read_role()
 
     def exchange(
         self,
@@ -202,42 +195,54 @@ class PeerLink:
         and read the reply on this thread. False, having sent nothing, if someone else reads.
         """
         wire = self.wire
-        if self.state is not LinkState.CONNECTED or not wire.read_lock.acquire(blocking=False):
+        if self.state is not LinkState.CONNECTED or not self._take_read_role():
             return False
         try:
-            self._epoll.modify(wire.fd, 0)  # park the reader: the reply is ours to read
             self.expect(req_id, pending)
             with wire.conn_lock:
                 frame = make_frame(wire.conn)
-            try:
-                wire.send_parts(frame, data, deadline)
-            except HixlError:
-                self.forget(req_id)
-                if wire.dead_reason:
-                    self._end(LinkState.BROKEN, wire.dead_reason)
-                raise
-            try:
-                while not pending.done and self.state is LinkState.CONNECTED:
-                    self._dispatch(wire.next_event(deadline))
-            except TransferTimeout:
-                pass
-            except HixlError as exc:
-                self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
+            self._send(req_id, lambda: wire.send_parts(frame, data, deadline))
+            self._read_until(pending, deadline)
         finally:
-            wire.read_lock.release()
-            self._rearm()
+            self._give_back_read_role()
         return True
 
-    def _send(self, message: proto.Message, data: Any, deadline: float | None, req_id: int) -> None:
+    def _take_read_role(self) -> bool:
+        """Become the reader if nobody is; the parked reader thread is not woken by our replies."""
+        if not self.wire.read_lock.acquire(blocking=False):
+            return False
         try:
-            self.wire.send(message, data, deadline)
+            self._epoll.modify(self.wire.fd, 0)
+        except (OSError, ValueError):
+            pass  # closed meanwhile: reading reports it
+        return True
+
+    def _give_back_read_role(self) -> None:
+        # Released before re-arming: whatever arrived meanwhile fires the re-armed socket at once.
+        self.wire.read_lock.release()
+        self._rearm()
+
+    def _read_until(self, pending: Pending, deadline: float | None) -> None:
+        """Read (as the reader) until ``pending`` is answered, the link ends, or ``deadline``."""
+        try:
+            while not pending.done and self.state is LinkState.CONNECTED:
+                self._dispatch(self.wire.next_event(deadline))
+        except TransferTimeout:
+            pass  # the request's own deadline reports it; the reader thread takes over the socket
         except HixlError as exc:
+            self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
+
+    def _send(self, req_id: int, send: Callable[[], None]) -> None:
+        """Run ``send`` for request ``req_id``; if it fails, forget the request (and end a dead link)."""
+        try:
+            send()
+        except HixlError:
             self.forget(req_id)
             with self.wire.conn_lock:
                 self.wire.conn.forget_request(req_id)
             if self.wire.dead_reason:  # e.g. a send that ran out of time mid-frame
                 self._end(LinkState.BROKEN, self.wire.dead_reason)
-            raise exc
+            raise
 
     def call(self, message: proto.Message, timeout: float) -> proto.Message:
         """Send a request and wait for its reply; an ERROR reply is raised as its error."""
@@ -260,11 +265,16 @@ class PeerLink:
     def refresh_regions(self, timeout: float, generation: int | None = None) -> None:
         """Ask the peer for its current registrations; ``generation``: the peer's generation
         read before asking, which the answer is at least as new as."""
+        revokes = self._revokes
         reply = self.call(proto.QueryRegions(self.next_id()), timeout)
         if not isinstance(reply, proto.Regions):
             raise ProtocolError(f"expected REGIONS, got {type(reply).__name__}")
         table = RemoteRegions.from_rows(reply.regions)
         with self.lease:
+            if self._revokes != revokes:
+                # A REVOKE was applied while we asked: the answer may predate it, and installing
+                # it would bring a withdrawn region back. Keep the REVOKE's (a miss asks again).
+                return
             self.table = table
             if generation is not None:
                 self.table_generation = generation
@@ -328,6 +338,7 @@ class PeerLink:
             with self.lease:  # waits for a copy in flight: after this, none touches what was withdrawn
                 self.table = table
                 self.table_generation = message.generation
+                self._revokes += 1
             self.wire.send(proto.Revoked(message.generation))
             return
         if isinstance(message, proto.Ping):

@@ -226,7 +226,7 @@ class TargetServer:
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
-            conn.push_regions(table)
+            conn.push_regions()
 
     def welcome_info(self, session: _ServedConnection) -> dict[str, Any]:
         """What an authenticated initiator learns about this engine."""
@@ -319,7 +319,9 @@ class _ServedConnection:
         """This connection's identity once open: the peer's engine id and a serial."""
         self.acked = 0
         """The newest registration generation the peer confirmed (REVOKED)."""
-        self._welcome_gate = threading.Lock()
+        self._regions_gate = threading.Lock()
+        # Held while this engine's registrations are read and sent to the peer (WELCOME, REGIONS,
+        # REVOKE): on the wire, whatever follows a REVOKE was read after the change it announces.
         self.thread = threading.Thread(target=self._run, name=f"hixl-serve-{peer}", daemon=True)
         self._regions_dirty = False
 
@@ -339,7 +341,7 @@ class _ServedConnection:
     def send_revoke(self, generation: int, table: RemoteRegions, deadline: float) -> bool:
         """Tell an open peer the registrations of ``generation``; False if it is not open yet
         (its WELCOME, still to come, names them). A peer we cannot tell is cut off."""
-        with self._welcome_gate:
+        with self._regions_gate:
             if not self.id:
                 return False
             try:
@@ -354,10 +356,17 @@ class _ServedConnection:
         return min(cap, deadline_us / 1e6) if deadline_us else cap
 
     # -- serving ----------------------------------------------------------------------------------
-    def push_regions(self, table: RemoteRegions) -> None:
+    def push_regions(self) -> None:
         """Tell the initiator about changed registrations, without waiting on a busy socket."""
-        if self.conn.state is not proto.ConnState.OPEN or not self.wire.try_send(proto.Regions(table.rows)):
+        if not self._regions_gate.acquire(blocking=False):
             self._regions_dirty = True  # sent by the serving thread after its current reply
+            return
+        try:
+            table = self.server.registry.table
+            if self.conn.state is not proto.ConnState.OPEN or not self.wire.try_send(proto.Regions(table.rows)):
+                self._regions_dirty = True
+        finally:
+            self._regions_gate.release()
 
     def _run(self) -> None:
         wire = self.wire
@@ -368,7 +377,7 @@ class _ServedConnection:
             while self._serve(wire.next_event(frame_timeout=frame_timeout)):
                 if self._regions_dirty:
                     self._regions_dirty = False
-                    self.push_regions(self.server.registry.table)
+                    self.push_regions()
         except ProtocolError as exc:
             log.warning("hixl: dropping connection from %s: %s", wire.peer, exc)
             _send_fatal(wire, Status.FAILED, f"protocol error: {exc}")
@@ -404,7 +413,7 @@ class _ServedConnection:
                 return False
             # Under the gate: a deregistration either comes before the WELCOME is made (which
             # then lists what is left) or waits for it to be sent, and sends its REVOKE after.
-            with self._welcome_gate:
+            with self._regions_gate:
                 with wire.conn_lock:
                     frame = conn.welcome(self.server.welcome_info(self))
                 wire.send_raw(frame, deadline)
@@ -432,7 +441,8 @@ class _ServedConnection:
         elif kind is proto.FrameType.NOTIFY:
             self._serve_notify(message)
         elif kind is proto.FrameType.QUERY_REGIONS:
-            wire.send(proto.Regions(self.server.registry.table.rows, message.req_id))
+            with self._regions_gate:
+                wire.send(proto.Regions(self.server.registry.table.rows, message.req_id))
         elif kind is proto.FrameType.QUERY_META:
             value = self.server.metadata.get(message.key)
             if value is None:

@@ -131,7 +131,9 @@ class CmaChannel(Channel):
         write = op is Op.WRITE
         cursor = IovCursor(iovecs(descs[:, 0], descs[:, 2]), iovecs(descs[:, 1], descs[:, 2]))
         link = self.link
-        checked = link.table  # what the engine validated the request against, just before
+        # Checked again before the first syscall: an async request may start well after the
+        # engine validated it, and a REVOKE may have come in between.
+        checked = None
         try:
             link.ensure_alive()
             while not cursor.finished:
