@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,18 +77,22 @@ class _Holds:
         self._active: dict[int, tuple[_ServedConnection, np.ndarray]] = {}
         self._keys = itertools.count()
 
-    @contextlib.contextmanager
-    def hold(self, conn: _ServedConnection, descs: np.ndarray) -> Iterator[None]:
-        """Hold ``descs`` ((N, 2): addr, len) for the duration of the block."""
+    def hold(self, conn: _ServedConnection, descs: np.ndarray) -> _Hold:
+        """A context manager that holds ``descs`` ((N, 2): addr, len) for the duration of the block."""
+        return _Hold(self, conn, descs)
+
+    def add(self, conn: _ServedConnection, descs: np.ndarray) -> int:
+        """Record a hold; its key, for :meth:`drop`."""
         with self._cond:
             key = next(self._keys)
             self._active[key] = (conn, descs)
-        try:
-            yield
-        finally:
-            with self._cond:
-                del self._active[key]
-                self._cond.notify_all()
+        return key
+
+    def drop(self, key: int) -> None:
+        """Release the hold ``key``."""
+        with self._cond:
+            del self._active[key]
+            self._cond.notify_all()
 
     def _touching(self, removed: list[tuple[int, int]]) -> list[_ServedConnection]:
         touching = []
@@ -107,6 +111,21 @@ class _Holds:
                     return touching
                 self._cond.wait(left)
         return []
+
+
+class _Hold:
+    """One request's hold on its ranges (a class, not a generator: it is on every request's path)."""
+
+    __slots__ = ("_conn", "_descs", "_holds", "_key")
+
+    def __init__(self, holds: _Holds, conn: _ServedConnection, descs: np.ndarray) -> None:
+        self._holds, self._conn, self._descs, self._key = holds, conn, descs, -1
+
+    def __enter__(self) -> None:
+        self._key = self._holds.add(self._conn, self._descs)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._holds.drop(self._key)
 
 
 class TargetServer:

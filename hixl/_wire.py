@@ -22,13 +22,10 @@ moved by the kernel straight into registered memory.
 
 from __future__ import annotations
 
-import contextlib
 import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
-
 import numpy as np
 
 from . import _protocol as proto
@@ -292,7 +289,8 @@ class Wire:
         Waiting for another sender counts against ``deadline`` too.
         """
         self.check_alive()
-        with self._sending(deadline):
+        self._acquire_send(deadline)
+        try:
             with self.conn_lock:
                 frame = self.conn.send(message)
             if data is not None and data.count <= _SENDMSG_RANGES:
@@ -301,16 +299,14 @@ class Wire:
             self._send_frame(frame, deadline)
             if data is not None:
                 self._send_data(data, deadline)
-
-    @contextlib.contextmanager
-    def _sending(self, deadline: float | None) -> Iterator[None]:
-        """Hold ``send_lock``, waiting for it no later than ``deadline``."""
-        if not self.send_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
-            raise TransferTimeout(f"sending to {self.peer} waited past its deadline for another send")
-        try:
-            yield
         finally:
             self.send_lock.release()
+
+    def _acquire_send(self, deadline: float | None) -> None:
+        """Take ``send_lock``, waiting for it no later than ``deadline`` (a plain call, not a
+        context manager: this is on every request's path)."""
+        if not self.send_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise TransferTimeout(f"sending to {self.peer} waited past its deadline for another send")
 
     def try_send(self, message: proto.Message) -> bool:
         """Send a small frame only if nobody else is sending right now."""
@@ -330,8 +326,11 @@ class Wire:
         """Send a frame the connection made and the bulk data at ``data`` ((addr, len) ranges)
         with one ``sendmsg`` when the socket takes it all (the latency path)."""
         self.check_alive()
-        with self._sending(deadline):
+        self._acquire_send(deadline)
+        try:
             self._send_parts(frame, data, deadline)
+        finally:
+            self.send_lock.release()
 
     def _send_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None) -> None:
         if not data:

@@ -62,6 +62,8 @@ __all__ = [
     "ReadRequest",
     "Role",
     "Regions",
+    "Revoke",
+    "Revoked",
     "Welcome",
     "WriteRequest",
     "encode",
