@@ -87,7 +87,7 @@ def assert_loaded_externally(decode: Instance, outs: list[dict[str, Any]], param
     """vLLM counted all but the last prompt token as loaded, and the connector pulled their blocks."""
     for out, p in zip(outs, params):
         assert out["num_cached_tokens"] == out["prompt_tokens"] - 1, out
-        line = decode.wait_for_log(rf"hixl: pulled request \S+: (\d+) blocks.*\n", 5)
+        line = decode.wait_for_log(r"hixl: pulled request \S+: (\d+) blocks.*\n", 5)
         assert line  # the pull was logged (per-request figures, see the closing note)
         assert len(p["remote_block_ids"]) == _cdiv(out["prompt_tokens"], BLOCK_SIZE)
 
