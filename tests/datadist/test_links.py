@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+import hixl
+
 from hixl.datadist import (
     BlocksCacheKey,
     CacheDesc,
@@ -253,6 +255,9 @@ def test_dead_peer_is_link_failed(transport, remote, local, make_remote, new_loc
         with pytest.raises(LLMException) as info:
             _pull_all(dd, BlocksCacheKey(31), doomed, "c")
         assert info.value.status_code is LINK_FAILED
+        # A lost link is still a ConnectionError, with the engine's error kept as the cause.
+        assert isinstance(info.value, ConnectionError) and info.value.status is hixl.Status.NOT_CONNECTED
+        assert isinstance(info.value.__cause__, hixl.HixlError)
     # The other link is unaffected.
     key = new_blocks_key()
     _pull_all(dd, key, remote, make_remote(DESC, key, seed=8))

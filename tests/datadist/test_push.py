@@ -274,3 +274,67 @@ def test_transfer_configs_are_checked_up_front(remote, local, make_remote, make_
     with pytest.raises(ValueError, match="out of range"):
         local.cache_manager.transfer_cache_async(mine.cache, sync, [TransferConfig(REMOTE_ID, key)], [0], [BLOCKS])
     assert sync.timeouts == []  # nothing was started
+
+
+def test_push_checks_the_destination_before_every_layer(remote, local, make_remote, make_local):
+    """The destination re-registers its cache (same key, same memory) between layers: the rest is not written."""
+    key = new_blocks_key()
+    first = make_remote(F32, key, seed=15)
+    mine = make_local(F32, seed=16)
+    blocks = list(range(BLOCKS))
+    sync = StepSynchronizer()
+    remote.completed_requests()
+    task = local.cache_manager.transfer_cache_async(mine.cache, sync, [TransferConfig(REMOTE_ID, key)], blocks, blocks, req_id=71, timeout=5.0)
+    sync.release(0)
+    task.wait_layer(0)
+    sync.wait_called(1)
+    # The destination lets the cache go and registers another one under the same key in the
+    # very same memory: the addresses the push planned with are valid again, for other data.
+    remote.unregister(first, keep_memory=True)
+    second = f"{first}-again"
+    remote.register_blocks_cache(second, F32, key, layout=f"reuse:{first}", seed=17)
+    try:
+        before = remote.read(second)
+        for layer in range(1, LAYERS):
+            sync.release(layer)
+        with pytest.raises(LLMException) as info:
+            task.synchronize()
+        assert info.value.status_code is LLMStatusCode.KV_CACHE_NOT_EXIST
+        assert task.status is LLMStatusCode.KV_CACHE_NOT_EXIST
+        for layer in range(1, LAYERS):
+            with pytest.raises(LLMException):
+                task.wait_layer(layer)
+        np.testing.assert_array_equal(remote.read(second), before)
+        assert remote.completed_requests() == []
+    finally:
+        remote.unregister(second)
+
+
+# -- cancel ------------------------------------------------------------------------------------
+def test_cancelled_push_writes_no_further_layer(remote, local, make_remote, make_local):
+    key = new_blocks_key()
+    name = make_remote(F16, key, seed=18)
+    before = remote.read(name)
+    mine = make_local(F16, seed=19)
+    blocks = list(range(BLOCKS))
+    sync = StepSynchronizer()
+    remote.completed_requests()
+    task = local.cache_manager.transfer_cache_async(mine.cache, sync, [TransferConfig(REMOTE_ID, key)], blocks, blocks, req_id=72, timeout=5.0)
+    sync.release(0)
+    task.wait_layer(0)
+    sync.wait_called(1)
+    task.cancel()
+    assert task.done() and task.status is LLMStatusCode.CANCELLED
+    for layer in range(1, LAYERS):
+        sync.release(layer)  # prefill computes on; the push must not follow
+    time.sleep(0.2)
+    held = remote.read(name)
+    np.testing.assert_array_equal(_layer(held, 0), _layer(mine.read(), 0))  # landed before the cancel
+    np.testing.assert_array_equal(held[2:], before[2:])
+    for layer in task.layers:
+        with pytest.raises(LLMException) as info:
+            task.wait_layer(layer)
+        assert info.value.status_code is LLMStatusCode.CANCELLED
+    with pytest.raises(LLMException):
+        task.synchronize()
+    assert remote.completed_requests() == []  # a cancelled task tells nobody it finished
