@@ -1,0 +1,215 @@
+"""DataDist can't be fooled: completions only from the link of their cluster, one live address per
+cluster id, a restarted peer linked anew, and the newest catalog published under concurrent changes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+import hixl
+from hixl.datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMConfig,
+    LLMDataDist,
+    LLMRole,
+    LLMStatusCode,
+    TransferDone,
+)
+from hixl.datadist._catalog import CATALOG_KEY, Catalog
+from hixl.datadist._state import DONE_NOTIFY, HELLO_NOTIFY
+from hixl.testing.datadist_peer import DataDistProcess
+
+from .helpers import LOCAL_ID, allocate, client_config, free_port, fresh_id, listen_config, new_blocks_key
+
+DESC = CacheDesc(4, (8, 4, 2, 8), DataType.DT_FLOAT)
+ALL = list(range(DESC.shape[0]))
+SUCCESS = LLMStatusCode.SUCCESS
+
+
+@pytest.fixture
+def decode(transport: str) -> Iterator[Callable[..., LLMDataDist]]:
+    """Fresh client-only DataDist instances in this process, finalized afterwards."""
+    made: list[LLMDataDist] = []
+
+    def make(cluster_id: int | None = None) -> LLMDataDist:
+        dd = LLMDataDist(LLMRole.DECODER, fresh_id() if cluster_id is None else cluster_id)
+        dd.init(client_config(transport))
+        made.append(dd)
+        return dd
+
+    yield make
+    for dd in made:
+        dd.finalize()
+
+
+def _pull_matches(dd: LLMDataDist, key: BlocksCacheKey, source: DataDistProcess, name: str, req_id: int | None = None) -> None:
+    """Pull the whole cache ``name`` of ``source`` into a fresh local cache; it must equal the source's."""
+    tensors, storage = allocate(DESC)
+    cache = dd.cache_manager.register_blocks_cache(DESC, tensors)
+    try:
+        dd.cache_manager.pull_blocks(key, cache, ALL, ALL, req_id=req_id, timeout=10.0)
+        np.testing.assert_array_equal(storage, source.read(name))
+    finally:
+        dd.cache_manager.unregister_cache(cache.cache_id)
+
+
+def _forge(transport: str, target: DataDistProcess, cluster_id: int, req_id: int, *, announce: bool) -> None:
+    """From a plain engine, tell ``target`` that ``cluster_id`` finished ``req_id`` (announcing itself first)."""
+    with hixl.Engine("127.0.0.1", {"transport": transport}) as engine:
+        engine.connect(target.ip_info)
+        if announce:
+            engine.send_notify(target.ip_info, hixl.NotifyDesc(HELLO_NOTIFY, json.dumps({"cluster_id": cluster_id})))
+        done = {"cluster_id": cluster_id, "req_id": req_id, "op": "pull"}
+        engine.send_notify(target.ip_info, hixl.NotifyDesc(DONE_NOTIFY, json.dumps(done)))
+
+
+# -- completions are bound to their link -------------------------------------------------------
+def test_only_the_linked_connection_completes_for_its_cluster(transport, remote, local, make_remote, decode):
+    """Forged completions (any engine, any claim) never reach completed_requests(); the real one does."""
+    key = new_blocks_key()
+    name = make_remote(DESC, key, seed=1)
+    remote.completed_requests()
+    forged = [fresh_id() for _ in range(4)]
+    _forge(transport, remote, LOCAL_ID, forged[0], announce=False)  # claims the linked cluster
+    _forge(transport, remote, LOCAL_ID, forged[1], announce=True)  # ... and says it speaks for it
+    _forge(transport, remote, fresh_id(), forged[2], announce=False)  # claims a cluster never linked
+    # A whole DataDist instance claiming the linked cluster's id: it may link and read (reads
+    # are one-sided), but its completion does not count as the real decode's.
+    impostor = decode(LOCAL_ID)
+    assert impostor.link_clusters([remote.cluster_info()]) == [SUCCESS]
+    _pull_matches(impostor, key, remote, name, req_id=forged[3])
+    real = fresh_id()
+    _pull_matches(local, key, remote, name, req_id=real)
+    assert remote.completed_requests() == [TransferDone(LOCAL_ID, real, "pull")]
+
+
+def test_a_relinked_decode_completes_from_its_new_connection(transport, remote, make_remote, decode):
+    """Unlinking closes the bound connection; the same cluster linking again is bound to the new one."""
+    key = new_blocks_key()
+    name = make_remote(DESC, key, seed=2)
+    dd = decode()
+    info = remote.cluster_info()
+    for _ in range(2):
+        assert dd.link_clusters([info]) == [SUCCESS]
+        req = fresh_id()
+        _pull_matches(dd, key, remote, name, req_id=req)
+        assert remote.completed_requests() == [TransferDone(dd.cluster_id, req, "pull")]
+        assert dd.unlink_clusters([info]) == [SUCCESS]
+        time.sleep(0.1)  # the target sees the connection close
+
+
+# -- one live address per cluster id -----------------------------------------------------------
+def test_a_cluster_id_at_a_second_address_is_refused(transport, decode, caplog):
+    cluster = fresh_id()
+    key = BlocksCacheKey(cluster, 1)
+    with DataDistProcess(LLMRole.PROMPT, cluster, listen_config(transport)) as first, DataDistProcess(
+        LLMRole.PROMPT, cluster, listen_config(transport)
+    ) as second:
+        first.register_blocks_cache("kv", DESC, key, seed=3)
+        second.register_blocks_cache("kv", DESC, key, seed=4)
+        dd = decode()
+        assert dd.link_clusters([first.cluster_info()]) == [SUCCESS]
+        with caplog.at_level(logging.WARNING, logger="hixl.datadist"):
+            assert dd.link_clusters([second.cluster_info()]) == [LLMStatusCode.CLUSTER_ID_CONFLICT]
+        assert first.ip_info in caplog.text and second.ip_info in caplog.text
+        assert dd.linked_clusters() == {cluster: first.ip_info}
+        assert dd.link_clusters([first.cluster_info()]) == [LLMStatusCode.ALREADY_LINK]
+        _pull_matches(dd, key, first, "kv")
+        # Once the first is gone, the id may move: the link (and its catalog) go to the second.
+        first.kill()
+        deadline = time.monotonic() + 15
+        while (status := dd.link_clusters([second.cluster_info()])) != [SUCCESS]:
+            assert status == [LLMStatusCode.CLUSTER_ID_CONFLICT] and time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert dd.linked_clusters() == {cluster: second.ip_info}
+        _pull_matches(dd, key, second, "kv")
+
+
+def test_a_peer_restarted_at_the_same_address_is_linked_anew(transport, decode):
+    """A new incarnation at the old address: relinking replaces the dead link, and pulls get its data."""
+    cluster = fresh_id()
+    key = BlocksCacheKey(cluster, 1)
+    config = LLMConfig(listen_ip_info=f"127.0.0.1:{free_port()}", transport=transport)
+    dd = decode()
+    with DataDistProcess(LLMRole.PROMPT, cluster, config) as before:
+        before.register_blocks_cache("kv", DESC, key, seed=5)
+        assert dd.link_clusters([before.cluster_info()]) == [SUCCESS]
+        _pull_matches(dd, key, before, "kv")
+        before.kill()
+    with DataDistProcess(LLMRole.PROMPT, cluster, config) as after:
+        after.register_blocks_cache("kv", DESC, key, seed=6)
+        assert dd.link_clusters([after.cluster_info()]) == [SUCCESS]
+        assert dd.engine.peer_incarnation(after.ip_info) != ""
+        _pull_matches(dd, key, after, "kv")
+
+
+# -- one owner for the catalog ------------------------------------------------------------------
+def _published(reader: hixl.Engine, owner: str, word: np.ndarray) -> tuple[Catalog, int]:
+    """The catalog ``owner`` publishes, and its generation word read right after."""
+    catalog = Catalog.decode(reader.get_remote_metadata(owner, CATALOG_KEY))
+    reader.transfer_sync(owner, hixl.Op.READ, [(int(word.ctypes.data), catalog.generation_addr, 8)])
+    return catalog, int(word[0])
+
+
+def test_concurrent_registrations_leave_the_newest_catalog_published(transport):
+    """Threads register and unregister at once; what is published at the end names exactly what is registered.
+
+    A tiny switch interval makes threads interleave between taking the snapshot
+    of the caches and publishing it, where an unlocked publish loses the race;
+    caches pile up over the rounds, so encoding the catalog (the window) grows.
+    """
+    cluster = fresh_id()
+    small = CacheDesc(2, (2, 8), DataType.DT_FLOAT)
+    threads_n, rounds = 16, 12
+    owner = LLMDataDist(LLMRole.PROMPT, cluster)
+    owner.init(listen_config(transport))
+    reader = hixl.Engine("127.0.0.1", {"transport": transport})
+    word = hixl.empty(1, np.uint64)
+    reader.register_mem(word)
+    reader.connect(owner.local_ip_info)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        manager = owner.cache_manager
+        for _ in range(rounds):
+            barrier = threading.Barrier(threads_n)
+
+            def register() -> None:
+                tensors, _ = allocate(small)
+                barrier.wait(10)
+                manager.register_blocks_cache(small, tensors, BlocksCacheKey(cluster, fresh_id()))
+
+            workers = [threading.Thread(target=register) for _ in range(threads_n)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(20)
+            catalog, generation = _published(reader, owner.local_ip_info, word)
+            assert generation == catalog.generation
+            assert sorted(c.cache_id for c in catalog.caches) == sorted(c.cache_id for c in manager.caches())
+
+            gone = manager.caches()[: threads_n // 2]
+            barrier = threading.Barrier(len(gone))
+            workers = [
+                threading.Thread(target=lambda c=c: (barrier.wait(10), manager.unregister_cache(c.cache_id))) for c in gone
+            ]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(20)
+            catalog, generation = _published(reader, owner.local_ip_info, word)
+            assert generation == catalog.generation
+            assert sorted(c.cache_id for c in catalog.caches) == sorted(c.cache_id for c in manager.caches())
+    finally:
+        sys.setswitchinterval(interval)
+        reader.finalize()
+        owner.finalize()
