@@ -195,14 +195,32 @@ class DataDistState:
         except HixlError:
             return False
 
+    def reachable(self, link: Link, timeout: float) -> bool:
+        """:meth:`alive`, confirmed by a round trip (so a peer killed a moment ago is noticed now).
+
+        A peer too slow to answer within ``timeout`` counts as there: only a
+        connection that is known to be gone may be replaced.
+        """
+        if not self.alive(link):
+            return False
+        try:
+            self.is_current(link.name, link.catalog, timeout)
+        except ConnectionError:
+            return False
+        except LLMException:
+            return True
+        return self.alive(link)
+
     def _live_link(self, cluster_id: int) -> Link:
         link = self.link(cluster_id)
         if link is None:
             raise LLMException(f"cluster {cluster_id} is not linked", LLMStatusCode.NOT_YET_LINK)
-        if not self.alive(link):
+        with translate_errors(f"link to cluster {cluster_id} at {link.name}"):
+            incarnation = self.engine.peer_incarnation(link.name)
+        if incarnation != link.incarnation:
             # A restarted peer at the same address is a stranger: its memory is not the
             # memory the catalog describes, so nothing of this link may be used again.
-            raise LLMException(f"the link to cluster {cluster_id} at {link.name} is lost; link again", LLMStatusCode.LINK_FAILED)
+            raise LLMException(f"cluster {cluster_id} at {link.name} restarted; link again", LLMStatusCode.LINK_FAILED)
         return link
 
     def _refetch(self, cluster_id: int, link: Link) -> Catalog:

@@ -128,7 +128,7 @@ class LLMDataDist:
         engine, state = self.engine, self._live_state()
         old = state.link(info.remote_cluster_id)
         if old is not None:
-            if state.alive(old):
+            if state.reachable(old, timeout):
                 if _canonical(old.name) == _canonical(info.remote_ip_info):
                     return LLMStatusCode.ALREADY_LINK
                 log.warning(
