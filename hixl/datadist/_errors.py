@@ -23,7 +23,6 @@ import contextlib
 import enum
 from collections.abc import Iterator
 
-from .._types import Status
 from .._exceptions import (
     HixlError,
     HixlTimeout,
@@ -33,6 +32,7 @@ from .._exceptions import (
     PeerDisconnected,
     ResourceExhausted,
 )
+from .._types import Status
 
 __all__ = ["LLMException", "LLMLinkError", "LLMStatusCode", "LLMTimeout", "status_of", "translate_errors"]
 
@@ -88,11 +88,10 @@ class LLMException(HixlError):
 
     def __new__(cls, message: str, status_code: LLMStatusCode) -> LLMException:
         # Chosen here rather than at each raise, so no raise site can forget the mix-in.
-        if cls is LLMException:
-            cls = _KIND.get(status_code, LLMException)
+        kind = _KIND.get(status_code, cls) if cls is LLMException else cls
         # Only the text goes on: OSError (under TimeoutError, ConnectionError) would read two
         # arguments as (errno, strerror).
-        return super().__new__(cls, f"{status_code.name}: {message}")
+        return super(LLMException, kind).__new__(kind, f"{status_code.name}: {message}")
 
     def __init__(self, message: str, status_code: LLMStatusCode) -> None:
         super().__init__(f"{status_code.name}: {message}", _STATUS[status_code])

@@ -11,6 +11,7 @@ has landed.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,12 +20,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._exceptions import HixlError
-from .._request import TransferReq
 from .._memory import buffer_range
+from .._request import TransferReq
 from .._types import Op
 from ._catalog import Catalog, RemoteCache
 from ._errors import LLMException, LLMStatusCode, translate_errors
 from ._layout import layer_tensors, resolve_layers, row_descs, rows_array
+from ._state import DataDistState
 from ._task import CacheTask
 from ._types import (
     BlocksCacheKey,
@@ -37,7 +39,6 @@ from ._types import (
     TransferConfig,
     TransferDone,
 )
-from ._state import DataDistState
 
 __all__ = ["CacheManager", "CacheTask", "LayerSynchronizer"]
 
@@ -270,7 +271,7 @@ class CacheManager:
                 if not ready:
                     task._fail_from(position, LLMException(f"layer {layer} was not computed in time", LLMStatusCode.TIMEOUT))
                     return
-                if not task._start(position, lambda: start_layer(position, layer)):
+                if not task._start(position, functools.partial(start_layer, position, layer)):
                     return
 
         threading.Thread(target=push, name="hixl-datadist-push", daemon=True).start()
@@ -351,7 +352,7 @@ class CacheManager:
             raise TypeError("the local cache is a blocks cache (use pull_blocks/push_blocks)")
         if isinstance(remote_key, CacheKey):
             cluster = remote_key.prompt_cluster_id
-            found: Any = lambda cat: cat.by_cache_key(remote_key)  # noqa: E731
+            found: Any = lambda cat: cat.by_cache_key(remote_key)
         elif isinstance(remote_key, CacheKeyByIdAndIndex):
             cluster = remote_key.cluster_id
 

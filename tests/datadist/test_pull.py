@@ -25,7 +25,15 @@ from hixl.datadist import (
 )
 from hixl.testing.datadist_peer import pattern
 
-from .helpers import BIG, LOCAL_ID, assert_numbered, fresh_id, new_blocks_key, new_cache_key, numbered_big_caches
+from .helpers import (
+    BIG,
+    LOCAL_ID,
+    assert_numbered,
+    fresh_id,
+    new_blocks_key,
+    new_cache_key,
+    numbered_big_caches,
+)
 
 LAYERS, BLOCKS = 4, 16
 SHAPE = (BLOCKS, 8, 2, 16)  # blocks, block size, heads, head dim

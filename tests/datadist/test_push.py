@@ -28,6 +28,7 @@ from hixl.testing.datadist_peer import DataDistProcess
 from .helpers import (
     LOCAL_ID,
     REMOTE_ID,
+    fresh_id,
     listen_config,
     new_blocks_key,
     new_cache_key,
@@ -276,18 +277,28 @@ def test_transfer_configs_are_checked_up_front(remote, local, make_remote, make_
     assert sync.timeouts == []  # nothing was started
 
 
-def test_push_checks_the_destination_before_every_layer(remote, local, make_remote, make_local):
-    """The destination re-registers its cache (same key, same memory) between layers: the rest is not written."""
+def _push_past_layer_0(remote, local, make_remote, make_local, desc, seed):
+    """Start pushing every block of a fresh cache; return once layer 0 landed and layer 1 is being computed.
+
+    Returns the remote cache's name, its contents before the push, the local cache, the synchronizer, the task.
+    """
     key = new_blocks_key()
-    first = make_remote(F32, key, seed=15)
-    mine = make_local(F32, seed=16)
+    name = make_remote(desc, key, seed=seed)
+    before = remote.read(name)
+    mine = make_local(desc, seed=seed + 1)
     blocks = list(range(BLOCKS))
     sync = StepSynchronizer()
     remote.completed_requests()
-    task = local.cache_manager.transfer_cache_async(mine.cache, sync, [TransferConfig(REMOTE_ID, key)], blocks, blocks, req_id=71, timeout=5.0)
+    task = local.cache_manager.transfer_cache_async(mine.cache, sync, [TransferConfig(REMOTE_ID, key)], blocks, blocks, req_id=fresh_id(), timeout=5.0)
     sync.release(0)
     task.wait_layer(0)
     sync.wait_called(1)
+    return key, name, before, mine, sync, task
+
+
+def test_push_checks_the_destination_before_every_layer(remote, local, make_remote, make_local):
+    """The destination re-registers its cache (same key, same memory) between layers: the rest is not written."""
+    key, first, _, _, sync, task = _push_past_layer_0(remote, local, make_remote, make_local, F32, 15)
     # The destination lets the cache go and registers another one under the same key in the
     # very same memory: the addresses the push planned with are valid again, for other data.
     remote.unregister(first, keep_memory=True)
@@ -312,17 +323,7 @@ def test_push_checks_the_destination_before_every_layer(remote, local, make_remo
 
 # -- cancel ------------------------------------------------------------------------------------
 def test_cancelled_push_writes_no_further_layer(remote, local, make_remote, make_local):
-    key = new_blocks_key()
-    name = make_remote(F16, key, seed=18)
-    before = remote.read(name)
-    mine = make_local(F16, seed=19)
-    blocks = list(range(BLOCKS))
-    sync = StepSynchronizer()
-    remote.completed_requests()
-    task = local.cache_manager.transfer_cache_async(mine.cache, sync, [TransferConfig(REMOTE_ID, key)], blocks, blocks, req_id=72, timeout=5.0)
-    sync.release(0)
-    task.wait_layer(0)
-    sync.wait_called(1)
+    _, name, before, mine, sync, task = _push_past_layer_0(remote, local, make_remote, make_local, F16, 18)
     task.cancel()
     assert task.done() and task.status is LLMStatusCode.CANCELLED
     for layer in range(1, LAYERS):

@@ -3,15 +3,15 @@ cluster id, a restarted peer linked anew, and the newest catalog published under
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
-import pytest
 
 import hixl
 from hixl.datadist import (
@@ -28,38 +28,19 @@ from hixl.datadist._catalog import CATALOG_KEY, Catalog
 from hixl.datadist._state import DONE_NOTIFY, HELLO_NOTIFY
 from hixl.testing.datadist_peer import DataDistProcess
 
-from .helpers import LOCAL_ID, allocate, client_config, free_port, fresh_id, listen_config, new_blocks_key
+from .helpers import (
+    LOCAL_ID,
+    SMALL,
+    allocate,
+    free_port,
+    fresh_id,
+    listen_config,
+    new_blocks_key,
+    pull_all,
+)
 
-DESC = CacheDesc(4, (8, 4, 2, 8), DataType.DT_FLOAT)
-ALL = list(range(DESC.shape[0]))
+DESC = SMALL
 SUCCESS = LLMStatusCode.SUCCESS
-
-
-@pytest.fixture
-def decode(transport: str) -> Iterator[Callable[..., LLMDataDist]]:
-    """Fresh client-only DataDist instances in this process, finalized afterwards."""
-    made: list[LLMDataDist] = []
-
-    def make(cluster_id: int | None = None) -> LLMDataDist:
-        dd = LLMDataDist(LLMRole.DECODER, fresh_id() if cluster_id is None else cluster_id)
-        dd.init(client_config(transport))
-        made.append(dd)
-        return dd
-
-    yield make
-    for dd in made:
-        dd.finalize()
-
-
-def _pull_matches(dd: LLMDataDist, key: BlocksCacheKey, source: DataDistProcess, name: str, req_id: int | None = None) -> None:
-    """Pull the whole cache ``name`` of ``source`` into a fresh local cache; it must equal the source's."""
-    tensors, storage = allocate(DESC)
-    cache = dd.cache_manager.register_blocks_cache(DESC, tensors)
-    try:
-        dd.cache_manager.pull_blocks(key, cache, ALL, ALL, req_id=req_id, timeout=10.0)
-        np.testing.assert_array_equal(storage, source.read(name))
-    finally:
-        dd.cache_manager.unregister_cache(cache.cache_id)
 
 
 def _forge(transport: str, target: DataDistProcess, cluster_id: int, req_id: int, *, announce: bool) -> None:
@@ -73,7 +54,7 @@ def _forge(transport: str, target: DataDistProcess, cluster_id: int, req_id: int
 
 
 # -- completions are bound to their link -------------------------------------------------------
-def test_only_the_linked_connection_completes_for_its_cluster(transport, remote, local, make_remote, decode):
+def test_only_the_linked_connection_completes_for_its_cluster(transport, remote, local, make_remote, new_local):
     """Forged completions (any engine, any claim) never reach completed_requests(); the real one does."""
     key = new_blocks_key()
     name = make_remote(DESC, key, seed=1)
@@ -84,31 +65,31 @@ def test_only_the_linked_connection_completes_for_its_cluster(transport, remote,
     _forge(transport, remote, fresh_id(), forged[2], announce=False)  # claims a cluster never linked
     # A whole DataDist instance claiming the linked cluster's id: it may link and read (reads
     # are one-sided), but its completion does not count as the real decode's.
-    impostor = decode(LOCAL_ID)
+    impostor = new_local(LOCAL_ID)
     assert impostor.link_clusters([remote.cluster_info()]) == [SUCCESS]
-    _pull_matches(impostor, key, remote, name, req_id=forged[3])
+    pull_all(impostor, key, remote, name, req_id=forged[3])
     real = fresh_id()
-    _pull_matches(local, key, remote, name, req_id=real)
+    pull_all(local, key, remote, name, req_id=real)
     assert remote.completed_requests() == [TransferDone(LOCAL_ID, real, "pull")]
 
 
-def test_a_relinked_decode_completes_from_its_new_connection(transport, remote, make_remote, decode):
+def test_a_relinked_decode_completes_from_its_new_connection(transport, remote, make_remote, new_local):
     """Unlinking closes the bound connection; the same cluster linking again is bound to the new one."""
     key = new_blocks_key()
     name = make_remote(DESC, key, seed=2)
-    dd = decode()
+    dd = new_local()
     info = remote.cluster_info()
     for _ in range(2):
         assert dd.link_clusters([info]) == [SUCCESS]
         req = fresh_id()
-        _pull_matches(dd, key, remote, name, req_id=req)
+        pull_all(dd, key, remote, name, req_id=req)
         assert remote.completed_requests() == [TransferDone(dd.cluster_id, req, "pull")]
         assert dd.unlink_clusters([info]) == [SUCCESS]
         time.sleep(0.1)  # the target sees the connection close
 
 
 # -- one live address per cluster id -----------------------------------------------------------
-def test_a_cluster_id_at_a_second_address_is_refused(transport, decode, caplog):
+def test_a_cluster_id_at_a_second_address_is_refused(transport, new_local, caplog):
     cluster = fresh_id()
     key = BlocksCacheKey(cluster, 1)
     with DataDistProcess(LLMRole.PROMPT, cluster, listen_config(transport)) as first, DataDistProcess(
@@ -116,14 +97,14 @@ def test_a_cluster_id_at_a_second_address_is_refused(transport, decode, caplog):
     ) as second:
         first.register_blocks_cache("kv", DESC, key, seed=3)
         second.register_blocks_cache("kv", DESC, key, seed=4)
-        dd = decode()
+        dd = new_local()
         assert dd.link_clusters([first.cluster_info()]) == [SUCCESS]
         with caplog.at_level(logging.WARNING, logger="hixl.datadist"):
             assert dd.link_clusters([second.cluster_info()]) == [LLMStatusCode.CLUSTER_ID_CONFLICT]
         assert first.ip_info in caplog.text and second.ip_info in caplog.text
         assert dd.linked_clusters() == {cluster: first.ip_info}
         assert dd.link_clusters([first.cluster_info()]) == [LLMStatusCode.ALREADY_LINK]
-        _pull_matches(dd, key, first, "kv")
+        pull_all(dd, key, first, "kv")
         # Once the first is gone, the id may move: the link (and its catalog) go to the second.
         first.kill()
         deadline = time.monotonic() + 15
@@ -131,33 +112,49 @@ def test_a_cluster_id_at_a_second_address_is_refused(transport, decode, caplog):
             assert status == [LLMStatusCode.CLUSTER_ID_CONFLICT] and time.monotonic() < deadline, status
             time.sleep(0.05)
         assert dd.linked_clusters() == {cluster: second.ip_info}
-        _pull_matches(dd, key, second, "kv")
+        pull_all(dd, key, second, "kv")
 
 
-def test_a_peer_restarted_at_the_same_address_is_linked_anew(transport, decode):
+def test_a_peer_restarted_at_the_same_address_is_linked_anew(transport, new_local):
     """A new incarnation at the old address: relinking replaces the dead link, and pulls get its data."""
     cluster = fresh_id()
     key = BlocksCacheKey(cluster, 1)
     config = LLMConfig(listen_ip_info=f"127.0.0.1:{free_port()}", transport=transport)
-    dd = decode()
+    dd = new_local()
     with DataDistProcess(LLMRole.PROMPT, cluster, config) as before:
         before.register_blocks_cache("kv", DESC, key, seed=5)
         assert dd.link_clusters([before.cluster_info()]) == [SUCCESS]
-        _pull_matches(dd, key, before, "kv")
+        pull_all(dd, key, before, "kv")
         before.kill()
     with DataDistProcess(LLMRole.PROMPT, cluster, config) as after:
         after.register_blocks_cache("kv", DESC, key, seed=6)
         assert dd.link_clusters([after.cluster_info()]) == [SUCCESS]
         assert dd.engine.peer_incarnation(after.ip_info) != ""
-        _pull_matches(dd, key, after, "kv")
+        pull_all(dd, key, after, "kv")
 
 
 # -- one owner for the catalog ------------------------------------------------------------------
-def _published(reader: hixl.Engine, owner: str, word: np.ndarray) -> tuple[Catalog, int]:
-    """The catalog ``owner`` publishes, and its generation word read right after."""
-    catalog = Catalog.decode(reader.get_remote_metadata(owner, CATALOG_KEY))
-    reader.transfer_sync(owner, hixl.Op.READ, [(int(word.ctypes.data), catalog.generation_addr, 8)])
-    return catalog, int(word[0])
+def _all_at_once(jobs: list[Callable[[], object]]) -> None:
+    """Run ``jobs`` in threads released together, and wait for them all."""
+    barrier = threading.Barrier(len(jobs))
+
+    def run(job: Callable[[], object]) -> None:
+        barrier.wait(10)
+        job()
+
+    workers = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(20)
+
+
+def _assert_newest_published(reader: hixl.Engine, owner: LLMDataDist, word: np.ndarray) -> None:
+    """What ``owner`` publishes names exactly its caches, and its generation word matches that catalog."""
+    catalog = Catalog.decode(reader.get_remote_metadata(owner.local_ip_info, CATALOG_KEY))
+    reader.transfer_sync(owner.local_ip_info, hixl.Op.READ, [(int(word.ctypes.data), catalog.generation_addr, 8)])
+    assert int(word[0]) == catalog.generation
+    assert sorted(c.cache_id for c in catalog.caches) == sorted(c.cache_id for c in owner.cache_manager.caches())
 
 
 def test_concurrent_registrations_leave_the_newest_catalog_published(transport):
@@ -181,34 +178,13 @@ def test_concurrent_registrations_leave_the_newest_catalog_published(transport):
     try:
         manager = owner.cache_manager
         for _ in range(rounds):
-            barrier = threading.Barrier(threads_n)
-
-            def register() -> None:
-                tensors, _ = allocate(small)
-                barrier.wait(10)
-                manager.register_blocks_cache(small, tensors, BlocksCacheKey(cluster, fresh_id()))
-
-            workers = [threading.Thread(target=register) for _ in range(threads_n)]
-            for worker in workers:
-                worker.start()
-            for worker in workers:
-                worker.join(20)
-            catalog, generation = _published(reader, owner.local_ip_info, word)
-            assert generation == catalog.generation
-            assert sorted(c.cache_id for c in catalog.caches) == sorted(c.cache_id for c in manager.caches())
-
+            tensors = [allocate(small)[0] for _ in range(threads_n)]
+            keys = [BlocksCacheKey(cluster, fresh_id()) for _ in range(threads_n)]
+            _all_at_once([functools.partial(manager.register_blocks_cache, small, t, k) for t, k in zip(tensors, keys)])
+            _assert_newest_published(reader, owner, word)
             gone = manager.caches()[: threads_n // 2]
-            barrier = threading.Barrier(len(gone))
-            workers = [
-                threading.Thread(target=lambda c=c: (barrier.wait(10), manager.unregister_cache(c.cache_id))) for c in gone
-            ]
-            for worker in workers:
-                worker.start()
-            for worker in workers:
-                worker.join(20)
-            catalog, generation = _published(reader, owner.local_ip_info, word)
-            assert generation == catalog.generation
-            assert sorted(c.cache_id for c in catalog.caches) == sorted(c.cache_id for c in manager.caches())
+            _all_at_once([functools.partial(manager.unregister_cache, c.cache_id) for c in gone])
+            _assert_newest_published(reader, owner, word)
     finally:
         sys.setswitchinterval(interval)
         reader.finalize()
