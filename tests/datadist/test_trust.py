@@ -39,7 +39,6 @@ from .helpers import (
     pull_all,
 )
 
-DESC = SMALL
 SUCCESS = LLMStatusCode.SUCCESS
 
 
@@ -57,7 +56,7 @@ def _forge(transport: str, target: DataDistProcess, cluster_id: int, req_id: int
 def test_only_the_linked_connection_completes_for_its_cluster(transport, remote, local, make_remote, new_local):
     """Forged completions (any engine, any claim) never reach completed_requests(); the real one does."""
     key = new_blocks_key()
-    name = make_remote(DESC, key, seed=1)
+    name = make_remote(SMALL, key, seed=1)
     remote.completed_requests()
     forged = [fresh_id() for _ in range(4)]
     _forge(transport, remote, LOCAL_ID, forged[0], announce=False)  # claims the linked cluster
@@ -76,7 +75,7 @@ def test_only_the_linked_connection_completes_for_its_cluster(transport, remote,
 def test_a_relinked_decode_completes_from_its_new_connection(transport, remote, make_remote, new_local):
     """Unlinking closes the bound connection; the same cluster linking again is bound to the new one."""
     key = new_blocks_key()
-    name = make_remote(DESC, key, seed=2)
+    name = make_remote(SMALL, key, seed=2)
     dd = new_local()
     info = remote.cluster_info()
     for _ in range(2):
@@ -95,8 +94,8 @@ def test_a_cluster_id_at_a_second_address_is_refused(transport, new_local, caplo
     with DataDistProcess(LLMRole.PROMPT, cluster, listen_config(transport)) as first, DataDistProcess(
         LLMRole.PROMPT, cluster, listen_config(transport)
     ) as second:
-        first.register_blocks_cache("kv", DESC, key, seed=3)
-        second.register_blocks_cache("kv", DESC, key, seed=4)
+        first.register_blocks_cache("kv", SMALL, key, seed=3)
+        second.register_blocks_cache("kv", SMALL, key, seed=4)
         dd = new_local()
         assert dd.link_clusters([first.cluster_info()]) == [SUCCESS]
         with caplog.at_level(logging.WARNING, logger="hixl.datadist"):
@@ -122,12 +121,12 @@ def test_a_peer_restarted_at_the_same_address_is_linked_anew(transport, new_loca
     config = LLMConfig(listen_ip_info=f"127.0.0.1:{free_port()}", transport=transport)
     dd = new_local()
     with DataDistProcess(LLMRole.PROMPT, cluster, config) as before:
-        before.register_blocks_cache("kv", DESC, key, seed=5)
+        before.register_blocks_cache("kv", SMALL, key, seed=5)
         assert dd.link_clusters([before.cluster_info()]) == [SUCCESS]
         pull_all(dd, key, before, "kv")
         before.kill()
     with DataDistProcess(LLMRole.PROMPT, cluster, config) as after:
-        after.register_blocks_cache("kv", DESC, key, seed=6)
+        after.register_blocks_cache("kv", SMALL, key, seed=6)
         assert dd.link_clusters([after.cluster_info()]) == [SUCCESS]
         assert dd.engine.peer_incarnation(after.ip_info) != ""
         pull_all(dd, key, after, "kv")
