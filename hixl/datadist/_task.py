@@ -14,8 +14,8 @@ own flow — not by a background thread that could race ``finalize`` — so when
 ``synchronize`` returns, the peer has the notification.
 
 :meth:`CacheTask.cancel` stops a task: a layer not yet started never starts
-(starting one and cancelling exclude each other), and cancel returns once every
-request already started has ended, so no further byte of the task lands.
+(starting one and cancelling exclude each other), and every request already
+started is cancelled, so once it returns no further byte of the task lands.
 """
 
 from __future__ import annotations
@@ -161,23 +161,21 @@ class CacheTask:
         return self.synchronize_async().__await__()
 
     # -- cancelling ------------------------------------------------------------------------
-    def cancel(self, timeout: float | None = None) -> None:
+    def cancel(self) -> None:
         """Stop the task; when this returns, no further byte of it lands.
 
-        Layers not started yet are never started; the call then waits (up to
-        ``timeout``, default the task's) for the requests already started to
-        end. Afterwards every wait raises CANCELLED, :attr:`status` is
-        CANCELLED, and no completion notification is sent. Raises
-        :class:`LLMTimeout` if requests in flight did not end in time.
+        Layers not started yet are never started, and every request already
+        started is cancelled (:meth:`hixl.TransferReq.cancel`: a READ stops at
+        once; a WRITE to a TCP target, which lands data itself, is waited for
+        until the target answered or its deadline passed). Afterwards every
+        wait raises CANCELLED, :attr:`status` is CANCELLED, and no completion
+        notification is sent.
         """
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._starting:  # a layer being started right now finishes starting first
             self._cancelled = True
         self._change(lambda: None)  # wake waiters, which now raise CANCELLED
-        started = self._guard_reqs() + [r for s in self._slots.values() for r in s.reqs]
-        for req in started:
-            if not req.wait(max(0.0, deadline - time.monotonic())).is_final:
-                raise LLMException("requests of the cancelled task are still in flight", LLMStatusCode.TIMEOUT)
+        for req in self._guard_reqs() + [r for s in self._slots.values() for r in s.reqs]:
+            req.cancel()
 
     def _raise_if_cancelled(self) -> None:
         if self._cancelled:
