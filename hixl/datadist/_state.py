@@ -16,7 +16,9 @@ another announces its cluster id over that connection (:data:`HELLO_NOTIFY`);
 the receiver binds the cluster id to the connection it came on
 (``NotifyDesc.sender``) and accepts completions claiming that cluster only from
 that connection. An announcement for a cluster already bound to another live
-connection is refused; a binding whose connection has closed is replaced.
+connection is refused; a binding whose connection has closed is replaced —
+also when the close is seen only after the new announcement (an unlink
+followed at once by a link), by the first completion from the new connection.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class DataDistState:
         self._next_id = 1
         self._links: dict[int, Link] = {}
         self._senders: dict[int, str] = {}  # cluster id -> the served connection that speaks for it
+        self._claims: dict[str, int] = {}  # refused announcements: connection -> the cluster it claimed
         self._done: list[TransferDone] = []
         self._app_notifies: list[NotifyDesc] = []
         with self._lock:
@@ -298,13 +301,13 @@ class DataDistState:
         # Under the lock as a whole: bindings change in the order the notifications came.
         with self._lock:
             notifies = self.engine.get_notifies()
-            hello = any(n.name == HELLO_NOTIFY for n in notifies)
-            served = self.engine.served_connections() if hello else {}
+            ours = any(n.name in (HELLO_NOTIFY, DONE_NOTIFY) for n in notifies)
+            served = self.engine.served_connections() if ours else {}
             for notify in notifies:
                 if notify.name == HELLO_NOTIFY:
                     self._bind(notify, served)
                 elif notify.name == DONE_NOTIFY:
-                    self._accept_done(notify)
+                    self._accept_done(notify, served)
                 else:
                     self._app_notifies.append(notify)
 
@@ -318,16 +321,25 @@ class DataDistState:
                 "refusing %s's claim to be cluster %d: cluster %d is linked from %s",
                 served.get(notify.sender, notify.sender), cluster, cluster, served[bound],
             )
+            # Kept, in case the bound connection was only about to close (an unlink
+            # followed at once by a new link): see _accept_done.
+            self._claims = {s: c for s, c in self._claims.items() if s in served}
+            self._claims[notify.sender] = cluster
             return
         self._senders[cluster] = notify.sender
 
-    def _accept_done(self, notify: NotifyDesc) -> None:
+    def _accept_done(self, notify: NotifyDesc, served: dict[str, str]) -> None:
         cluster = _field(notify, "cluster_id")
         if cluster is None:
             return
-        if self._senders.get(cluster) != notify.sender:
-            log.warning("ignoring a completion claiming cluster %d from a connection that does not speak for it", cluster)
-            return
+        sender = notify.sender
+        if self._senders.get(cluster) != sender:
+            if self._claims.get(sender) != cluster or self._senders.get(cluster) in served:
+                log.warning("ignoring a completion claiming cluster %d from a connection that does not speak for it", cluster)
+                return
+            # It announced itself while the bound connection was still closing; that one is gone now.
+            del self._claims[sender]
+            self._senders[cluster] = sender
         try:
             doc = json.loads(notify.msg)
             self._done.append(TransferDone(cluster, int(doc["req_id"]), str(doc["op"])))

@@ -73,7 +73,7 @@ def test_only_the_linked_connection_completes_for_its_cluster(transport, remote,
 
 
 def test_a_relinked_decode_completes_from_its_new_connection(transport, remote, make_remote, new_local):
-    """Unlinking closes the bound connection; the same cluster linking again is bound to the new one."""
+    """Unlinking closes the bound connection; the same cluster linking again (at once) is bound to the new one."""
     key = new_blocks_key()
     name = make_remote(SMALL, key, seed=2)
     dd = new_local()
@@ -83,8 +83,7 @@ def test_a_relinked_decode_completes_from_its_new_connection(transport, remote, 
         req = fresh_id()
         pull_all(dd, key, remote, name, req_id=req)
         assert remote.completed_requests() == [TransferDone(dd.cluster_id, req, "pull")]
-        assert dd.unlink_clusters([info]) == [SUCCESS]
-        time.sleep(0.1)  # the target sees the connection close
+        assert dd.unlink_clusters([info]) == [SUCCESS]  # linked again at once, while the target may still see it open
 
 
 # -- one live address per cluster id -----------------------------------------------------------
