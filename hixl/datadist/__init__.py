@@ -5,7 +5,7 @@ with ``register_blocks_cache`` / ``pull_blocks`` / ``push_blocks`` /
 ``transfer_cache_async``, :class:`LLMException` with :class:`LLMStatusCode`.
 """
 
-from ._errors import LLMException, LLMStatusCode
+from ._errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeout
 from ._types import (
     BlocksCacheKey,
     Cache,
@@ -37,8 +37,10 @@ __all__ = [
     "LLMConfig",
     "LLMDataDist",
     "LLMException",
+    "LLMLinkError",
     "LLMRole",
     "LLMStatusCode",
+    "LLMTimeout",
     "LayerSynchronizer",
     "Placement",
     "TransferConfig",

@@ -1,5 +1,17 @@
 """DataDist errors: :class:`LLMException` with an :class:`LLMStatusCode`, as in LLM-DataDist.
 
+They stay in hixl's error tree::
+
+    HixlError (status)
+    └── LLMException (status_code; status follows it)
+        ├── LLMTimeout (TimeoutError)        TIMEOUT, WAIT_PROCESS_TIMEOUT
+        └── LLMLinkError (ConnectionError)   NOT_YET_LINK, LINK_FAILED
+
+``LLMException(message, code)`` builds the subclass its code belongs to, so
+``except TimeoutError`` / ``except ConnectionError`` catch a DataDist timeout
+or lost link wherever it was raised, and ``status`` (the :class:`~hixl.Status`
+inherited from :class:`~hixl.HixlError`) is the one closest to ``status_code``.
+
 Bad arguments raise the builtin ``ValueError`` / ``TypeError`` instead; failures
 of the engine underneath are translated by :func:`translate_errors`, with the
 original chained as ``__cause__``.
@@ -20,8 +32,9 @@ from .._exceptions import (
     PeerDisconnected,
     ResourceExhausted,
 )
+from .._types import Status
 
-__all__ = ["LLMException", "LLMStatusCode", "status_of", "translate_errors"]
+__all__ = ["LLMException", "LLMLinkError", "LLMStatusCode", "LLMTimeout", "status_of", "translate_errors"]
 
 
 class LLMStatusCode(enum.Enum):
@@ -39,14 +52,49 @@ class LLMStatusCode(enum.Enum):
     WAIT_PROCESS_TIMEOUT = "WAIT_PROCESS_TIMEOUT"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     NOT_INITIALIZED = "NOT_INITIALIZED"
+    CLUSTER_ID_CONFLICT = "CLUSTER_ID_CONFLICT"
+    """The cluster id is linked at another, live address: two instances claim it."""
+    CANCELLED = "CANCELLED"
+    """The task was cancelled (:meth:`~hixl.datadist.CacheTask.cancel`)."""
     FAILED = "FAILED"
 
 
+# The closest engine Status for each code: what ``LLMException.status`` reports.
+_STATUS: dict[LLMStatusCode, Status] = {
+    LLMStatusCode.SUCCESS: Status.SUCCESS,
+    LLMStatusCode.PARAM_INVALID: Status.PARAM_INVALID,
+    LLMStatusCode.NOT_YET_LINK: Status.NOT_CONNECTED,
+    LLMStatusCode.ALREADY_LINK: Status.ALREADY_CONNECTED,
+    LLMStatusCode.LINK_FAILED: Status.NOT_CONNECTED,
+    LLMStatusCode.UNLINK_FAILED: Status.FAILED,
+    LLMStatusCode.EXIST_LINK: Status.ALREADY_CONNECTED,
+    LLMStatusCode.KV_CACHE_NOT_EXIST: Status.PARAM_INVALID,
+    LLMStatusCode.TIMEOUT: Status.TIMEOUT,
+    LLMStatusCode.WAIT_PROCESS_TIMEOUT: Status.TIMEOUT,
+    LLMStatusCode.RESOURCE_EXHAUSTED: Status.RESOURCE_EXHAUSTED,
+    LLMStatusCode.NOT_INITIALIZED: Status.FAILED,
+    LLMStatusCode.CLUSTER_ID_CONFLICT: Status.ALREADY_CONNECTED,
+    LLMStatusCode.CANCELLED: Status.FAILED,
+    LLMStatusCode.FAILED: Status.FAILED,
+}
+
+
 class LLMException(HixlError):
-    """A DataDist operation failed; ``status_code`` says how."""
+    """A DataDist operation failed; ``status_code`` says how, ``status`` is the closest :class:`~hixl.Status`.
+
+    Constructing it with a timeout or link code gives an :class:`LLMTimeout` or
+    :class:`LLMLinkError` (see the module docstring).
+    """
+
+    def __new__(cls, message: str, status_code: LLMStatusCode) -> LLMException:
+        # Chosen here rather than at each raise, so no raise site can forget the mix-in.
+        kind = _KIND.get(status_code, cls) if cls is LLMException else cls
+        # Only the text goes on: OSError (under TimeoutError, ConnectionError) would read two
+        # arguments as (errno, strerror).
+        return super(LLMException, kind).__new__(kind, f"{status_code.name}: {message}")
 
     def __init__(self, message: str, status_code: LLMStatusCode) -> None:
-        super().__init__(f"{status_code.name}: {message}")
+        super().__init__(f"{status_code.name}: {message}", _STATUS[status_code])
         self._message = message
         self.status_code = status_code
 
@@ -57,7 +105,23 @@ class LLMException(HixlError):
         return type(self), (self._message, self.status_code)
 
     def __repr__(self) -> str:
-        return f"LLMException({str(self)!r}, status_code={self.status_code.name})"
+        return f"{type(self).__name__}({str(self)!r}, status_code={self.status_code.name})"
+
+
+class LLMTimeout(LLMException, TimeoutError):
+    """A DataDist operation ran out of time (TIMEOUT or WAIT_PROCESS_TIMEOUT)."""
+
+
+class LLMLinkError(LLMException, ConnectionError):
+    """The cluster is not linked, or its link failed (NOT_YET_LINK or LINK_FAILED)."""
+
+
+_KIND: dict[LLMStatusCode, type[LLMException]] = {
+    LLMStatusCode.TIMEOUT: LLMTimeout,
+    LLMStatusCode.WAIT_PROCESS_TIMEOUT: LLMTimeout,
+    LLMStatusCode.NOT_YET_LINK: LLMLinkError,
+    LLMStatusCode.LINK_FAILED: LLMLinkError,
+}
 
 
 # Most specific first: TransferTimeout is a HixlTimeout, MemoryRangeError a ParamInvalid.

@@ -12,6 +12,10 @@ telling the other side that the data has landed. It is sent by whoever first
 finishes :meth:`CacheTask.synchronize` (or ``await task``), in that caller's
 own flow — not by a background thread that could race ``finalize`` — so when
 ``synchronize`` returns, the peer has the notification.
+
+:meth:`CacheTask.cancel` stops a task: a layer not yet started never starts
+(starting one and cancelling exclude each other), and every request already
+started is cancelled, so once it returns no further byte of the task lands.
 """
 
 from __future__ import annotations
@@ -83,16 +87,20 @@ class CacheTask:
         # (request reading the source's catalog generation, check that it is unchanged)
         self._guard: tuple[TransferReq, Callable[[], bool]] | None = None
         self._completion: _Completion | None = None
+        self._starting = threading.Lock()  # held while a layer starts, so cancel() sees it started
+        self._cancelled = False
 
     # -- waiting, blocking -----------------------------------------------------------------
     def wait_layer(self, layer_index: int, timeout: float | None = None) -> None:
         """Block until layer ``layer_index`` has landed; raise :class:`LLMException` if it failed."""
         slot = self._slot(layer_index)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self._raise_if_cancelled()
         with self._changed:
             submitted = self._changed.wait_for(lambda: slot.submitted, max(0.0, deadline - time.monotonic()))
         if not submitted:
             raise LLMException(f"layer {layer_index} was not started in time", LLMStatusCode.TIMEOUT)
+        self._raise_if_cancelled()
         if slot.error is not None:
             raise slot.error
         with translate_errors(f"layer {layer_index}"):
@@ -152,6 +160,27 @@ class CacheTask:
         """``await task``: :meth:`synchronize_async` with the task's own timeout."""
         return self.synchronize_async().__await__()
 
+    # -- cancelling ------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop the task; when this returns, no further byte of it lands.
+
+        Layers not started yet are never started, and every request already
+        started is cancelled (:meth:`hixl.TransferReq.cancel`: a READ stops at
+        once; a WRITE to a TCP target, which lands data itself, is waited for
+        until the target answered or its deadline passed). Afterwards every
+        wait raises CANCELLED, :attr:`status` is CANCELLED, and no completion
+        notification is sent.
+        """
+        with self._starting:  # a layer being started right now finishes starting first
+            self._cancelled = True
+        self._change(lambda: None)  # wake waiters, which now raise CANCELLED
+        for req in self._guard_reqs() + [r for s in self._slots.values() for r in s.reqs]:
+            req.cancel()
+
+    def _raise_if_cancelled(self) -> None:
+        if self._cancelled:
+            raise LLMException("the task was cancelled", LLMStatusCode.CANCELLED)
+
     # -- state -----------------------------------------------------------------------------
     def landed_at(self, layer_index: int) -> float | None:
         """``time.monotonic()`` when layer ``layer_index`` finished landing, or None if it hasn't."""
@@ -161,8 +190,8 @@ class CacheTask:
         return max((r.finished_at or 0.0) for r in slot.reqs) if slot.reqs else None
 
     def done(self) -> bool:
-        """True once every layer has ended (landed or failed)."""
-        return all(
+        """True once every layer has ended (landed or failed), or the task was cancelled."""
+        return self._cancelled or all(
             s.submitted and (s.error is not None or all(r.done() for r in s.reqs))
             for s in self._slots.values()
         )
@@ -170,6 +199,8 @@ class CacheTask:
     @property
     def status(self) -> LLMStatusCode:
         """SUCCESS once every layer landed, the first failure's code, or WAIT_PROCESS_TIMEOUT while running."""
+        if self._cancelled:
+            return LLMStatusCode.CANCELLED
         guard = self._guard_reqs()
         for slot in self._slots.values():
             if slot.error is not None:
@@ -206,6 +237,23 @@ class CacheTask:
     def _on_success(self, send: Callable[[], None]) -> None:
         """Have :meth:`synchronize` call ``send`` (once) after every layer landed."""
         self._completion = _Completion(send)
+
+    def _start(self, position: int, start: Callable[[], list[TransferReq]]) -> bool:
+        """Start the layer at ``position`` with ``start`` unless cancelled; False if it did not start.
+
+        ``start`` raising :class:`LLMException` fails that layer and every later one.
+        """
+        layer = self.layers[position]
+        with self._starting:
+            if self._cancelled:
+                return False
+            try:
+                reqs = start()
+            except LLMException as exc:
+                self._fail_from(position, exc)
+                return False
+            self._submit(layer, reqs)
+        return True
 
     def _submit(self, layer: int, reqs: list[TransferReq]) -> None:
         slot = self._slots[layer]

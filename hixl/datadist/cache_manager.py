@@ -11,20 +11,22 @@ has landed.
 
 from __future__ import annotations
 
-import json
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from .._exceptions import HixlError
 from .._memory import buffer_range
-from .._types import MemDesc, MemHandle, NotifyDesc, Op
+from .._request import TransferReq
+from .._types import Op
 from ._catalog import Catalog, RemoteCache
 from ._errors import LLMException, LLMStatusCode, translate_errors
 from ._layout import layer_tensors, resolve_layers, row_descs, rows_array
+from ._state import DataDistState
 from ._task import CacheTask
 from ._types import (
     BlocksCacheKey,
@@ -38,12 +40,7 @@ from ._types import (
     TransferDone,
 )
 
-if TYPE_CHECKING:
-    from .llm_datadist import LLMDataDist
-
 __all__ = ["CacheManager", "CacheTask", "LayerSynchronizer"]
-
-DONE_NOTIFY = "hixl.datadist.done"
 
 
 class LayerSynchronizer(Protocol):
@@ -72,12 +69,9 @@ class _Plan:
 class CacheManager:
     """Cache registration and transfers of one :class:`LLMDataDist` (``datadist.cache_manager``)."""
 
-    def __init__(self, datadist: LLMDataDist) -> None:
-        self._dd = datadist
-        self._lock = threading.Lock()
-        self._caches: dict[int, Cache] = {}
-        self._handles: dict[int, list[MemHandle]] = {}
-        self._next_id = 1
+    def __init__(self, state: DataDistState) -> None:
+        # Caches, links and catalogs live in the state this manager shares with its LLMDataDist.
+        self._state = state
 
     # -- registration --------------------------------------------------------------------
     def register_cache(
@@ -107,40 +101,15 @@ class CacheManager:
         if isinstance(tensors, (str, bytes)) or len(tensors) != desc.num_tensors:
             raise ValueError(f"expected {desc.num_tensors} tensors or addresses, got {len(tensors)}")
         addrs = [_tensor_addr(t, desc, i) for i, t in enumerate(tensors)]
-        engine = self._dd.engine
-        with self._lock:
-            for other in self._caches.values():
-                clash = [k for k in keys if k is not None and k in other.keys]
-                if clash:
-                    raise ValueError(f"key {clash[0]} is already registered (cache {other.cache_id})")
-            with translate_errors("register cache"):
-                # Per-layer tensors are often views into one storage: register the
-                # covering spans once, not each view.
-                handles = [engine.register_mem(MemDesc(a, n)) for a, n in _spans(addrs, desc.tensor_bytes)]
-            cache = Cache(self._next_id, desc, addrs, is_blocks, keys, keepalive=list(tensors))
-            self._next_id += 1
-            self._caches[cache.cache_id] = cache
-            self._handles[cache.cache_id] = handles
-        self._dd._publish()
-        return cache
+        return self._state.add_cache(desc, addrs, keys, is_blocks, tensors)
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a cache; peers can no longer reach it."""
-        with self._lock:
-            cache = self._caches.pop(cache_id, None)
-            if cache is None:
-                raise LLMException(f"no cache {cache_id}", LLMStatusCode.KV_CACHE_NOT_EXIST)
-            handles = self._handles.pop(cache_id)
-            still_used = {h.id for hs in self._handles.values() for h in hs}
-        for handle in handles:
-            if handle.id not in still_used:
-                self._dd.engine.deregister_mem(handle)
-        self._dd._publish()
+        self._state.remove_cache(cache_id)
 
     def caches(self) -> list[Cache]:
         """Every registered cache."""
-        with self._lock:
-            return list(self._caches.values())
+        return self._state.caches()
 
     # -- pulls (READ) --------------------------------------------------------------------
     def pull_blocks(
@@ -277,7 +246,20 @@ class CacheManager:
         if len({tuple(p.layers) for p in plans}) != 1:
             raise ValueError("every transfer config must cover the same source layers")
         task = CacheTask(plans[0].layers, timeout)
-        engine = self._dd.engine
+        state = self._state
+
+        def start_layer(position: int, layer: int) -> list[TransferReq]:
+            # Every destination's generation is read again right before its layer is
+            # written: one that re-registered its caches since the plan (or since the
+            # last layer) must not get this layer written into whatever is there now.
+            for plan in plans:
+                if not state.is_current(plan.remote_engine, plan.catalog, timeout):
+                    raise LLMException(
+                        f"{plan.remote_engine} changed its caches during the push; layer {layer} and later not written",
+                        LLMStatusCode.KV_CACHE_NOT_EXIST,
+                    )
+            with translate_errors(f"push layer {layer}"):
+                return [state.engine.transfer_async(p.remote_engine, p.op, p.layer_slice(position), timeout) for p in plans]
 
         def push() -> None:
             for position, layer in enumerate(task.layers):
@@ -289,13 +271,8 @@ class CacheManager:
                 if not ready:
                     task._fail_from(position, LLMException(f"layer {layer} was not computed in time", LLMStatusCode.TIMEOUT))
                     return
-                try:
-                    with translate_errors(f"push layer {layer}"):
-                        reqs = [engine.transfer_async(p.remote_engine, p.op, p.layer_slice(position), timeout) for p in plans]
-                except LLMException as exc:
-                    task._fail_from(position, exc)
+                if not task._start(position, functools.partial(start_layer, position, layer)):
                     return
-                task._submit(layer, reqs)
 
         threading.Thread(target=push, name="hixl-datadist-push", daemon=True).start()
         if req_id is not None:
@@ -310,23 +287,20 @@ class CacheManager:
     # -- completion notifications -----------------------------------------------------------
     def completed_requests(self) -> list[TransferDone]:
         """Requests peers finished with since the last call: pulled from us, or pushed to us."""
-        return self._dd._take_done()
+        return self._state.take_done()
 
     def _notify_done(self, plan: _Plan, req_id: int, op: str) -> None:
-        msg = json.dumps({"cluster_id": self._dd.cluster_id, "req_id": req_id, "op": op})
-        with translate_errors("completion notification"):
-            self._dd.engine.send_notify(plan.remote_engine, NotifyDesc(DONE_NOTIFY, msg))
+        self._state.send_done(plan.remote_engine, req_id, op)
 
     # -- planning ----------------------------------------------------------------------------
     def _timeout(self, timeout: float | None) -> float:
-        return self._dd.config.sync_kv_timeout if timeout is None else float(timeout)
+        return self._state.config.sync_kv_timeout if timeout is None else float(timeout)
 
     def _local(self, cache: Cache) -> Cache:
         if not isinstance(cache, Cache):
             raise TypeError(f"expected a Cache from register_*, got {type(cache).__name__}")
-        with self._lock:
-            if self._caches.get(cache.cache_id) is not cache:
-                raise LLMException(f"cache {cache.cache_id} is not registered here", LLMStatusCode.KV_CACHE_NOT_EXIST)
+        if not self._state.registered(cache):
+            raise LLMException(f"cache {cache.cache_id} is not registered here", LLMStatusCode.KV_CACHE_NOT_EXIST)
         return cache
 
     def _blocks_plan(
@@ -350,7 +324,7 @@ class CacheManager:
         if not local.is_blocks:
             raise TypeError("the local cache is not a blocks cache (use register_blocks_cache)")
         cluster = remote_key.prompt_cluster_id if cluster_id is None else cluster_id
-        remote_engine, remote, catalog = self._dd._remote_cache(
+        remote_engine, remote, catalog = self._state.remote_cache(
             cluster, lambda cat: cat.blocks_cache(remote_key), remote_key, timeout, verify
         )
         _check_compatible(local.cache_desc, remote.cache_desc)
@@ -378,7 +352,7 @@ class CacheManager:
             raise TypeError("the local cache is a blocks cache (use pull_blocks/push_blocks)")
         if isinstance(remote_key, CacheKey):
             cluster = remote_key.prompt_cluster_id
-            found: Any = lambda cat: cat.by_cache_key(remote_key)  # noqa: E731
+            found: Any = lambda cat: cat.by_cache_key(remote_key)
         elif isinstance(remote_key, CacheKeyByIdAndIndex):
             cluster = remote_key.cluster_id
 
@@ -388,7 +362,7 @@ class CacheManager:
 
         else:
             raise TypeError(f"cache key must be CacheKey or CacheKeyByIdAndIndex, not {type(remote_key).__name__}")
-        remote_engine, (remote, remote_index), catalog = self._dd._remote_cache(cluster, found, remote_key, timeout)
+        remote_engine, (remote, remote_index), catalog = self._state.remote_cache(cluster, found, remote_key, timeout)
         _check_compatible(local.cache_desc, remote.cache_desc)
         shape = local.cache_desc.shape
         if size != -1:
@@ -430,17 +404,17 @@ class CacheManager:
     # -- execution ---------------------------------------------------------------------------
     def _run(self, plan: _Plan, req_id: int | None, timeout: float, what: str) -> None:
         with translate_errors(what):
-            self._dd.engine.transfer_sync(plan.remote_engine, plan.op, plan.descs, timeout)
+            self._state.engine.transfer_sync(plan.remote_engine, plan.op, plan.descs, timeout)
         if req_id is not None:
             self._notify_done(plan, req_id, "pull" if plan.op is Op.READ else "push")
 
     def _run_async(self, plan: _Plan, req_id: int | None, timeout: float) -> CacheTask:
         task = CacheTask(plan.layers, timeout)
-        engine = self._dd.engine
+        engine = self._state.engine
         per_layer = len(plan.descs) // len(plan.layers)
         # The catalog check rides in the same ordered queue just ahead of layer 0,
         # rather than costing a round trip before the first layer may start.
-        guard, current = self._dd.generation_read(plan.catalog)
+        guard, current = self._state.generation_read(plan.catalog)
         head = np.concatenate([np.array([guard], dtype=np.uint64), plan.layer_slice(0)])
         # Two engine calls: layer 0 is queued (and starts copying) while the rest
         # are still being validated; each call validates its layers in one pass.
@@ -480,17 +454,6 @@ def _tensor_addr(tensor: Any, desc: CacheDesc, index: int) -> int:
     except HixlError as exc:
         raise ValueError(f"tensor {index}: {exc}") from exc
     return addr
-
-
-def _spans(addrs: list[int], nbytes: int) -> list[tuple[int, int]]:
-    """Union of ``[a, a+nbytes)`` over ``addrs`` as sorted, disjoint (addr, len) spans."""
-    spans: list[list[int]] = []
-    for addr in sorted(addrs):
-        if spans and addr <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], addr + nbytes)
-        else:
-            spans.append([addr, addr + nbytes])
-    return [(start, end - start) for start, end in spans]
 
 
 def _check_compatible(local: CacheDesc, remote: CacheDesc) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import hixl
-from hixl.datadist import CacheDesc, LLMDataDist, LLMRole
+from hixl.datadist import CacheDesc, LLMConfig, LLMDataDist, LLMRole
 from hixl.testing.datadist_peer import DataDistProcess, PeerError
 
 from .helpers import (
@@ -124,3 +124,19 @@ def make_remote(remote: DataDistProcess) -> Iterator[Callable[..., str]]:
                 child.unregister(name)
             except PeerError:
                 pass  # the test unregistered it itself
+
+
+@pytest.fixture
+def new_local(transport: str) -> Iterator[Callable[..., LLMDataDist]]:
+    """Fresh client-only DataDist instances in this process, finalized afterwards."""
+    made: list[LLMDataDist] = []
+
+    def make(cluster_id: int | None = None, config: LLMConfig | None = None) -> LLMDataDist:
+        dd = LLMDataDist(LLMRole.DECODER, fresh_id() if cluster_id is None else cluster_id)
+        dd.init(config or client_config(transport))
+        made.append(dd)
+        return dd
+
+    yield make
+    for dd in made:
+        dd.finalize()

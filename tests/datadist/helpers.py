@@ -55,6 +55,22 @@ def assert_numbered(cache: LocalCache) -> None:
         assert (got[t] == t + 1).all(), f"tensor {t}"
 
 
+# A small blocks cache, pulled whole by the link tests.
+SMALL = CacheDesc(4, (8, 4, 2, 8), DataType.DT_FLOAT)
+
+
+def pull_all(dd: LLMDataDist, key: BlocksCacheKey, source: DataDistProcess, name: str, req_id: int | None = None) -> None:
+    """Pull the whole :data:`SMALL` cache ``name`` of ``source`` into a fresh local cache and compare."""
+    tensors, storage = allocate(SMALL)
+    cache = dd.cache_manager.register_blocks_cache(SMALL, tensors)
+    blocks = list(range(SMALL.shape[0]))
+    try:
+        dd.cache_manager.pull_blocks(key, cache, blocks, blocks, req_id=req_id, timeout=10.0)
+        np.testing.assert_array_equal(storage, source.read(name))
+    finally:
+        dd.cache_manager.unregister_cache(cache.cache_id)
+
+
 def new_blocks_key(cluster: int = REMOTE_ID) -> BlocksCacheKey:
     """A BlocksCacheKey no other test uses."""
     return BlocksCacheKey(cluster, fresh_id())

@@ -52,8 +52,10 @@ def test_exported_names():
         "LLMConfig",
         "LLMDataDist",
         "LLMException",
+        "LLMLinkError",
         "LLMRole",
         "LLMStatusCode",
+        "LLMTimeout",
         "LayerSynchronizer",
         "Placement",
         "TransferConfig",
@@ -72,6 +74,38 @@ def test_llm_exception():
     again = pickle.loads(pickle.dumps(exc))
     assert type(again) is LLMException
     assert again.status_code is LLMStatusCode.KV_CACHE_NOT_EXIST and str(again) == str(exc)
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "builtin"),
+    [
+        (LLMStatusCode.TIMEOUT, hixl.Status.TIMEOUT, TimeoutError),
+        (LLMStatusCode.WAIT_PROCESS_TIMEOUT, hixl.Status.TIMEOUT, TimeoutError),
+        (LLMStatusCode.NOT_YET_LINK, hixl.Status.NOT_CONNECTED, ConnectionError),
+        (LLMStatusCode.LINK_FAILED, hixl.Status.NOT_CONNECTED, ConnectionError),
+        (LLMStatusCode.PARAM_INVALID, hixl.Status.PARAM_INVALID, None),
+        (LLMStatusCode.KV_CACHE_NOT_EXIST, hixl.Status.PARAM_INVALID, None),
+        (LLMStatusCode.RESOURCE_EXHAUSTED, hixl.Status.RESOURCE_EXHAUSTED, None),
+        (LLMStatusCode.ALREADY_LINK, hixl.Status.ALREADY_CONNECTED, None),
+        (LLMStatusCode.CLUSTER_ID_CONFLICT, hixl.Status.ALREADY_CONNECTED, None),
+        (LLMStatusCode.FAILED, hixl.Status.FAILED, None),
+    ],
+)
+def test_llm_exception_stays_in_the_error_tree(code, status, builtin):
+    exc = LLMException("what happened", code)
+    assert exc.status is status and exc.status_code is code
+    assert str(exc) == f"{code.name}: what happened" and exc.args == (str(exc),)
+    if builtin is not None:
+        assert isinstance(exc, builtin)
+    else:
+        assert not isinstance(exc, (TimeoutError, ConnectionError))
+    again = pickle.loads(pickle.dumps(exc))
+    assert type(again) is type(exc) and again.status is status and str(again) == str(exc)
+
+
+def test_every_status_code_has_a_status():
+    for code in LLMStatusCode:
+        assert isinstance(LLMException("x", code).status, hixl.Status), code
 
 
 # -- value types -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+import hixl
 from hixl.datadist import (
     BlocksCacheKey,
     CacheDesc,
@@ -292,7 +293,9 @@ def test_timed_out_pull_leaves_the_link_usable(transport, remote, local, make_re
         with pytest.raises(LLMException) as info:
             local.cache_manager.pull_blocks(big_key, big.cache, blocks, blocks, timeout=1e-4)
         assert _status(info) is LLMStatusCode.TIMEOUT
-        assert isinstance(info.value.__cause__, TimeoutError)
+        # Still a timeout to callers that catch by meaning, with the engine's error kept as the cause.
+        assert isinstance(info.value, TimeoutError) and info.value.status is hixl.Status.TIMEOUT
+        assert isinstance(info.value.__cause__, hixl.TransferTimeout)
         # The late data of the timed-out pull is still on its way; the next pull must not be confused by it.
         big.write(-1)
         local.cache_manager.pull_blocks(big_key, big.cache, blocks, blocks)

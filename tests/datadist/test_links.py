@@ -6,15 +6,13 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
+import hixl
 from hixl.datadist import (
     BlocksCacheKey,
-    CacheDesc,
-    DataType,
     LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
@@ -28,51 +26,26 @@ from hixl.testing.datadist_peer import DataDistProcess
 
 from .helpers import (
     REMOTE_ID,
+    SMALL,
     allocate,
     client_config,
     free_port,
     fresh_id,
     listen_config,
     new_blocks_key,
+    pull_all,
 )
 
-DESC = CacheDesc(4, (8, 4, 2, 8), DataType.DT_FLOAT)
+DESC = SMALL
 ALL = list(range(DESC.shape[0]))
 SUCCESS, ALREADY_LINK, LINK_FAILED = LLMStatusCode.SUCCESS, LLMStatusCode.ALREADY_LINK, LLMStatusCode.LINK_FAILED
-
-
-@pytest.fixture
-def new_local(transport: str) -> Iterator[Callable[..., LLMDataDist]]:
-    """Fresh client-only DataDist instances in this process, finalized afterwards."""
-    made: list[LLMDataDist] = []
-
-    def make(cluster_id: int | None = None, config: LLMConfig | None = None) -> LLMDataDist:
-        dd = LLMDataDist(LLMRole.DECODER, fresh_id() if cluster_id is None else cluster_id)
-        dd.init(config or client_config(transport))
-        made.append(dd)
-        return dd
-
-    yield make
-    for dd in made:
-        dd.finalize()
-
-
-def _pull_all(dd: LLMDataDist, key: BlocksCacheKey, remote: DataDistProcess, name: str) -> None:
-    """Pull the whole remote cache ``name`` into a fresh local cache and compare."""
-    tensors, storage = allocate(DESC)
-    cache = dd.cache_manager.register_blocks_cache(DESC, tensors)
-    try:
-        dd.cache_manager.pull_blocks(key, cache, ALL, ALL)
-        np.testing.assert_array_equal(storage, remote.read(name))
-    finally:
-        dd.cache_manager.unregister_cache(cache.cache_id)
 
 
 def test_link_twice_is_already_link(remote, local, make_remote):
     assert local.link_clusters([remote.cluster_info()]) == [ALREADY_LINK]
     assert local.linked_clusters() == {REMOTE_ID: remote.ip_info}
     key = new_blocks_key()
-    _pull_all(local, key, remote, make_remote(DESC, key, seed=1))
+    pull_all(local, key, remote, make_remote(DESC, key, seed=1))
 
 
 def test_nobody_listening_is_link_failed(transport, new_local):
@@ -90,7 +63,7 @@ def test_wrong_cluster_id_behind_the_address(remote, make_remote, new_local):
     # The refused link was torn down, so the right id links at once.
     assert dd.link_clusters([remote.cluster_info()]) == [SUCCESS]
     key = new_blocks_key()
-    _pull_all(dd, key, remote, make_remote(DESC, key, seed=2))
+    pull_all(dd, key, remote, make_remote(DESC, key, seed=2))
 
 
 def test_plain_engine_is_not_a_datadist_peer(transport, new_local):
@@ -127,15 +100,15 @@ def test_unlink(remote, make_remote, new_local):
     key = new_blocks_key()
     name = make_remote(DESC, key, seed=3)
     assert dd.link_clusters([remote.cluster_info()]) == [SUCCESS]
-    _pull_all(dd, key, remote, name)
+    pull_all(dd, key, remote, name)
     assert dd.unlink_clusters([remote.cluster_info()]) == [SUCCESS]
     assert dd.linked_clusters() == {} and dd.engine.connected_engines() == []
     with pytest.raises(LLMException) as info:
-        _pull_all(dd, key, remote, name)
+        pull_all(dd, key, remote, name)
     assert info.value.status_code is LLMStatusCode.NOT_YET_LINK
     assert dd.unlink_clusters([remote.cluster_info()]) == [LLMStatusCode.NOT_YET_LINK]
     assert dd.link_clusters([remote.cluster_info()]) == [SUCCESS]
-    _pull_all(dd, key, remote, name)
+    pull_all(dd, key, remote, name)
 
 
 def test_unlink_fails_transfers_in_flight(transport, remote, make_remote, new_local):
@@ -237,7 +210,7 @@ def test_link_retries_while_the_prefill_side_is_starting(transport, new_local):
             assert watcher.attempts >= 1
             key = BlocksCacheKey(21, 1)
             late.register_blocks_cache("late", DESC, key, seed=6)
-            _pull_all(dd, key, late, "late")
+            pull_all(dd, key, late, "late")
     finally:
         logger.removeHandler(watcher)
         logger.setLevel(old_level)
@@ -248,14 +221,17 @@ def test_dead_peer_is_link_failed(transport, remote, local, make_remote, new_loc
         doomed.register_blocks_cache("c", DESC, BlocksCacheKey(31), seed=7)
         dd = new_local()
         assert dd.link_clusters([doomed.cluster_info(), remote.cluster_info()]) == [SUCCESS, SUCCESS]
-        _pull_all(dd, BlocksCacheKey(31), doomed, "c")
+        pull_all(dd, BlocksCacheKey(31), doomed, "c")
         doomed.kill()
         with pytest.raises(LLMException) as info:
-            _pull_all(dd, BlocksCacheKey(31), doomed, "c")
+            pull_all(dd, BlocksCacheKey(31), doomed, "c")
         assert info.value.status_code is LINK_FAILED
+        # A lost link is still a ConnectionError, with the engine's error kept as the cause.
+        assert isinstance(info.value, ConnectionError) and info.value.status is hixl.Status.NOT_CONNECTED
+        assert isinstance(info.value.__cause__, hixl.HixlError)
     # The other link is unaffected.
     key = new_blocks_key()
-    _pull_all(dd, key, remote, make_remote(DESC, key, seed=8))
+    pull_all(dd, key, remote, make_remote(DESC, key, seed=8))
 
 
 # -- life cycle --------------------------------------------------------------------------------
@@ -265,7 +241,7 @@ def test_context_manager_and_idempotent_finalize(transport, remote, local, make_
     with LLMDataDist(LLMRole.DECODER, 41) as dd:
         dd.init(client_config(transport))
         assert dd.link_clusters([remote.cluster_info()]) == [SUCCESS]
-        _pull_all(dd, key, remote, name)
+        pull_all(dd, key, remote, name)
         engine = dd.engine
     # Leaving the block finalized the instance and its engine.
     assert "uninitialised" in repr(dd)
@@ -277,12 +253,12 @@ def test_context_manager_and_idempotent_finalize(transport, remote, local, make_
     dd.finalize()  # again: a no-op
     dd.finalize()
     # The peer lost a client, nothing else: other links to it still work.
-    _pull_all(local, key, remote, name)
+    pull_all(local, key, remote, name)
     # And a finalized instance can be initialised afresh.
     dd.init(client_config(transport))
     try:
         assert dd.linked_clusters() == {}
         assert dd.link_clusters([remote.cluster_info()]) == [SUCCESS]
-        _pull_all(dd, key, remote, name)
+        pull_all(dd, key, remote, name)
     finally:
         dd.finalize()

@@ -8,6 +8,7 @@ have moved did not.
 from __future__ import annotations
 
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -24,7 +25,15 @@ from hixl.datadist import (
 )
 from hixl.testing.datadist_peer import pattern
 
-from .helpers import BIG, LOCAL_ID, assert_numbered, new_blocks_key, new_cache_key, numbered_big_caches
+from .helpers import (
+    BIG,
+    LOCAL_ID,
+    assert_numbered,
+    fresh_id,
+    new_blocks_key,
+    new_cache_key,
+    numbered_big_caches,
+)
 
 LAYERS, BLOCKS = 4, 16
 SHAPE = (BLOCKS, 8, 2, 16)  # blocks, block size, heads, head dim
@@ -321,3 +330,21 @@ def test_pull_async_vllm_cpu_layout(remote, local, make_remote, make_local):
     while TransferDone(LOCAL_ID, 77, "pull") not in seen:
         assert time.monotonic() < deadline, seen
         seen += remote.completed_requests()
+
+
+def test_cancelled_pull_lands_nothing_after_cancel_returns(transport, remote, local, make_remote, make_local):
+    """Cancel with most of 64 MiB still on its way: once cancel() returns the local cache stays still."""
+    key, mine = numbered_big_caches(remote, make_remote, make_local)
+    blocks = list(range(BIG.shape[0]))
+    mine.write(0)
+    remote.completed_requests()
+    task = local.cache_manager.pull_blocks_async(key, mine.cache, blocks, blocks, req_id=fresh_id())
+    task.cancel()
+    assert task.done() and task.status is LLMStatusCode.CANCELLED
+    frozen = mine.read()
+    time.sleep(0.2)  # any late byte of the pull would land in this time
+    np.testing.assert_array_equal(mine.read(), frozen)
+    with pytest.raises(LLMException) as info:
+        task.synchronize()
+    assert info.value.status_code is LLMStatusCode.CANCELLED
+    assert remote.completed_requests() == []  # the source is not told to free what was not pulled

@@ -28,6 +28,7 @@ from hixl.testing.datadist_peer import DataDistProcess
 from .helpers import (
     LOCAL_ID,
     REMOTE_ID,
+    fresh_id,
     listen_config,
     new_blocks_key,
     new_cache_key,
@@ -274,3 +275,67 @@ def test_transfer_configs_are_checked_up_front(remote, local, make_remote, make_
     with pytest.raises(ValueError, match="out of range"):
         local.cache_manager.transfer_cache_async(mine.cache, sync, [TransferConfig(REMOTE_ID, key)], [0], [BLOCKS])
     assert sync.timeouts == []  # nothing was started
+
+
+def _push_past_layer_0(remote, local, make_remote, make_local, desc, seed):
+    """Start pushing every block of a fresh cache; return once layer 0 landed and layer 1 is being computed.
+
+    Returns the remote cache's name, its contents before the push, the local cache, the synchronizer, the task.
+    """
+    key = new_blocks_key()
+    name = make_remote(desc, key, seed=seed)
+    before = remote.read(name)
+    mine = make_local(desc, seed=seed + 1)
+    blocks = list(range(BLOCKS))
+    sync = StepSynchronizer()
+    remote.completed_requests()
+    task = local.cache_manager.transfer_cache_async(mine.cache, sync, [TransferConfig(REMOTE_ID, key)], blocks, blocks, req_id=fresh_id(), timeout=5.0)
+    sync.release(0)
+    task.wait_layer(0)
+    sync.wait_called(1)
+    return key, name, before, mine, sync, task
+
+
+def test_push_checks_the_destination_before_every_layer(remote, local, make_remote, make_local):
+    """The destination re-registers its cache (same key, same memory) between layers: the rest is not written."""
+    key, first, _, _, sync, task = _push_past_layer_0(remote, local, make_remote, make_local, F32, 15)
+    # The destination lets the cache go and registers another one under the same key in the
+    # very same memory: the addresses the push planned with are valid again, for other data.
+    remote.unregister(first, keep_memory=True)
+    second = f"{first}-again"
+    remote.register_blocks_cache(second, F32, key, layout=f"reuse:{first}", seed=17)
+    try:
+        before = remote.read(second)
+        for layer in range(1, LAYERS):
+            sync.release(layer)
+        with pytest.raises(LLMException) as info:
+            task.synchronize()
+        assert info.value.status_code is LLMStatusCode.KV_CACHE_NOT_EXIST
+        assert task.status is LLMStatusCode.KV_CACHE_NOT_EXIST
+        for layer in range(1, LAYERS):
+            with pytest.raises(LLMException):
+                task.wait_layer(layer)
+        np.testing.assert_array_equal(remote.read(second), before)
+        assert remote.completed_requests() == []
+    finally:
+        remote.unregister(second)
+
+
+# -- cancel ------------------------------------------------------------------------------------
+def test_cancelled_push_writes_no_further_layer(remote, local, make_remote, make_local):
+    _, name, before, mine, sync, task = _push_past_layer_0(remote, local, make_remote, make_local, F16, 18)
+    task.cancel()
+    assert task.done() and task.status is LLMStatusCode.CANCELLED
+    for layer in range(1, LAYERS):
+        sync.release(layer)  # prefill computes on; the push must not follow
+    time.sleep(0.2)
+    held = remote.read(name)
+    np.testing.assert_array_equal(_layer(held, 0), _layer(mine.read(), 0))  # landed before the cancel
+    np.testing.assert_array_equal(held[2:], before[2:])
+    for layer in task.layers:
+        with pytest.raises(LLMException) as info:
+            task.wait_layer(layer)
+        assert info.value.status_code is LLMStatusCode.CANCELLED
+    with pytest.raises(LLMException):
+        task.synchronize()
+    assert remote.completed_requests() == []  # a cancelled task tells nobody it finished
