@@ -190,10 +190,10 @@ class WorkerSide:
 
     def _link(self, endpoint: Endpoint) -> None:
         linked = self.datadist.linked_clusters().get(endpoint.cluster_id)
-        if linked == endpoint.ip_info:
-            return
-        if linked is not None:  # that cluster id now lives elsewhere: a prefill restarted with it
+        if linked is not None and linked != endpoint.ip_info:  # that id lives elsewhere: a prefill restarted with it
             self.datadist.unlink_clusters([LLMClusterInfo(endpoint.cluster_id, linked)], force=True)
+        # Also when linked at this address: DataDist answers ALREADY_LINK for a live link and links
+        # anew to a prefill restarted there (a new incarnation), whose old link is dead.
         (status,) = self.datadist.link_clusters([LLMClusterInfo(endpoint.cluster_id, endpoint.ip_info)])
         if status not in (LLMStatusCode.SUCCESS, LLMStatusCode.ALREADY_LINK):
             raise LLMException(f"cannot link to prefill {endpoint.ip_info} (cluster {endpoint.cluster_id})", status)
