@@ -59,7 +59,7 @@ def test_a_read_frozen_mid_data_fails_within_its_timeout(make_target: MakeTarget
             eng.transfer_sync(target.engine, Op.READ, [(int(buf.ctypes.data), target.addrs[0], size)], timeout=3)
         took = time.monotonic() - start
         freezer.join()
-        assert 2.9 < took < 4.0, f"transfer_sync returned after {took:.1f} s"
+        assert 2.9 < took < 4.5, f"transfer_sync returned after {took:.1f} s"
         wait_until_link_dead(eng, target.engine, buf, target.addrs[0], start, 8)
 
 
@@ -75,7 +75,7 @@ def test_an_async_read_frozen_mid_data_reports_timeout_on_time(make_target: Make
         start = time.monotonic()
         with pytest.raises(TransferTimeout):
             req.wait()
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 2.5
         assert req.status is TransferStatus.TIMEOUT
 
 

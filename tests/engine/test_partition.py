@@ -68,7 +68,7 @@ def test_a_link_cut_mid_read_fails_the_read_at_its_timeout(namespace: str) -> No
             try:
                 with pytest.raises((TransferTimeout, PeerDisconnected)):
                     req.wait(10)
-                assert time.monotonic() - start < 3.5, "the READ outlived its timeout"
+                assert time.monotonic() - start < 4.5, "the READ outlived its timeout"
                 wait_until_link_dead(eng, target.engine, buf, target.addrs[0], start, 6)
             finally:
                 _ip("link", "set", HOST_SIDE, "up")
