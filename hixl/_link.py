@@ -82,7 +82,8 @@ class Pending:
         raise ProtocolError("unexpected DATA frame")
 
     def on_failure(self, error: HixlError) -> None:
-        """Called when the link ends before a reply came."""
+        """Called when the link ends before a reply came; possibly twice, with the same error
+        (by the thread that ended the link, and by a caller reading for this entry)."""
 
 
 class _Call(Pending):
@@ -124,6 +125,8 @@ class PeerLink:
         self._pending: dict[int, Pending] = {}
         self._pending_lock = threading.Lock()
         self._closing = False
+        self._end_error: PeerDisconnected | None = None
+        """Why the link ended (what every request pending on it fails with); None while CONNECTED."""
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe()
         self._epoll.register(wire.fd, _ARMED)
@@ -231,6 +234,11 @@ class PeerLink:
             pass  # the request's own deadline reports it; the reader thread takes over the socket
         except HixlError as exc:
             self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
+        if not pending.done and self._end_error is not None:
+            # Another thread ended the link and is still failing its requests, ours among
+            # them: fail it now, with the same error, rather than return it unanswered (a
+            # caller would take that for a timeout).
+            pending.on_failure(self._end_error)
 
     def _send(self, req_id: int, send: Callable[[], None]) -> None:
         """Run ``send`` for request ``req_id``; if it fails, forget the request (and end a dead link)."""
@@ -391,15 +399,16 @@ class PeerLink:
                 pass
 
     def _end(self, state: LinkState, reason: str, quiet: bool = False) -> None:
+        error = PeerDisconnected(f"link to {self.remote_engine} {state.name.lower()}: {reason}")
         with self._pending_lock:
             if self.state is not LinkState.CONNECTED:
                 return
+            self._end_error = error  # set with the state: whoever sees one sees the other
             self.state = state
             pending, self._pending = self._pending, {}
         self.wire.mark_dead(reason)
         if state is LinkState.BROKEN and not quiet:
             log.warning("hixl: link to %s broken: %s", self.remote_engine, reason)
-        error = PeerDisconnected(f"link to {self.remote_engine} {state.name.lower()}: {reason}")
         for entry in pending.values():
             entry.on_failure(error)
 

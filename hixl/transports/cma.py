@@ -5,16 +5,19 @@ process's, in one kernel copy per byte; the target's CPU and threads take no
 part — this is as one-sided as a host can be. Descriptors become two iovec
 arrays by slicing numpy columns, IOV_MAX at a time.
 
-Reachability is *probed*, not assumed, and the probe is bound to the
-connection: for each authenticated connection the target puts 16 bytes that
-only the two ends of that connection can compute (derived from its session
-key) in its own memory, and advertises their address and its pid; the
-initiator reads them through ``process_vm_readv`` and compares. So a copy can
-never be pointed at a process other than the authenticated peer — a replayed
-or forged WELCOME names a process that does not hold this connection's bytes.
+Reachability is *proven*, not assumed, and nothing the peer says is taken on
+trust. Its WELCOME names a pid; the initiator copies into that process only if
+(1) the kernel's own tables show that it holds the far end of this very
+authenticated TCP connection (see :mod:`._peerproc`) — a peer that knows the
+secret can name any process, but cannot make another process hold its socket;
+(2) it holds, where it says, 16 bytes only the two ends of this connection can
+compute (derived from the session key), read through ``process_vm_readv``; and
+(3) it has its generation page open where it says (opened without ever
+blocking). The process is then pinned with a pidfd, and every copy checks that
+it is still alive, so a pid reused after the peer died is never copied into.
 The probe fails (and the engine falls back to TCP, logging why) across hosts,
-across pid namespaces, and where ptrace permission is withheld (Yama, seccomp,
-containers without CAP_SYS_PTRACE, other users).
+across pid namespaces, behind a proxy or NAT, and where ptrace permission is
+withheld (Yama, seccomp, containers without CAP_SYS_PTRACE, other users).
 
 As the target takes no part, it can't refuse a copy into memory it has just
 deregistered; so it counts its registration changes in a memfd page that the
@@ -30,6 +33,7 @@ import mmap
 import os
 import struct
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,6 +43,7 @@ from .._exceptions import HixlError, PeerDisconnected, TransferError
 from .._link import LinkState
 from .._types import MemType, Op
 from .._iov import IovCursor, iovecs, process_vm_readv, process_vm_writev
+from ._peerproc import PeerProcess, far_end_owner_error, map_peer_file
 from .base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
@@ -62,10 +67,7 @@ def _errno_error(err: int, pid: int) -> HixlError:
 _GENERATION = struct.Struct("<Q")
 
 
-def _map_generation(pid: int, fd: int) -> mmap.mmap:
-    """Map a target's registration-generation page read-only (via /proc: CMA's permission)."""
-    with open(f"/proc/{pid}/fd/{fd}", "rb") as f:
-        return mmap.mmap(f.fileno(), _GENERATION.size, prot=mmap.PROT_READ)
+_GENERATION_NAME = "hixl-cma-generation"
 
 
 _SMALL_IOVECS = 8
@@ -97,9 +99,10 @@ class CmaChannel(Channel):
     peer has our confirmation, no copy of ours touches what it withdrew.
     """
 
-    def __init__(self, link: PeerLink, pid: int, generation: mmap.mmap) -> None:
+    def __init__(self, link: PeerLink, process: PeerProcess, generation: mmap.mmap) -> None:
         self.link = link
-        self.pid = pid
+        self.pid = process.pid
+        self._process = process
         self._generation = generation
 
     def _current(self) -> int:
@@ -142,6 +145,8 @@ class CmaChannel(Channel):
                         return
                     with link.lease:
                         current = self._current() == link.table_generation and link.table is checked
+                        if not self._process.alive():
+                            raise PeerDisconnected(f"target process {self.pid} exited")
                         if current:
                             (local, remote), count, _ = cursor.window()
                             moved = call(self.pid, local, count, remote, count, 0)
@@ -188,12 +193,15 @@ class CmaChannel(Channel):
                 return False
             if link.table.writable is not table and link.table.readable is not table:
                 return False  # replaced since the engine checked: check again on the general path
+            if not self._process.alive():
+                return False  # the general path reports it (and never copies into a reused pid)
             # Short or failed: the general path resumes (copying again is harmless) and reports it.
             return bool(call(self.pid, scratch.local, count, scratch.remote, count, 0) == nbytes)
 
     def close(self) -> None:
-        """Unmap the peer's generation page."""
+        """Unmap the peer's generation page and let go of its process."""
         self._generation.close()
+        self._process.close()
 
 
 class CmaTransport(Transport):
@@ -212,8 +220,11 @@ class CmaTransport(Transport):
         # Without one (memfd refused), initiators' probes fail and they use another transport.
         self._generation_fd = -1
         self._generation_map: mmap.mmap | None = None
+        # What probe() proved about a link's peer, for open() to use: its pinned process
+        # and its mapped generation page (proven once, never looked up again).
+        self._proven: weakref.WeakKeyDictionary[PeerLink, tuple[PeerProcess, mmap.mmap]] = weakref.WeakKeyDictionary()
         try:
-            self._generation_fd = os.memfd_create("hixl-cma-generation", os.MFD_CLOEXEC)
+            self._generation_fd = os.memfd_create(_GENERATION_NAME, os.MFD_CLOEXEC)
             os.ftruncate(self._generation_fd, _GENERATION.size)
             self._generation_map = mmap.mmap(self._generation_fd, _GENERATION.size)
         except OSError:
@@ -245,7 +256,13 @@ class CmaTransport(Transport):
             self._generation_fd = -1
 
     def probe(self, link: PeerLink) -> str | None:
-        """Read this connection's probe bytes in the peer through ``process_vm_readv``; ``None`` if they match."""
+        """Prove which process the peer is and that we may copy into it; ``None`` if all holds.
+
+        Nothing the peer says is taken on trust: the pid it names must hold the far end
+        of this very connection's socket (the kernel's tables say so, see
+        :mod:`._peerproc`), must hold this connection's probe bytes where it says, and
+        must have its generation page open where it says.
+        """
         info = link.welcome.get("transports", {}).get("cma")
         if not isinstance(info, dict):
             return "the peer does not offer cma"
@@ -255,6 +272,38 @@ class CmaTransport(Transport):
             pid, addr, generation_fd = int(info["pid"]), int(info["probe_addr"]), int(info["generation_fd"])
         except (KeyError, TypeError, ValueError):
             return "the peer's cma advertisement is malformed"
+        if pid <= 0 or not 0 <= generation_fd < 1 << 31 or not 0 < addr < 1 << 64:
+            return "the peer's cma advertisement is out of range"
+        try:
+            process = PeerProcess(pid)  # pinned first: whatever is proven below is about this process
+        except OSError as exc:
+            return f"no process {pid} here ({exc.strerror})"
+        try:
+            reason = far_end_owner_error(pid, link.wire.sock) or self._probe_bytes_error(link, pid, addr)
+            generation = None
+            if reason is None:
+                try:
+                    generation = map_peer_file(pid, generation_fd, _GENERATION_NAME, _GENERATION.size)
+                except (OSError, ValueError) as exc:
+                    reason = f"cannot map pid {pid}'s registration generation: {exc}"
+            if reason is None and not process.alive():
+                reason = f"pid {pid} exited during the probe"
+        except BaseException:
+            process.close()
+            raise
+        if reason is not None:
+            process.close()
+            if generation is not None:
+                generation.close()
+            return reason
+        assert generation is not None
+        self._proven[link] = (process, generation)
+        return None
+
+    @staticmethod
+    def _probe_bytes_error(link: PeerLink, pid: int, addr: int) -> str | None:
+        """Read this connection's probe bytes in ``pid`` through ``process_vm_readv``: proves we
+        may copy into it, and that it is the process this session's key was shared with."""
         got = ctypes.create_string_buffer(_NONCE_BYTES)
         local = np.array([[ctypes.addressof(got), _NONCE_BYTES]], dtype=np.uint64)
         remote = np.array([[addr, _NONCE_BYTES]], dtype=np.uint64)
@@ -265,15 +314,10 @@ class CmaTransport(Transport):
         with link.wire.conn_lock:
             expected = link.wire.conn.binding("cma")
         if got.raw != expected:
-            return f"pid {pid} here does not hold this connection's probe bytes (another process, or another pid namespace)"
-        try:
-            _map_generation(pid, generation_fd).close()
-        except (OSError, ValueError) as exc:
-            return f"cannot map pid {pid}'s registration generation: {exc}"
+            return f"pid {pid} here does not hold this connection's probe bytes"
         return None
 
     def open(self, link: PeerLink) -> Channel:
-        """A channel copying to and from the probed peer process."""
-        info = link.welcome["transports"]["cma"]
-        pid = int(info["pid"])
-        return CmaChannel(link, pid, _map_generation(pid, int(info["generation_fd"])))
+        """A channel copying to and from the process :meth:`probe` proved."""
+        process, generation = self._proven.pop(link)
+        return CmaChannel(link, process, generation)

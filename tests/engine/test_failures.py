@@ -3,7 +3,9 @@ survivor keeps working. Targets are real child processes, killed (SIGKILL) or fr
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -280,3 +282,47 @@ def test_errors_stay_hixl_errors(transport: str, make_target: MakeTarget) -> Non
         ):
             with pytest.raises(HixlError):
                 call()
+
+
+# -- a dead peer is PeerDisconnected, whichever thread ends the link -----------------------------
+def _sync_read_while_the_link_ends(target: TargetProcess, end: Callable[[Engine], None], busy: int) -> BaseException | None:
+    """A sync READ waits on a frozen ``target`` behind ``busy`` async requests; another thread
+    ends the link (``end``) and fails them all — the sync READ last. What it raised."""
+    with Engine("127.0.0.1", {"transport": "tcp", "max_inflight": 2 * busy}) as eng:
+        buf = hixl.empty(MiB)
+        eng.register_mem(buf)
+        eng.connect(target.engine)
+        target.stop(signal.SIGSTOP)
+        descs = np.array([[_addr(buf), target.addrs[0], 8]] * busy, dtype=np.uint64)
+        eng.transfer_async_split(target.engine, Op.READ, descs, [1] * busy, timeout=20)
+        time.sleep(0.3)  # they are sent (or queued in a full socket): the link is busy
+        ender = threading.Timer(0.1, end, (eng,))
+        ender.start()
+        try:
+            eng.transfer_sync(target.engine, Op.READ, [(_addr(buf), target.addrs[0], 8)], timeout=20)
+        except HixlError as exc:
+            return exc
+        finally:
+            ender.join()
+        return None
+
+
+def test_a_disconnect_by_another_thread_fails_a_waiting_sync_read_as_disconnected(make_target: MakeTarget) -> None:
+    """The thread that ends the link fails its many requests one by one; the caller reading
+    for the last of them must not return first and take its silence for a timeout."""
+    target = make_target([MiB])
+    for _ in range(5):
+        error = _sync_read_while_the_link_ends(target, lambda eng: eng.disconnect(target.engine), busy=20_000)
+        target.stop(signal.SIGCONT)
+        assert isinstance(error, PeerDisconnected), repr(error)
+
+
+@pytest.mark.slow
+def test_a_killed_peer_fails_a_waiting_sync_read_as_disconnected(make_target: MakeTarget) -> None:
+    """Killed while frozen (no last words): whichever thread sees it first — the reader, or the
+    async worker whose send fails — every pending request is PeerDisconnected (many trials)."""
+    errors = []
+    for _ in range(12):
+        target = make_target([MiB])
+        errors.append(_sync_read_while_the_link_ends(target, lambda eng, pid=target.pid: os.kill(pid, signal.SIGKILL), busy=40_000))
+    assert all(isinstance(error, PeerDisconnected) for error in errors), [repr(e) for e in errors]

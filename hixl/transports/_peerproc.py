@@ -1,0 +1,147 @@
+"""Which process is at the other end of a connection on this host, and how to touch it safely.
+
+A same-host transport copies straight into another process's memory, so before
+it does, it must know *which* process that is — not which one the peer says it
+is. :func:`far_end_owner_error` proves it from the kernel's own tables: the
+process named must hold, among its open files, the very socket at the far end
+of our authenticated TCP connection (found in ``/proc/<pid>/net/tcp*``, which
+shows that process's network namespace). A peer that knows the shared secret
+can name any process it likes; it cannot make another process hold its socket.
+
+:class:`PeerProcess` then pins that process with a pidfd for the life of the
+link, so a pid that the kernel hands to a new process after the peer died is
+never mistaken for it. :func:`map_peer_file` opens a file the peer names (by fd
+number) without ever blocking: what it is is checked with ``stat`` before the
+open, which is non-blocking, and again with ``fstat`` after.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import mmap
+import os
+import select
+import socket
+import stat
+import sys
+
+__all__ = ["PeerProcess", "far_end_owner_error", "map_peer_file"]
+
+_ESTABLISHED = "01"
+_Endpoint = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
+
+
+def _endpoint(address: tuple) -> _Endpoint:
+    """A socket address as (ip, port), IPv4-mapped IPv6 addresses as IPv4."""
+    ip = ipaddress.ip_address(address[0].split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip, int(address[1])
+
+
+def _proc_endpoint(field: str) -> _Endpoint:
+    """``/proc/net/tcp``'s ``HEXADDR:HEXPORT``: the address as 32-bit words in host byte order."""
+    hex_addr, hex_port = field.split(":")
+    raw = b"".join(int(hex_addr[i : i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(hex_addr), 8))
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip, int(hex_port, 16)
+
+
+def _far_end_inodes(pid: int, sock: socket.socket) -> set[int]:
+    """Inodes of the established sockets, in ``pid``'s network namespace, whose local end is our
+    peer's address and whose remote end is ours: the far end of ``sock``."""
+    wanted = (_endpoint(sock.getpeername()), _endpoint(sock.getsockname()))
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                lines = f.readlines()[1:]
+        except FileNotFoundError:  # no IPv6 in that kernel, or the process is gone
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == _ESTABLISHED:
+                if (_proc_endpoint(fields[1]), _proc_endpoint(fields[2])) == wanted:
+                    inodes.add(int(fields[9]))
+    inodes.discard(0)
+    return inodes
+
+
+def far_end_owner_error(pid: int, sock: socket.socket) -> str | None:
+    """``None`` if process ``pid`` holds the far end of the TCP connection ``sock``; else why not.
+
+    Listing another process's fds needs the same permission as cross-memory
+    attach, so a peer we could copy into can always be checked this way.
+    """
+    if pid == os.getpid():
+        return "it names this process itself"
+    try:
+        inodes = _far_end_inodes(pid, sock)
+    except (OSError, ValueError) as exc:
+        return f"cannot read pid {pid}'s sockets: {exc}"
+    if not inodes:
+        return f"pid {pid} has no socket at the far end of this connection"
+    names = {f"socket:[{inode}]" for inode in inodes}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError as exc:
+        return f"cannot list pid {pid}'s open files: {exc.strerror}"
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in names:
+                return None
+        except OSError:
+            continue  # closed meanwhile
+    return f"pid {pid} does not hold this connection's socket"
+
+
+class PeerProcess:
+    """A process pinned by a pidfd: :meth:`alive` is false once *it* has exited, even if
+    its pid has since been given to another process."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd = os.pidfd_open(pid)  # ProcessLookupError if there is no such process
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLIN)
+
+    def alive(self) -> bool:
+        """True until the pinned process exits (a pidfd turns readable then)."""
+        try:
+            return not self._poll.poll(0)
+        except (OSError, ValueError):  # closed
+            return False
+
+    def close(self) -> None:
+        """Release the pidfd; idempotent."""
+        if self._fd >= 0:
+            self._poll.unregister(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def map_peer_file(pid: int, fd: int, name: str, size: int) -> mmap.mmap:
+    """Map ``size`` bytes of the memfd ``name`` that process ``pid`` has open as ``fd``, read-only.
+
+    Never blocks: a FIFO, socket or device there is refused by ``stat`` before
+    any open, and the open itself is non-blocking (a file swapped in between is
+    caught by ``fstat``). Raises :class:`ValueError` for anything but that memfd,
+    :class:`OSError` if it cannot be reached.
+    """
+    path = f"/proc/{pid}/fd/{int(fd)}"
+    target = os.readlink(path)
+    if not target.startswith(f"/memfd:{name}"):
+        raise ValueError(f"fd {fd} of pid {pid} is {target!r}, not the memfd {name!r}")
+    before = os.stat(path)  # follows the link to the open file without opening it
+    if not stat.S_ISREG(before.st_mode) or before.st_size < size:
+        raise ValueError(f"fd {fd} of pid {pid} is not a regular file of at least {size} bytes")
+    opened = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        after = os.fstat(opened)
+        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(after.st_mode):
+            raise ValueError(f"fd {fd} of pid {pid} changed while it was being opened")
+        return mmap.mmap(opened, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(opened)
