@@ -19,11 +19,14 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "deregister_timeout": 5.0,
     "heartbeat_interval": 1.0,
     "heartbeat_misses": 5,
+    "hello_timeout": 1.0,
     "handshake_timeout": 5.0,
     "frame_timeout": 10.0,
     "max_notifies": 4096,
     "max_notify_bytes": 4 << 20,
     "max_registrations": 65536,
+    "max_handshakes": 64,
+    "max_handshakes_per_source": 8,
     "max_connections": 128,
     "max_connections_per_peer": 16,
     "max_inflight": 4096,
@@ -41,24 +44,41 @@ DEFAULT_OPTIONS: dict[str, Any] = {
   stopped using the memory (and for requests being served in it) before cutting them off.
 - ``heartbeat_interval`` / ``heartbeat_misses``: an idle link is pinged every interval; a peer
   that shows no progress for interval × misses is declared dead.
+- ``hello_timeout`` (target): a connection's first frame (HELLO) must be complete within this,
+  from accept; at most ``handshake_timeout`` (if left out, it is cut down to it).
 - ``handshake_timeout`` (target): a connection must finish its handshake within this, from accept.
 - ``frame_timeout`` (target): a frame that has started arriving must complete within this.
 - ``max_notifies`` / ``max_notify_bytes`` (target): notifications held for ``get_notifies``
   before senders get RESOURCE_EXHAUSTED.
 - ``max_registrations``: registrations per engine.
-- ``max_connections`` / ``max_connections_per_peer`` (target): connections served at once, in
-  all and from one peer address; more are refused with RESOURCE_EXHAUSTED.
+- ``max_handshakes`` (target): connections still in the handshake at once; when full, a new one
+  evicts the oldest handshake of the source address that holds the most.
+- ``max_handshakes_per_source`` (target): connections still in the handshake from one source
+  address; more are refused at once with RESOURCE_EXHAUSTED.
+- ``max_connections`` / ``max_connections_per_peer`` (target): authenticated connections served at
+  once, in all and from one peer address (handshakes do not count); a peer that would exceed them
+  is refused with RESOURCE_EXHAUSTED once its handshake passed.
 - ``max_inflight``: async requests per peer not yet finished; more raise ResourceExhausted.
 - ``auth_secret``: shared secret (str or bytes; default ``$HIXL_AUTH_SECRET``) both ends must know.
 - ``allow_unauthenticated``: listen on a non-loopback address without a secret (refused otherwise).
 - ``allowed_networks`` (target): CIDR strings; connections from elsewhere are refused.
 """
 
-_POSITIVE_TIMES = ("connect_timeout", "transfer_timeout", "deregister_timeout", "heartbeat_interval", "handshake_timeout", "frame_timeout")
+_POSITIVE_TIMES = (
+    "connect_timeout",
+    "transfer_timeout",
+    "deregister_timeout",
+    "heartbeat_interval",
+    "hello_timeout",
+    "handshake_timeout",
+    "frame_timeout",
+)
 _POSITIVE_COUNTS = (
     "heartbeat_misses",
     "max_notifies",
     "max_registrations",
+    "max_handshakes",
+    "max_handshakes_per_source",
     "max_connections",
     "max_connections_per_peer",
     "max_inflight",
@@ -88,6 +108,14 @@ class EngineOptions:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
                 raise ParamInvalid(f"option {name} must be a positive number of seconds, not {value!r}")
             values[name] = float(value)
+        if values["hello_timeout"] > values["handshake_timeout"]:
+            # Only a value given explicitly is an error: lowering handshake_timeout alone lowers both.
+            if "hello_timeout" in (options or {}):
+                raise ParamInvalid(
+                    f"option hello_timeout ({values['hello_timeout']}) must not exceed handshake_timeout "
+                    f"({values['handshake_timeout']})"
+                )
+            values["hello_timeout"] = values["handshake_timeout"]
         for name in _POSITIVE_COUNTS:
             value = values[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,19 +1,22 @@
-"""The target's side: a listener, limits, and one I/O thread per authenticated connection.
+"""The target's side: a listener, limits, and one I/O thread per connection.
 
 Every accepted socket is checked against the allow-list of peer networks and
-the connection limits (total, and per peer address) before anything else; a
-refusal is one ERROR frame, then close. The handshake (see
-:mod:`hixl._protocol.connection`) must finish within one deadline counted from
+the handshake slots (see :mod:`hixl._admission`: handshakes are counted apart
+from authenticated peers, so a flood of them cannot take a peer's slot) before
+anything else; a refusal is one ERROR frame, then close. The handshake (see
+:mod:`hixl._protocol.connection`) must deliver its HELLO within
+``hello_timeout`` and finish within ``handshake_timeout``, both counted from
 ``accept``; a peer that fails the shared-secret proof is refused and logged,
-and learns nothing about this engine. Then each :class:`_ServedConnection`
-serves frames in arrival order: the data frames (READ, WRITE) go to the
-transport that declares it serves them; NOTIFY, QUERY_REGIONS, QUERY_META and
-PING are answered here. Because a connection is served strictly in order, a
-notification sent after a transfer is seen after that transfer's data. A bad
-request gets an ERROR reply and the connection stays usable; a malformed frame,
-or a frame that does not complete within ``frame_timeout``, ends only that
-connection. The accept loop survives running out of file descriptors: it
-logs, backs off and keeps accepting.
+and learns nothing about this engine. One that passes takes an authenticated
+slot just before its WELCOME, or is refused if there is none. Then each
+:class:`_ServedConnection` serves frames in arrival order: the data frames
+(READ, WRITE) go to the transport that declares it serves them; NOTIFY,
+QUERY_REGIONS, QUERY_META and PING are answered here. Because a connection is
+served strictly in order, a notification sent after a transfer is seen after
+that transfer's data. A bad request gets an ERROR reply and the connection
+stays usable; a malformed frame, or a frame that does not complete within
+``frame_timeout``, ends only that connection. The accept loop survives running
+out of file descriptors: it logs, backs off and keeps accepting.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import logging
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from . import _protocol as proto
+from ._admission import Admission
 from ._exceptions import AuthenticationFailed, HixlError, ProtocolError, ResourceExhausted, TransferTimeout
 from ._memory import Registry, RemoteRegions
 from ._protocol.auth import Secret
@@ -56,9 +59,12 @@ class ServerLimits:
 
     heartbeat_interval: float
     heartbeat_misses: int
+    hello_timeout: float
     handshake_timeout: float
     frame_timeout: float
     request_time_cap: float
+    max_handshakes: int
+    max_handshakes_per_source: int
     max_connections: int
     max_connections_per_peer: int
     allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
@@ -166,18 +172,16 @@ class TargetServer:
         self.address = f"[{host}]:{bound_port}" if family == socket.AF_INET6 else f"{host}:{bound_port}"
         self._lock = threading.Lock()
         self._connections: set[_ServedConnection] = set()
-        self._per_peer: Counter[str] = Counter()
+        """Every connection whose thread runs (evicted ones still ending included): close() joins them."""
+        self._admission: Admission[_ServedConnection] = Admission(
+            limits.max_handshakes, limits.max_handshakes_per_source, limits.max_connections, limits.max_connections_per_peer
+        )
         self._closed = False
         self.holds = _Holds()
         self._acks = threading.Condition()
         registry.listeners.append(self._push_regions)
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"hixl-accept-{self.address}", daemon=True)
         self._acceptor.start()
-
-    @property
-    def connection_count(self) -> int:
-        """Connections being served right now (handshakes included)."""
-        return len(self._connections)
 
     def open_connections(self) -> dict[str, str]:
         """Authenticated connections being served: id (as in ``NotifyDesc.sender``) -> the peer's address."""
@@ -204,42 +208,51 @@ class TargetServer:
             self._admit(sock, peer[0], f"{peer[0]}:{peer[1]}")
 
     def _admit(self, sock: socket.socket, host: str, name: str) -> None:
-        reason = self._refusal(host)
+        reason = self._network_refusal(host)
+        victim, evictions = None, 0
         with self._lock:
             if self._closed:
                 sock.close()
                 return
             if reason is None:
-                conn = _ServedConnection(self, sock, host, name)
+                reason = self._admission.refusal(host)
+            if reason is None:
+                conn = _ServedConnection(self, sock, name)
                 self._connections.add(conn)
-                self._per_peer[host] += 1
+                victim = self._admission.admit(conn, host)
+                evictions = self._admission.evictions
         if reason is not None:
             log.warning("hixl: %s refused a connection from %s: %s", self.address, name, reason)
             _refuse_now(sock, Status.RESOURCE_EXHAUSTED if "limit" in reason else Status.AUTH_FAILED, reason)
             return
+        if victim is not None:
+            log.debug(
+                "hixl: %s evicted the handshake of %s (%.2f s old) for %s; %d evictions so far",
+                self.address, victim.wire.peer, time.monotonic() - victim.accepted_at, name, evictions,
+            )
+            # A shutdown, not a close: the victim's thread is in poll on that socket, wakes, and
+            # closes it itself (closing it here could hand its descriptor number to another socket).
+            victim.wire.mark_dead("evicted: the handshake slots are full")
         conn.thread.start()
 
-    def _refusal(self, host: str) -> str | None:
+    def _network_refusal(self, host: str) -> str | None:
         networks = self.limits.allowed_networks
         if networks:
             address = ipaddress.ip_address(host.split("%")[0])
             if not any(address in net for net in networks):
                 return f"{host} is not in allowed_networks"
-        with self._lock:
-            if len(self._connections) >= self.limits.max_connections:
-                return f"max_connections limit ({self.limits.max_connections}) reached"
-            if self._per_peer[host] >= self.limits.max_connections_per_peer:
-                return f"max_connections_per_peer limit ({self.limits.max_connections_per_peer}) reached for {host}"
         return None
+
+    def promote(self, conn: _ServedConnection) -> str | None:
+        """Give ``conn``, whose peer just proved itself, an authenticated slot; why not, if there is none."""
+        with self._lock:
+            return self._admission.promote(conn)
 
     def forget(self, conn: _ServedConnection) -> None:
         """Called by a connection thread when it ends."""
         with self._lock:
-            if conn in self._connections:
-                self._connections.discard(conn)
-                self._per_peer[conn.host] -= 1
-                if not self._per_peer[conn.host]:
-                    del self._per_peer[conn.host]
+            self._connections.discard(conn)
+            self._admission.forget(conn)
 
     def _push_regions(self, table: RemoteRegions, generation: int) -> None:
         with self._lock:
@@ -311,6 +324,10 @@ class TargetServer:
         for conn in connections:
             conn.thread.join(timeout)
 
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else repr(self._admission)
+        return f"<TargetServer {self.address} {state}>"
+
 
 def _refuse_now(sock: socket.socket, status: int, reason: str) -> None:
     """Refuse a connection before its handshake: one ERROR frame, then close."""
@@ -325,9 +342,8 @@ def _refuse_now(sock: socket.socket, status: int, reason: str) -> None:
 class _ServedConnection:
     """One initiator's connection, served on its own thread (a :class:`ServedSession`)."""
 
-    def __init__(self, server: TargetServer, sock: socket.socket, host: str, peer: str) -> None:
+    def __init__(self, server: TargetServer, sock: socket.socket, peer: str) -> None:
         self.server = server
-        self.host = host
         self.accepted_at = time.monotonic()
         limits = server.limits
         self.conn = Connection(Role.TARGET, server.secret)
@@ -412,10 +428,15 @@ class _ServedConnection:
 
     def _handshake(self) -> bool:
         """Run the target's side of the handshake; False if the peer was refused."""
-        wire, conn = self.wire, self.conn
-        deadline = self.accepted_at + self.server.limits.handshake_timeout
+        wire, conn, limits = self.wire, self.conn, self.server.limits
+        deadline = self.accepted_at + limits.handshake_timeout
         try:
-            if not isinstance(wire.next_event(deadline), proto.Hello):
+            try:
+                hello = wire.next_event(self.accepted_at + limits.hello_timeout)
+            except TransferTimeout:
+                log.warning("hixl: dropped %s: no HELLO within %.1f s", wire.peer, limits.hello_timeout)
+                return False
+            if not isinstance(hello, proto.Hello):
                 return False
             wire.send_raw(conn.challenge(), deadline)
             try:
@@ -430,6 +451,14 @@ class _ServedConnection:
                 log.warning("hixl: refused %s: %s", wire.peer, exc)
                 _send_fatal(wire, Status.AUTH_FAILED, "authentication failed")
                 return False
+            refusal = self.server.promote(self)
+            if refusal is not None:
+                if not wire.dead_reason:  # an evicted handshake is gone already
+                    log.warning("hixl: refused %s after its handshake: %s", wire.peer, refusal)
+                    with wire.conn_lock:
+                        frame = conn.refuse(Status.RESOURCE_EXHAUSTED, refusal)
+                    wire.send_raw(frame, deadline)
+                return False
             # Under the gate: a deregistration either comes before the WELCOME is made (which
             # then lists what is left) or waits for it to be sent, and sends its REVOKE after.
             with self._regions_gate:
@@ -438,9 +467,11 @@ class _ServedConnection:
                 wire.send_raw(frame, deadline)
                 self.id = f"{conn.peer_info.get('engine_id', '?')}/{next(_serials)}"
         except TransferTimeout:
-            log.warning("hixl: dropped %s: no complete handshake within %.1f s", wire.peer, self.server.limits.handshake_timeout)
+            log.warning("hixl: dropped %s: no complete handshake within %.1f s", wire.peer, limits.handshake_timeout)
             return False
         except ProtocolError as exc:
+            if wire.dead_reason:  # evicted (its socket was shut down mid-frame), or the server is closing
+                return False
             log.warning("hixl: refused %s: %s", wire.peer, exc)
             _send_fatal(wire, Status.UNSUPPORTED if "version" in str(exc) else Status.FAILED, f"protocol error: {exc}")
             return False

@@ -183,9 +183,12 @@ class Engine:
             limits = ServerLimits(
                 heartbeat_interval=o["heartbeat_interval"],
                 heartbeat_misses=o["heartbeat_misses"],
+                hello_timeout=o["hello_timeout"],
                 handshake_timeout=o["handshake_timeout"],
                 frame_timeout=o["frame_timeout"],
                 request_time_cap=o["transfer_timeout"],
+                max_handshakes=o["max_handshakes"],
+                max_handshakes_per_source=o["max_handshakes_per_source"],
                 max_connections=o["max_connections"],
                 max_connections_per_peer=o["max_connections_per_peer"],
                 allowed_networks=parsed.networks,

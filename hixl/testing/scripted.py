@@ -47,10 +47,16 @@ class ScriptedPeer:
         """Answer PING with PONG while waiting for something else (a live peer); False plays dead."""
 
     @classmethod
-    def connect(cls, address: str, secret: str | bytes | None = None, timeout: float = 20.0) -> ScriptedPeer:
-        """A scripted *initiator* connected to ``address`` (``"ip:port"``), handshake not yet run."""
+    def connect(
+        cls, address: str, secret: str | bytes | None = None, timeout: float = 20.0, source: str | None = None
+    ) -> ScriptedPeer:
+        """A scripted *initiator* connected to ``address`` (``"ip:port"``), handshake not yet run.
+
+        ``source``: the local address to connect from (e.g. ``"127.0.0.7"``, to play another host).
+        """
         host, port = address.rsplit(":", 1)
-        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+        bind = (source, 0) if source else None
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout, source_address=bind)
         return cls(sock, Role.INITIATOR, secret, timeout)
 
     # -- handshakes --------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Every limit a listening engine enforces, each pushed past its edge by a real peer: connection
-caps, whole-handshake and per-frame deadlines, allocation bounded by what actually arrived,
-notification queues, requests in flight, requests larger than one frame, and an accept loop that
-outlives running out of file descriptors."""
+and handshake caps (floods of handshakes: test_handshake_flood.py), whole-handshake and per-frame
+deadlines, allocation bounded by what actually arrived, notification queues, requests in flight,
+requests larger than one frame, and an accept loop that outlives running out of file descriptors."""
 
 from __future__ import annotations
 
@@ -77,13 +77,16 @@ def test_max_connections_per_peer(make_target: MakeTarget) -> None:
         peer.close()
 
 
-def test_connections_past_the_cap_start_no_threads(make_target: MakeTarget) -> None:
-    target = make_target([MiB], {"max_connections": 4})
+def test_handshakes_past_the_caps_start_no_threads(make_target: MakeTarget) -> None:
+    """40 silent connections from 4 addresses: those past max_handshakes_per_source are refused
+    before a thread starts, and of the rest, max_handshakes are served (the others were evicted)."""
+    target = make_target([MiB], {"max_handshakes": 6, "max_handshakes_per_source": 4})
     _, threads_before = target.memory()
-    socks = [socket.create_connection(("127.0.0.1", int(target.engine.rsplit(":", 1)[1]))) for _ in range(40)]
+    port = int(target.engine.rsplit(":", 1)[1])
+    socks = [socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{2 + i % 4}", 0)) for i in range(40)]
     time.sleep(0.5)
     _, threads = target.memory()
-    assert threads <= threads_before + 4
+    assert threads <= threads_before + 6
     for sock in socks:
         sock.close()
 

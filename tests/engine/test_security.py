@@ -141,6 +141,10 @@ def test_allowed_networks(make_target: MakeTarget) -> None:
         {"allow_unauthenticated": "yes"},
         {"max_connections": 0},
         {"max_connections_per_peer": -1},
+        {"max_handshakes": 0},
+        {"max_handshakes_per_source": 2.5},
+        {"hello_timeout": 0},
+        {"hello_timeout": 6.0},  # more than handshake_timeout
         {"max_inflight": 1.5},
         {"max_notify_bytes": 10},
         {"handshake_timeout": 0},
@@ -153,6 +157,13 @@ def test_allowed_networks(make_target: MakeTarget) -> None:
 def test_option_values_are_range_checked(options: dict) -> None:
     with pytest.raises(ParamInvalid, match=next(iter(options))):
         Engine("127.0.0.1:0", options)
+
+
+def test_a_shorter_handshake_timeout_shortens_the_hello_timeout_left_out() -> None:
+    with Engine("127.0.0.1:0", {"handshake_timeout": 0.5}) as eng:
+        assert eng.options["hello_timeout"] == 0.5
+    with Engine("127.0.0.1:0", {"handshake_timeout": 0.5, "hello_timeout": 0.2}) as eng:
+        assert eng.options["hello_timeout"] == 0.2
 
 
 # -- access rights ------------------------------------------------------------------------------------
