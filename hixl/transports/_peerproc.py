@@ -73,10 +73,10 @@ def far_end_owner_error(pid: int, sock: socket.socket) -> str | None:
     """``None`` if process ``pid`` holds the far end of the TCP connection ``sock``; else why not.
 
     Listing another process's fds needs the same permission as cross-memory
-    attach, so a peer we could copy into can always be checked this way.
+    attach, so a peer we could copy into can always be checked this way. (A
+    process that names *us* passes only if we hold the far end ourselves — the
+    target is an engine of this very process.)
     """
-    if pid == os.getpid():
-        return "it names this process itself"
     try:
         inodes = _far_end_inodes(pid, sock)
     except (OSError, ValueError) as exc:

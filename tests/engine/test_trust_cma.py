@@ -10,7 +10,8 @@ own WELCOME, and lists V's read-only and unregistered memory as its regions.
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -62,38 +63,34 @@ def _link(fd: str) -> str:
         return ""
 
 
-def _impostor(victim: TargetProcess, spot: int | None = None) -> Callable[[ScriptedPeer], None]:
-    """M's script: authenticate, plant the binding bytes in V and name V — or, with ``spot``
-    (unregistered memory of this very process), plant them there and name the initiator."""
+def _impostor(victim: TargetProcess) -> Callable[[ScriptedPeer], None]:
+    """M's script: authenticate, plant the binding bytes in V and name V."""
     with ScriptedPeer.connect(victim.engine, SECRET) as spy:
         advertised = spy.handshake()  # V's own WELCOME: its generation fd and generation
-    # V's read-only and unregistered memory, offered as writable (or the initiator's own spot).
-    regions = [[victim.addrs[1], SIZE, 1], [victim.addrs[2], SIZE, 1]] if spot is None else [[spot, 4096, 1]]
+    regions = [[victim.addrs[1], SIZE, 1], [victim.addrs[2], SIZE, 1]]  # read-only and unregistered, offered writable
 
     def script(peer: ScriptedPeer) -> None:
         assert isinstance(peer.recv(), proto.Hello)
         peer.send_raw(peer.conn.challenge())
         assert isinstance(peer.recv(), proto.Auth)
         binding = peer.conn.binding("cma")
-        pid, probe_addr = victim.pid, victim.addrs[0] + PLANT_AT
-        generation_fd, generation = advertised["transports"]["cma"]["generation_fd"], advertised["generation"]
-        if spot is None:
-            with Engine("127.0.0.1", {"auth_secret": SECRET, "transport": "tcp"}) as planter:
-                plant = hixl.empty(16)
-                plant[:] = np.frombuffer(binding, np.uint8)
-                planter.register_mem(plant)
-                planter.connect(victim.engine)
-                planter.transfer_sync(victim.engine, Op.WRITE, [(int(plant.ctypes.data), victim.addrs[0] + PLANT_AT, 16)])
-        else:  # the initiator is this process: plant directly, name its pid and generation page
-            pid, probe_addr = os.getpid(), spot + 2048
-            ctypes.memmove(probe_addr, binding, 16)
-            generation_fd, generation = _own_generation()
-        cma = {"pid": pid, "boot_id": boot_id(), "probe_addr": probe_addr, "generation_fd": generation_fd}
+        with Engine("127.0.0.1", {"auth_secret": SECRET, "transport": "tcp"}) as planter:
+            plant = hixl.empty(16)
+            plant[:] = np.frombuffer(binding, np.uint8)
+            planter.register_mem(plant)
+            planter.connect(victim.engine)
+            planter.transfer_sync(victim.engine, Op.WRITE, [(int(plant.ctypes.data), victim.addrs[0] + PLANT_AT, 16)])
+        cma = {
+            "pid": victim.pid,
+            "boot_id": boot_id(),
+            "probe_addr": victim.addrs[0] + PLANT_AT,
+            "generation_fd": advertised["transports"]["cma"]["generation_fd"],
+        }
         welcome = {
             "engine": "impostor",
             "engine_id": "impostor",
             "boot_id": boot_id(),
-            "generation": generation,
+            "generation": advertised["generation"],
             "regions": regions,
             "transports": {"cma": cma, "tcp": {}},
         }
@@ -129,34 +126,53 @@ def test_an_impostor_naming_a_third_process_gets_tcp_and_no_copy(victim: TargetP
     _victim_intact(victim)
 
 
-def test_cma_is_refused_into_the_initiator_itself(victim: TargetProcess) -> None:
-    """Named as the target of its own copies, the initiator would write its unregistered memory."""
-    spot = hixl.empty(4096)  # in this process, never registered
-    with ScriptedTarget(_impostor(victim, int(spot.ctypes.data)), SECRET) as fake:
-        with Engine("127.0.0.1", {"auth_secret": SECRET, "transport": "cma"}) as eng:
-            with pytest.raises(Unsupported, match="this process"):
-                eng.connect(fake.engine)
+@contextlib.contextmanager
+def _impostor_process() -> Iterator[tuple[str, Callable[[dict], None]]]:
+    """M in a child process (impostor_main.py): its address, and a function telling it what to lie about."""
+    child = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("impostor_main.py")), SECRET],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(hixl.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert child.stdin is not None and child.stdout is not None
+    stdin, stdout = child.stdin, child.stdout
+
+    def lie(about: dict) -> None:
+        stdin.write(json.dumps(about) + "\n")
+        stdin.flush()
+        assert stdout.readline().strip() == "ready"
+
+    try:
+        yield stdout.readline().strip(), lie
+    finally:
+        child.communicate(timeout=30)
+
+
+def test_cma_is_refused_into_the_initiator_itself() -> None:
+    """M names the initiator as the process to copy into, with the probe bytes planted in its
+    unregistered memory and its own generation page: the initiator would write that memory."""
+    with _impostor_process() as (address, lie), Engine("127.0.0.1", {"auth_secret": SECRET, "transport": "cma"}) as eng:
+        spot = hixl.empty(4096)  # in this process, never registered
+        generation_fd, generation = _own_generation()
+        lie({"pid": os.getpid(), "probe_addr": int(spot.ctypes.data), "generation_fd": generation_fd,
+             "generation": generation, "regions": [[int(spot.ctypes.data), 4096, 1]]})
+        with pytest.raises(Unsupported, match="socket"):
+            eng.connect(address)
 
 
 # -- nothing a peer names can block --------------------------------------------------------------
 @pytest.mark.parametrize("transport", ["cma", "auto"])
-def test_a_fifo_named_as_the_generation_fd_cannot_hang_connect(tmp_path, transport: str) -> None:
+def test_a_fifo_named_as_the_generation_fd_cannot_hang_connect(tmp_path: Path, transport: str) -> None:
     """Opening a FIFO for reading blocks until a writer comes: connect must not wait for one."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    child = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("fifo_target_main.py")), SECRET, str(fifo)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(hixl.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])},
-    )
     # Should connect() hang on the FIFO after all, a writer releases it after 10 s: the test
     # then fails on the time taken instead of hanging.
     release = threading.Timer(10.0, lambda: os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)))
-    try:
-        assert child.stdout is not None
-        address = child.stdout.readline().strip()
-        with Engine("127.0.0.1", {"auth_secret": SECRET, "transport": transport}) as eng:
-            release.start()
+    with _impostor_process() as (address, lie), Engine("127.0.0.1", {"auth_secret": SECRET, "transport": transport}) as eng:
+        lie({"fifo": str(fifo)})
+        release.start()
+        try:
             started = time.monotonic()
             if transport == "cma":
                 with pytest.raises(Unsupported, match="memfd|regular file"):
@@ -165,9 +181,8 @@ def test_a_fifo_named_as_the_generation_fd_cannot_hang_connect(tmp_path, transpo
                 eng.connect(address, timeout=2.0)
                 assert eng.transport_of(address) == "tcp"
             assert time.monotonic() - started < 2.0
-    finally:
-        release.cancel()
-        child.communicate(timeout=30)
+        finally:
+            release.cancel()
 
 
 # -- a pid reused after the peer died is not the peer ----------------------------------------------
