@@ -144,6 +144,8 @@ def test_allowed_networks(make_target: MakeTarget) -> None:
         {"max_connections_per_peer": -1},
         {"max_inflight": 1.5},
         {"max_notify_bytes": 10},
+        {"max_notifies_per_connection": 0},
+        {"max_notify_bytes_per_connection": 4095},
         {"handshake_timeout": 0},
         {"frame_timeout": -1.0},
         {"heartbeat_interval": True},
