@@ -24,6 +24,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "frame_timeout": 10.0,
     "max_notifies": 4096,
     "max_notify_bytes": 4 << 20,
+    "max_notifies_per_connection": 1024,
+    "max_notify_bytes_per_connection": 1 << 20,
     "max_registrations": 65536,
     "max_handshakes": 64,
     "max_handshakes_per_source": 8,
@@ -50,6 +52,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
 - ``frame_timeout`` (target): a frame that has started arriving must complete within this.
 - ``max_notifies`` / ``max_notify_bytes`` (target): notifications held for ``get_notifies``
   before senders get RESOURCE_EXHAUSTED.
+- ``max_notifies_per_connection`` / ``max_notify_bytes_per_connection`` (target): the share of
+  those one connection may hold; past it, only that connection's sender is refused.
 - ``max_registrations``: registrations per engine.
 - ``max_handshakes`` (target): connections still in the handshake at once; when full, a new one
   evicts the oldest handshake of the source address that holds the most.
@@ -76,6 +80,7 @@ _POSITIVE_TIMES = (
 _POSITIVE_COUNTS = (
     "heartbeat_misses",
     "max_notifies",
+    "max_notifies_per_connection",
     "max_registrations",
     "max_handshakes",
     "max_handshakes_per_source",
@@ -83,6 +88,8 @@ _POSITIVE_COUNTS = (
     "max_connections_per_peer",
     "max_inflight",
 )
+# At least 4096, so that the largest notification (two 1 KiB strings) always fits.
+_NOTIFY_BYTES = ("max_notify_bytes", "max_notify_bytes_per_connection")
 _FLAGS = ("connect_fail_fast", "allow_unauthenticated")
 
 
@@ -120,8 +127,10 @@ class EngineOptions:
             value = values[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParamInvalid(f"option {name} must be a positive integer, not {value!r}")
-        if isinstance(values["max_notify_bytes"], bool) or not isinstance(values["max_notify_bytes"], int) or values["max_notify_bytes"] < 4096:
-            raise ParamInvalid(f"option max_notify_bytes must be an integer >= 4096, not {values['max_notify_bytes']!r}")
+        for name in _NOTIFY_BYTES:
+            value = values[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
+                raise ParamInvalid(f"option {name} must be an integer >= 4096, not {value!r}")
         for name in _FLAGS:
             if not isinstance(values[name], bool):
                 raise ParamInvalid(f"option {name} must be True or False, not {values[name]!r}")

@@ -37,7 +37,7 @@ import numpy as np
 
 from . import _protocol as proto
 from ._admission import Admission
-from ._exceptions import AuthenticationFailed, HixlError, ProtocolError, ResourceExhausted, TransferTimeout
+from ._exceptions import AuthenticationFailed, HixlError, ProtocolError, TransferTimeout
 from ._memory import Registry, RemoteRegions
 from ._protocol.auth import Secret
 from ._protocol.connection import Connection, ConnectionClosed, Role
@@ -498,7 +498,9 @@ class _ServedConnection:
             if value is None:
                 wire.send(proto.Error(message.req_id, Status.PARAM_INVALID, f"no metadata {message.key!r}"))
             else:
-                wire.send(proto.Meta(message.req_id, value))
+                # Sent from the stored value, one answer at a time: a peer asking again and again
+                # while it reads slowly costs this engine no memory (see Wire.send_split).
+                wire.send_split(proto.Meta(message.req_id, value))
         elif kind is proto.FrameType.PING:
             wire.send(proto.Pong(message.req_id, time.monotonic()))
         elif kind is proto.FrameType.REVOKED:
@@ -509,7 +511,7 @@ class _ServedConnection:
     def _serve_notify(self, message: proto.Notify) -> None:
         try:
             self.server.on_notify(NotifyDesc(message.name, message.msg, self.id))
-        except ResourceExhausted as exc:
+        except HixlError as exc:  # refused (a full queue, a handler's verdict): the sender is told why
             self.wire.send(proto.Error(message.req_id, exc.status, str(exc)))
             return
         self.wire.send(proto.Ack(message.req_id))

@@ -302,6 +302,18 @@ class Wire:
         finally:
             self.send_lock.release()
 
+    def send_split(self, message: proto.Message) -> None:
+        """Send ``message`` with its body ``writev``-ed from where it lies (a META's value, up to
+        16 MiB): no frame is built around it, so answering costs no memory however often it is asked for."""
+        self.check_alive()
+        self._acquire_send(None)
+        try:
+            with self.conn_lock:
+                header, body = self.conn.send_split(message)
+            self._send_data(bytes_cursor(header, body), None)
+        finally:
+            self.send_lock.release()
+
     def _acquire_send(self, deadline: float | None) -> None:
         """Take ``send_lock``, waiting for it no later than ``deadline`` (a plain call, not a
         context manager: this is on every request's path)."""

@@ -21,7 +21,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -172,6 +172,10 @@ class Engine:
         self._registry.listeners.append(self._regions_changed)
         self._notifies: collections.deque[NotifyDesc] = collections.deque()
         self._notify_bytes = 0
+        # What each connection (NotifyDesc.sender) holds of the queue: its count and bytes.
+        self._notifies_of: collections.Counter[str] = collections.Counter()
+        self._notify_bytes_of: collections.Counter[str] = collections.Counter()
+        self._handlers: dict[str, Callable[[NotifyDesc], None]] = {}
         # One condition over the deque: blocking waiters sleep on it; asyncio waiters
         # subscribe a wake-up instead, so no thread is spent on them.
         self._notify_lock = threading.Condition()
@@ -539,11 +543,13 @@ class Engine:
 
     # -- notifications -------------------------------------------------------------------
     def send_notify(self, remote_engine: str, notify: NotifyDesc, timeout: float | None = None) -> None:
-        """Deliver a small message to ``remote_engine``'s :meth:`get_notifies`.
+        """Deliver a small message to ``remote_engine``'s :meth:`get_notifies` (or its handler).
 
         It is delivered after the data of every transfer to that peer started
         before it (async ones included). Raises :class:`ResourceExhausted` if
-        the peer's queue is full.
+        the peer's queue, or this connection's share of it, is full, and what
+        the peer's handler raised if it refused the notification (see
+        :meth:`handle_notifies`).
         """
         if not isinstance(notify, NotifyDesc) or not isinstance(notify.name, str) or not isinstance(notify.msg, str):
             raise ParamInvalid("send_notify takes a NotifyDesc(name: str, msg: str)")
@@ -556,6 +562,27 @@ class Engine:
         peer.flush(timeout)
         message = proto.Notify(peer.link.next_id(), notify.name, notify.msg)
         peer.link.call(message, max(0.001, deadline - time.monotonic()))
+
+    def handle_notifies(self, name: str, handler: Callable[[NotifyDesc], None]) -> None:
+        """Give the notifications named ``name`` to ``handler`` as they arrive, instead of queuing them.
+
+        ``handler(notify)`` runs on the thread that serves the sender's connection,
+        in that connection's order (so after the data of the transfers it started
+        before), with no engine lock held. Returning accepts the notification: the
+        sender's :meth:`send_notify` returns. Raising a :class:`HixlError` refuses it:
+        the sender's ``send_notify`` raises the same kind of error, with its message.
+        Anything else it raises is logged and refused as a plain ``HixlError``. Until
+        it returns, nothing else from that connection is served: it must be quick and
+        must not block. Handled notifications never enter the :meth:`get_notifies`
+        queue, so they are neither counted against its limits nor refused by them.
+        A second handler for ``name`` replaces the first.
+        """
+        self._check_open()
+        if self._server is None:
+            raise Unsupported("a client-only engine receives no notifications")
+        if not isinstance(name, str) or len(name.encode()) > proto.frames.MAX_NAME or not callable(handler):
+            raise ParamInvalid("handle_notifies takes a notification name (str, at most 1 KiB) and a callable")
+        self._handlers[name] = handler
 
     def served_connections(self) -> dict[str, str]:
         """The authenticated connections this engine serves as a target right now:
@@ -598,17 +625,44 @@ class Engine:
         drained = list(self._notifies)
         self._notifies.clear()
         self._notify_bytes = 0
+        self._notifies_of.clear()
+        self._notify_bytes_of.clear()
         return drained
 
     def _accept_notify(self, notify: NotifyDesc) -> None:
+        """Called by a serving thread for each NOTIFY; raising refuses it (the sender is told why)."""
+        handler = self._handlers.get(notify.name)
+        if handler is not None:
+            try:
+                handler(notify)
+            except HixlError:
+                raise
+            except Exception as exc:
+                log.exception("hixl: the handler of %r notifications failed", notify.name)
+                raise HixlError(f"{self.local_engine} failed to handle the notification") from exc
+            return
         size = len(notify.name.encode()) + len(notify.msg.encode())
+        sender, o = notify.sender, self.options
         with self._notify_lock:
-            if len(self._notifies) >= int(self.options["max_notifies"]):
+            # The connection's share first: a peer that fills it is refused while others are not.
+            if self._notifies_of[sender] >= int(o["max_notifies_per_connection"]):
+                raise ResourceExhausted(
+                    f"{self.local_engine} holds {self._notifies_of[sender]} unread notifications from this "
+                    "connection (max_notifies_per_connection)"
+                )
+            if self._notify_bytes_of[sender] + size > int(o["max_notify_bytes_per_connection"]):
+                raise ResourceExhausted(
+                    f"{self.local_engine} holds {self._notify_bytes_of[sender]} bytes of unread notifications "
+                    "from this connection (max_notify_bytes_per_connection)"
+                )
+            if len(self._notifies) >= int(o["max_notifies"]):
                 raise ResourceExhausted(f"{self.local_engine} holds {len(self._notifies)} unread notifications")
-            if self._notify_bytes + size > int(self.options["max_notify_bytes"]):
+            if self._notify_bytes + size > int(o["max_notify_bytes"]):
                 raise ResourceExhausted(f"{self.local_engine} holds {self._notify_bytes} bytes of unread notifications")
             self._notifies.append(notify)
             self._notify_bytes += size
+            self._notifies_of[sender] += 1
+            self._notify_bytes_of[sender] += size
         self._wake_notify_waiters()
 
     def _wake_notify_waiters(self) -> None:
@@ -635,6 +689,7 @@ class Engine:
             self._server.close()
         for transport in self._transports:
             transport.close()
+        self._handlers.clear()  # nothing arrives any more; don't keep the handlers' owners alive
         self._wake_notify_waiters()  # they return what they have (nothing more will come)
 
     def __enter__(self) -> Engine:

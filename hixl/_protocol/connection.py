@@ -68,6 +68,7 @@ from .frames import (
     Welcome,
     WriteRequest,
     encode,
+    encode_split,
     kind_of,
     small_request,
     parse_body,
@@ -230,6 +231,17 @@ class Connection:
         BYE moves the connection to CLOSING. Raises :class:`ProtocolError`
         for a frame this side may not send in this state.
         """
+        self._sending(message)
+        return encode(message)
+
+    def send_split(self, message: Message) -> tuple[bytes, bytes]:
+        """:meth:`send`, as (header, body) for a META (see :func:`~.frames.encode_split`): its value,
+        up to 16 MiB, then goes to the socket from where it is stored, not copied behind the header."""
+        self._sending(message)
+        return encode_split(message)
+
+    def _sending(self, message: Message) -> None:
+        """Check that this side may send ``message`` now and record what sending it changes."""
         kind = kind_of(message)
         if kind not in _SENDABLE.get((self.role, self.state), ()):
             raise ProtocolError(f"a {self.role.value} may not send {kind.name} while {self.state.name}")
@@ -249,7 +261,6 @@ class Connection:
             self.state = ConnState.OPEN
         elif kind is _F.BYE:
             self.state = ConnState.CLOSING
-        return encode(message)
 
     def transfer_frame(self, write: bool, req_id: int, deadline: int, pairs: list[tuple[int, int]], data_len: int) -> bytes:
         """The bytes of a small READ or WRITE (the latency path): as :meth:`send` with a

@@ -493,10 +493,15 @@ def _parse_notify(rid: int, body: bytes | memoryview) -> Notify:
     return Notify(rid, _text(rest[:name_len], "NOTIFY name"), _text(rest[name_len:], "NOTIFY msg"))
 
 
+def _head(kind: FrameType, req_id: int, body_len: int, data_len: int = 0) -> bytes:
+    """The header of a frame whose body is ``body_len`` bytes, checked against its limit."""
+    if body_len > BODY_LIMITS[kind]:
+        raise ValueError(f"{kind.name} body of {body_len} bytes exceeds its {BODY_LIMITS[kind]}-byte limit")
+    return _HEADER.pack(MAGIC, kind, 0, 0, req_id, body_len, data_len)
+
+
 def _frame(kind: FrameType, req_id: int, body: bytes = b"", data_len: int = 0) -> bytes:
-    if len(body) > BODY_LIMITS[kind]:
-        raise ValueError(f"{kind.name} body of {len(body)} bytes exceeds its {BODY_LIMITS[kind]}-byte limit")
-    return _HEADER.pack(MAGIC, kind, 0, 0, req_id, len(body), data_len) + body
+    return _head(kind, req_id, len(body), data_len) + body
 
 
 def _words_bytes(rows: np.ndarray) -> bytes:
@@ -564,6 +569,15 @@ def encode(message: Message) -> bytes:
     if isinstance(message, Revoked):
         return _frame(kind, message.req_id, _GENERATION.pack(message.generation))
     return _frame(kind, message.req_id)
+
+
+def encode_split(message: Message) -> tuple[bytes, bytes]:
+    """:func:`encode` as (header, body) for a META, whose body (up to :data:`MAX_META`) can then
+    be sent from where the value is stored instead of being copied behind its header; any other
+    message is (its whole frame, ``b""``)."""
+    if isinstance(message, Meta):
+        return _head(FrameType.META, message.req_id, len(message.value)), message.value
+    return encode(message), b""
 
 
 _KIND_OF: dict[type, FrameType] = {

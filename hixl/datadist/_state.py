@@ -12,17 +12,25 @@ the same lock: two concurrent registrations publish in some order, and the last
 catalog published (with the highest generation) is always the newest.
 
 Completion notifications are bound to their link. An instance that links to
-another announces its cluster id over that connection (:data:`HELLO_NOTIFY`);
-the receiver binds the cluster id to the connection it came on
-(``NotifyDesc.sender``) and accepts completions claiming that cluster only from
-that connection. An announcement for a cluster already bound to another live
-connection is refused; a binding whose connection has closed is replaced —
-also when the close is seen only after the new announcement (an unlink
-followed at once by a link), by the first completion from the new connection.
+another announces its cluster id over that connection (:data:`HELLO_NOTIFY`).
+The receiver decides as the announcement arrives (an engine notification
+handler, on the serving thread): it binds the cluster id to that connection
+(``NotifyDesc.sender``), or refuses the announcement — the announcer's
+``send_notify`` raises — if the cluster is bound to another connection that is
+still served, or if this connection already speaks for another cluster. A
+refusal is final: nothing of it is kept, so a refused claim can never take
+over later. A binding moves only to a connection that announces after the old
+one is gone (the announcer retries within its link timeout, which covers an
+unlink followed at once by a link, before the close has been seen here). A
+completion (:data:`DONE_NOTIFY`) is accepted only from the connection bound to
+the cluster it names, and while that cluster has fewer than
+:data:`MAX_PENDING_DONE` completions not yet taken; anything else is refused
+(the sender is told, this side logs it) and never reaches ``take_done``.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -33,7 +41,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .._exceptions import HixlError
+from .._exceptions import AccessDenied, AlreadyConnected, HixlError, ParamInvalid, ResourceExhausted
 from .._memory import empty
 from .._types import MemDesc, MemHandle, NotifyDesc, Op, TransferOpDesc
 from ..engine import Engine
@@ -41,12 +49,14 @@ from ._catalog import CATALOG_KEY, Catalog, encode_catalog
 from ._errors import LLMException, LLMStatusCode, translate_errors
 from ._types import Cache, CacheDesc, LLMConfig, LLMRole, TransferDone
 
-__all__ = ["DONE_NOTIFY", "HELLO_NOTIFY", "DataDistState", "Link"]
+__all__ = ["DONE_NOTIFY", "HELLO_NOTIFY", "MAX_PENDING_DONE", "DataDistState", "Link"]
 
 log = logging.getLogger("hixl.datadist")
 
 DONE_NOTIFY = "hixl.datadist.done"
 HELLO_NOTIFY = "hixl.datadist.hello"
+MAX_PENDING_DONE = 65536
+"""Most completions of one cluster held until ``completed_requests()`` takes them; more are refused."""
 _PROBE_WORDS = 256
 T = TypeVar("T")
 
@@ -69,6 +79,13 @@ class DataDistState:
         self.config = config
         self._role = role
         self._lock = threading.Lock()
+        self._senders: dict[int, str] = {}  # cluster id -> the served connection that speaks for it
+        self._done: list[TransferDone] = []
+        self._pending: collections.Counter[int] = collections.Counter()  # completions in _done, per cluster
+        if config.listen_ip_info:
+            # Before the catalog is published: a peer announces itself only after reading it.
+            engine.handle_notifies(HELLO_NOTIFY, self._on_hello)
+            engine.handle_notifies(DONE_NOTIFY, self._on_done)
         # Words that peers' generation counters are read into; one per check in flight.
         self._probe_words = empty(_PROBE_WORDS, np.uint64)
         self._probe_next = itertools.count()
@@ -82,10 +99,6 @@ class DataDistState:
         self._handles: dict[int, list[MemHandle]] = {}
         self._next_id = 1
         self._links: dict[int, Link] = {}
-        self._senders: dict[int, str] = {}  # cluster id -> the served connection that speaks for it
-        self._claims: dict[str, int] = {}  # refused announcements: connection -> the cluster it claimed
-        self._done: list[TransferDone] = []
-        self._app_notifies: list[NotifyDesc] = []
         with self._lock:
             self._publish_locked()
 
@@ -285,75 +298,58 @@ class DataDistState:
 
     def take_done(self) -> list[TransferDone]:
         """Completions received from the connections of the clusters they name; drains."""
-        self._sort_notifies()
         with self._lock:
             drained, self._done = self._done, []
+            self._pending.clear()
         return drained
 
     def take_app_notifies(self) -> list[NotifyDesc]:
-        """Notifications that are not DataDist's own; drains."""
-        self._sort_notifies()
+        """Notifications that are not DataDist's own (those never reach the engine's queue); drains."""
+        return self.engine.get_notifies()
+
+    def _on_hello(self, notify: NotifyDesc) -> None:
+        """Bind the announced cluster to the connection it came on, or refuse (see the module docstring)."""
+        cluster = _parsed(notify, lambda doc: int(doc["cluster_id"]))
         with self._lock:
-            drained, self._app_notifies = self._app_notifies, []
-        return drained
+            # Read under the lock: a connection bound by an announcement just before is in it.
+            served = self.engine.served_connections()
+            who = served.get(notify.sender, notify.sender)
+            # Bindings of closed connections go: nobody can send on them any more.
+            self._senders = {c: s for c, s in self._senders.items() if s in served}
+            bound = self._senders.get(cluster)
+            if bound is not None and bound != notify.sender:
+                log.warning("refusing %s's claim to be cluster %d: cluster %d is linked from %s", who, cluster, cluster, served[bound])
+                raise AlreadyConnected(f"cluster {cluster} is linked from {served[bound]}, a live connection")
+            other = next((c for c, s in self._senders.items() if s == notify.sender and c != cluster), None)
+            if other is not None:
+                log.warning("refusing %s's claim to be cluster %d: it speaks for cluster %d", who, cluster, other)
+                raise AlreadyConnected(f"this connection speaks for cluster {other}, not {cluster}")
+            self._senders[cluster] = notify.sender
 
-    def _sort_notifies(self) -> None:
-        # Under the lock as a whole: bindings change in the order the notifications came.
+    def _on_done(self, notify: NotifyDesc) -> None:
+        """Accept a completion from the connection bound to its cluster, within its bound; else refuse."""
+        done = _parsed(notify, lambda doc: TransferDone(int(doc["cluster_id"]), int(doc["req_id"]), str(doc["op"])))
+        cluster = done.cluster_id
         with self._lock:
-            notifies = self.engine.get_notifies()
-            ours = any(n.name in (HELLO_NOTIFY, DONE_NOTIFY) for n in notifies)
-            served = self.engine.served_connections() if ours else {}
-            for notify in notifies:
-                if notify.name == HELLO_NOTIFY:
-                    self._bind(notify, served)
-                elif notify.name == DONE_NOTIFY:
-                    self._accept_done(notify, served)
-                else:
-                    self._app_notifies.append(notify)
-
-    def _bind(self, notify: NotifyDesc, served: dict[str, str]) -> None:
-        cluster = _field(notify, "cluster_id")
-        if cluster is None:
-            return
-        bound = self._senders.get(cluster)
-        if bound is not None and bound != notify.sender and bound in served:
-            log.warning(
-                "refusing %s's claim to be cluster %d: cluster %d is linked from %s",
-                served.get(notify.sender, notify.sender), cluster, cluster, served[bound],
-            )
-            # Kept, in case the bound connection was only about to close (an unlink
-            # followed at once by a new link): see _accept_done.
-            self._claims = {s: c for s, c in self._claims.items() if s in served}
-            self._claims[notify.sender] = cluster
-            return
-        self._senders[cluster] = notify.sender
-
-    def _accept_done(self, notify: NotifyDesc, served: dict[str, str]) -> None:
-        cluster = _field(notify, "cluster_id")
-        if cluster is None:
-            return
-        sender = notify.sender
-        if self._senders.get(cluster) != sender:
-            if self._claims.get(sender) != cluster or self._senders.get(cluster) in served:
-                log.warning("ignoring a completion claiming cluster %d from a connection that does not speak for it", cluster)
-                return
-            # It announced itself while the bound connection was still closing; that one is gone now.
-            del self._claims[sender]
-            self._senders[cluster] = sender
-        try:
-            doc = json.loads(notify.msg)
-            self._done.append(TransferDone(cluster, int(doc["req_id"]), str(doc["op"])))
-        except (KeyError, TypeError, ValueError):
-            log.warning("ignoring malformed completion notification %r", notify.msg)
+            if self._senders.get(cluster) != notify.sender:
+                log.warning("refusing a completion claiming cluster %d from a connection that does not speak for it", cluster)
+                raise AccessDenied(f"this connection does not speak for cluster {cluster}")
+            if self._pending[cluster] >= MAX_PENDING_DONE:
+                raise ResourceExhausted(
+                    f"cluster {cluster} has {self._pending[cluster]} completions not yet taken by completed_requests()"
+                )
+            self._done.append(done)
+            self._pending[cluster] += 1
 
 
-def _field(notify: NotifyDesc, key: str) -> int | None:
-    """An int field of a DataDist notification's JSON message; None (logged) if malformed."""
+def _parsed(notify: NotifyDesc, read: Callable[[Any], T]) -> T:
+    """``read`` applied to a DataDist notification's JSON message; :class:`ParamInvalid` (logged),
+    which refuses the notification, if the message is malformed."""
     try:
-        return int(json.loads(notify.msg)[key])
-    except (KeyError, TypeError, ValueError):
-        log.warning("ignoring malformed %s notification %r", notify.name, notify.msg)
-        return None
+        return read(json.loads(notify.msg))
+    except (KeyError, TypeError, ValueError, RecursionError):
+        log.warning("refusing malformed %s notification %r", notify.name, notify.msg)
+        raise ParamInvalid(f"malformed {notify.name} notification") from None
 
 
 def _spans(addrs: list[int], nbytes: int) -> list[tuple[int, int]]:

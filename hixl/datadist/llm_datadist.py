@@ -13,6 +13,10 @@ A cluster id is one instance: linking it at a second address while its link
 at the first is alive answers CLUSTER_ID_CONFLICT. Once that link is dead (the
 peer is gone, or restarted as a new incarnation), linking again — at the same
 address or a new one — replaces it, and nothing of the old link is used again.
+The same holds the other way round: a peer that still serves another live
+connection speaking for *our* cluster id refuses our announcement; we retry
+until the link timeout (our own old connection, unlinked a moment ago, is
+closing), then answer CLUSTER_ID_CONFLICT.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from collections.abc import Sequence
 
 from .._address import format_address, parse_address
-from .._exceptions import HixlError, ParamInvalid
+from .._exceptions import AlreadyConnected, HixlError, ParamInvalid
 from .._types import NotifyDesc
 from ..engine import Engine
 from ._catalog import CATALOG_KEY, Catalog
@@ -119,7 +123,9 @@ class LLMDataDist:
         Each link retries up to ``config.link_retry_count`` times within
         ``timeout`` (default ``config.link_timeout``) while the peer is not up yet.
         A cluster id already linked at another, live address is CLUSTER_ID_CONFLICT
-        (logged with both addresses).
+        (logged with both addresses); so is a peer that keeps refusing our
+        announcement until the timeout, because another live connection speaks for
+        our cluster id there.
         """
         timeout = self.config.link_timeout if timeout is None else float(timeout)
         return [self._link_one(info, timeout) for info in _cluster_infos(clusters)]
@@ -169,14 +175,37 @@ class LLMDataDist:
             log.warning("link: %s is cluster %d, not %d", info.remote_ip_info, catalog.cluster_id, info.remote_cluster_id)
             engine.disconnect(info.remote_ip_info)
             return LLMStatusCode.LINK_FAILED
-        try:
-            state.announce(info.remote_ip_info, timeout)
-        except HixlError as exc:
-            log.warning("link to cluster %d: announcing ourselves to %s failed: %s", info.remote_cluster_id, info.remote_ip_info, exc)
+        status = self._announce(info, time.monotonic() + timeout)
+        if status is not LLMStatusCode.SUCCESS:
             engine.disconnect(info.remote_ip_info)
-            return LLMStatusCode.LINK_FAILED
+            return status
         state.add_link(info.remote_cluster_id, Link(info.remote_ip_info, incarnation, catalog))
         return LLMStatusCode.SUCCESS
+
+    def _announce(self, info: LLMClusterInfo, deadline: float) -> LLMStatusCode:
+        """Announce our cluster id over the new connection; retried while the peer refuses it.
+
+        A refusal means the peer still serves another connection that speaks for our
+        cluster id: our own old one, if we unlinked a moment ago (or restarted) and it
+        has not seen that close yet — or another instance that claims our id.
+        """
+        pause = 0.01
+        while True:
+            try:
+                self._live_state().announce(info.remote_ip_info, max(0.001, deadline - time.monotonic()))
+                return LLMStatusCode.SUCCESS
+            except AlreadyConnected as exc:
+                if time.monotonic() + pause >= deadline:
+                    log.warning(
+                        "link: cluster %d at %s refuses us (cluster %d at %s): %s",
+                        info.remote_cluster_id, info.remote_ip_info, self.cluster_id, self.engine.local_engine, exc,
+                    )
+                    return LLMStatusCode.CLUSTER_ID_CONFLICT
+            except HixlError as exc:
+                log.warning("link to cluster %d: announcing ourselves to %s failed: %s", info.remote_cluster_id, info.remote_ip_info, exc)
+                return LLMStatusCode.LINK_FAILED
+            time.sleep(pause)
+            pause = min(0.2, pause * 2)
 
     def _drop(self, cluster_id: int, link: Link) -> None:
         if self._live_state().drop_link(cluster_id, link) is not None:
@@ -208,7 +237,7 @@ class LLMDataDist:
 
     # -- notifications -----------------------------------------------------------------------
     def get_notifies(self) -> list[NotifyDesc]:
-        """Application notifications received (DataDist's own are filtered out); drains."""
+        """Application notifications received (DataDist's own never show here); drains."""
         return self._live_state().take_app_notifies()
 
     def _live_state(self) -> DataDistState:

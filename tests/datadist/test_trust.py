@@ -1,5 +1,7 @@
-"""DataDist can't be fooled: completions only from the link of their cluster, one live address per
-cluster id, a restarted peer linked anew, and the newest catalog published under concurrent changes."""
+"""DataDist can't be fooled: completions only from the link of their cluster (a refused claim is
+forgotten, however the real instance relinks or restarts; no flood of other notifications refuses
+one), one live address per cluster id, a restarted peer linked anew, and the newest catalog
+published under concurrent changes."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 import hixl
 from hixl.datadist import (
@@ -26,7 +29,7 @@ from hixl.datadist import (
 )
 from hixl.datadist._catalog import CATALOG_KEY, Catalog
 from hixl.datadist._state import DONE_NOTIFY, HELLO_NOTIFY
-from hixl.testing.datadist_peer import DataDistProcess
+from hixl.testing.datadist_peer import CacheRef, DataDistProcess
 
 from .helpers import (
     LOCAL_ID,
@@ -42,48 +45,204 @@ from .helpers import (
 SUCCESS = LLMStatusCode.SUCCESS
 
 
-def _forge(transport: str, target: DataDistProcess, cluster_id: int, req_id: int, *, announce: bool) -> None:
-    """From a plain engine, tell ``target`` that ``cluster_id`` finished ``req_id`` (announcing itself first)."""
-    with hixl.Engine("127.0.0.1", {"transport": transport}) as engine:
-        engine.connect(target.ip_info)
-        if announce:
-            engine.send_notify(target.ip_info, hixl.NotifyDesc(HELLO_NOTIFY, json.dumps({"cluster_id": cluster_id})))
+class _Forger:
+    """A plain engine connected to ``target`` (``"ip:port"``) that speaks DataDist's notifications with any claim."""
+
+    def __init__(self, transport: str, target: str) -> None:
+        self.engine = hixl.Engine("127.0.0.1", {"transport": transport})
+        self.target = target
+        self.engine.connect(target)
+
+    def hello(self, cluster_id: int) -> type[hixl.HixlError] | None:
+        """Announce ``cluster_id``: the error class the target refused it with, None if taken."""
+        return self.send(hixl.NotifyDesc(HELLO_NOTIFY, json.dumps({"cluster_id": cluster_id})))
+
+    def done(self, cluster_id: int, req_id: int) -> type[hixl.HixlError] | None:
+        """Report that ``cluster_id`` pulled ``req_id``: the refusal's error class, None if taken."""
         done = {"cluster_id": cluster_id, "req_id": req_id, "op": "pull"}
-        engine.send_notify(target.ip_info, hixl.NotifyDesc(DONE_NOTIFY, json.dumps(done)))
+        return self.send(hixl.NotifyDesc(DONE_NOTIFY, json.dumps(done)))
+
+    def send(self, notify: hixl.NotifyDesc) -> type[hixl.HixlError] | None:
+        """Send ``notify``: the error class the target refused it with, None if taken."""
+        try:
+            self.engine.send_notify(self.target, notify)
+        except hixl.HixlError as exc:
+            return type(exc)
+        return None
+
+    def __enter__(self) -> _Forger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.engine.finalize()
+
+
+REFUSED_CLAIM, REFUSED_DONE = hixl.AlreadyConnected, hixl.AccessDenied
+
+
+def _pull_in(decoder: DataDistProcess, key: BlocksCacheKey, req_id: int) -> None:
+    """The decode child pulls the whole :data:`SMALL` cache ``key`` into its cache "dst", notifying ``req_id``."""
+    blocks = list(range(SMALL.shape[0]))
+    decoder.cache_manager("pull_blocks", key, CacheRef("dst"), blocks, blocks, req_id=req_id, timeout=10.0)
+
+
+def _decoder(transport: str, cluster_id: int) -> DataDistProcess:
+    """A real decode instance in a child process, with a :data:`SMALL` cache "dst" to pull into."""
+    decoder = DataDistProcess(LLMRole.DECODER, cluster_id, listen_config(transport))
+    decoder.register_blocks_cache("dst", SMALL, None)
+    return decoder
 
 
 # -- completions are bound to their link -------------------------------------------------------
-def test_only_the_linked_connection_completes_for_its_cluster(transport, remote, local, make_remote, new_local):
-    """Forged completions (any engine, any claim) never reach completed_requests(); the real one does."""
+def test_only_the_linked_connection_completes_for_its_cluster(transport, remote, local, make_remote, new_local, caplog):
+    """Forged completions (any engine, any claim) are refused and never reach completed_requests(); the real one does."""
     key = new_blocks_key()
     name = make_remote(SMALL, key, seed=1)
     remote.completed_requests()
-    forged = [fresh_id() for _ in range(4)]
-    _forge(transport, remote, LOCAL_ID, forged[0], announce=False)  # claims the linked cluster
-    _forge(transport, remote, LOCAL_ID, forged[1], announce=True)  # ... and says it speaks for it
-    _forge(transport, remote, fresh_id(), forged[2], announce=False)  # claims a cluster never linked
-    # A whole DataDist instance claiming the linked cluster's id: it may link and read (reads
-    # are one-sided), but its completion does not count as the real decode's.
+    with _Forger(transport, remote.ip_info) as forger:
+        assert forger.done(LOCAL_ID, fresh_id()) is REFUSED_DONE  # claims the linked cluster
+        assert forger.hello(LOCAL_ID) is REFUSED_CLAIM  # ... says it speaks for it: refused at once
+        assert forger.done(LOCAL_ID, fresh_id()) is REFUSED_DONE  # ... and that is not remembered
+        assert forger.done(fresh_id(), fresh_id()) is REFUSED_DONE  # claims a cluster never announced
+    # A whole DataDist instance claiming the linked cluster's id is refused the same way, and told so.
     impostor = new_local(LOCAL_ID)
-    assert impostor.link_clusters([remote.cluster_info()]) == [SUCCESS]
-    pull_all(impostor, key, remote, name, req_id=forged[3])
+    with caplog.at_level(logging.WARNING, logger="hixl.datadist"):
+        assert impostor.link_clusters([remote.cluster_info()], timeout=1.0) == [LLMStatusCode.CLUSTER_ID_CONFLICT]
+    assert remote.ip_info in caplog.text and f"cluster {LOCAL_ID} is linked from" in caplog.text
+    assert impostor.linked_clusters() == {}
     real = fresh_id()
     pull_all(local, key, remote, name, req_id=real)
     assert remote.completed_requests() == [TransferDone(LOCAL_ID, real, "pull")]
 
 
 def test_a_relinked_decode_completes_from_its_new_connection(transport, remote, make_remote, new_local):
-    """Unlinking closes the bound connection; the same cluster linking again (at once) is bound to the new one."""
+    """Unlinking closes the bound connection; the same cluster linking again at once is bound to the new
+    one, every time (it retries while the target has not yet seen the old connection close)."""
     key = new_blocks_key()
     name = make_remote(SMALL, key, seed=2)
     dd = new_local()
     info = remote.cluster_info()
-    for _ in range(2):
+    for _ in range(10):
         assert dd.link_clusters([info]) == [SUCCESS]
         req = fresh_id()
         pull_all(dd, key, remote, name, req_id=req)
         assert remote.completed_requests() == [TransferDone(dd.cluster_id, req, "pull")]
         assert dd.unlink_clusters([info]) == [SUCCESS]  # linked again at once, while the target may still see it open
+
+
+def test_a_link_waits_out_the_close_of_the_connection_that_held_its_cluster_id(transport, remote, make_remote, new_local):
+    """The target still serves a connection that spoke for our cluster id (as our own old one does for a
+    moment after an unlink): the link retries its refused announcement and succeeds once that is gone."""
+    key = new_blocks_key()
+    name = make_remote(SMALL, key, seed=6)
+    cluster = fresh_id()
+    old = _Forger(transport, remote.ip_info)
+    assert old.hello(cluster) is None  # that connection speaks for the cluster now
+    closer = threading.Timer(0.5, old.engine.finalize)
+    closer.start()
+    try:
+        dd = new_local(cluster)
+        started = time.monotonic()
+        assert dd.link_clusters([remote.cluster_info()]) == [SUCCESS]
+        assert time.monotonic() - started > 0.3  # refused until the old connection closed
+    finally:
+        closer.join(10)
+    real = fresh_id()
+    pull_all(dd, key, remote, name, req_id=real)
+    assert remote.completed_requests() == [TransferDone(cluster, real, "pull")]
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.5], ids=["relinked-at-once", "relinked-after-a-pause"])
+def test_a_refused_claim_never_takes_over_at_a_relink(transport, remote, make_remote, pause):
+    """An engine claims a linked decode's cluster id: refused, and forgotten. The decode unlinks and
+    links again (at once, or once its old connection is surely gone), with the forger sending
+    completions all along: only the decode's completions count, before and after."""
+    key = new_blocks_key()
+    make_remote(SMALL, key, seed=3)
+    cluster = fresh_id()
+    with _decoder(transport, cluster) as decoder, _Forger(transport, remote.ip_info) as forger:
+        assert decoder.datadist("link_clusters", [remote.cluster_info()]) == [SUCCESS]
+        refusals = [forger.hello(cluster)]
+        remote.completed_requests()  # the prefill looks at its completions while the claim is fresh
+        real = []
+        for _ in range(2):
+            assert decoder.datadist("unlink_clusters", [remote.cluster_info()]) == [SUCCESS]
+            time.sleep(pause)
+            refusals.append(forger.done(cluster, fresh_id()))  # between the unlink and the link
+            assert decoder.datadist("link_clusters", [remote.cluster_info()]) == [SUCCESS]
+            real.append(fresh_id())
+            _pull_in(decoder, key, real[-1])
+            refusals.append(forger.done(cluster, fresh_id()))
+        assert remote.completed_requests() == [TransferDone(cluster, r, "pull") for r in real]
+        assert refusals == [REFUSED_CLAIM] + [REFUSED_DONE] * 4
+
+
+def test_a_restarted_decode_is_bound_again_and_a_refused_claim_is_not(transport, remote, make_remote):
+    """The decode is SIGKILLed and started again with the same cluster id, while an engine that claimed
+    that id (refused) sends completions: the new decode links, and only its completions count."""
+    key = new_blocks_key()
+    make_remote(SMALL, key, seed=4)
+    cluster = fresh_id()
+    with _Forger(transport, remote.ip_info) as forger:
+        with _decoder(transport, cluster) as before:
+            assert before.datadist("link_clusters", [remote.cluster_info()]) == [SUCCESS]
+            refusals = [forger.hello(cluster)]
+            remote.completed_requests()
+            before.kill()
+        refusals.append(forger.done(cluster, fresh_id()))  # while no decode is there
+        with _decoder(transport, cluster) as after:
+            assert after.datadist("link_clusters", [remote.cluster_info()]) == [SUCCESS]
+            real = fresh_id()
+            _pull_in(after, key, real)
+            refusals.append(forger.done(cluster, fresh_id()))
+        assert remote.completed_requests() == [TransferDone(cluster, real, "pull")]
+        assert refusals == [REFUSED_CLAIM, REFUSED_DONE, REFUSED_DONE]
+
+
+def test_a_notification_flood_never_refuses_a_completion(transport, remote, make_remote, new_local):
+    """Engines fill the prefill's notification queue (each its 1 MiB share, together all 4 MiB): the
+    decode's completion is still taken, since DataDist's notifications never enter that queue."""
+    key = new_blocks_key()
+    name = make_remote(SMALL, key, seed=5)
+    dd = new_local()
+    assert dd.link_clusters([remote.cluster_info()]) == [SUCCESS]
+    remote.completed_requests()
+    flood = hixl.NotifyDesc("f" * 1024, "x" * 1024)
+    accepted = []
+    try:
+        for _ in range(5):
+            with _Forger(transport, remote.ip_info) as flooder:
+                sent = 0
+                while sent < 2049 and flooder.send(flood) is None:
+                    sent += 1
+                accepted.append(sent)
+        real = fresh_id()
+        pull_all(dd, key, remote, name, req_id=real)
+        assert remote.completed_requests() == [TransferDone(dd.cluster_id, real, "pull")]
+        assert accepted == [512, 512, 512, 512, 0]  # four shares fill the queue; the fifth gets nothing
+    finally:
+        remote.datadist("get_notifies")
+
+
+def test_completions_are_bounded_per_cluster(transport, monkeypatch):
+    """A cluster whose completions are not taken is refused past its bound, and only it; one connection
+    speaks for one cluster, so it cannot spread a flood over made-up cluster ids."""
+    monkeypatch.setattr(hixl.datadist._state, "MAX_PENDING_DONE", 4)
+    prefill = LLMDataDist(LLMRole.PROMPT, fresh_id())
+    prefill.init(listen_config(transport))
+    try:
+        with _Forger(transport, prefill.local_ip_info) as busy, _Forger(transport, prefill.local_ip_info) as quiet:
+            first, second, other = fresh_id(), fresh_id(), fresh_id()
+            assert busy.hello(first) is None and quiet.hello(other) is None
+            assert busy.hello(second) is REFUSED_CLAIM
+            assert [busy.done(first, r) for r in range(5)] == [None] * 4 + [hixl.ResourceExhausted]
+            assert quiet.done(other, 1) is None
+            assert prefill.cache_manager.completed_requests() == [
+                *(TransferDone(first, r, "pull") for r in range(4)), TransferDone(other, 1, "pull")
+            ]
+            assert busy.done(first, 5) is None  # taken: room again
+    finally:
+        prefill.finalize()
 
 
 # -- one live address per cluster id -----------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -346,6 +347,36 @@ def test_notify_queue_full(transport: str, make_target) -> None:  # type: ignore
         assert target.notifies() == [("n", "0"), ("n", "1"), ("n", "2")]
         eng.send_notify(target.engine, NotifyDesc("n", "3"))
         assert target.notifies() == [("n", "3")]
+
+
+def test_a_notification_handler_takes_or_refuses_as_they_arrive() -> None:
+    """A handler sees its notifications on the serving thread as they come; what it raises is what the
+    sender's send_notify raises; handled notifications bypass the queue and its limits."""
+    seen: list[tuple[str, str, str]] = []
+
+    def handler(notify: NotifyDesc) -> None:
+        seen.append((notify.msg, notify.sender, threading.current_thread().name))
+        if notify.msg == "no":
+            raise AccessDenied("not from you")
+        if notify.msg == "bug":
+            raise KeyError("a bug in the handler")
+
+    with Engine("127.0.0.1:0", {"max_notifies": 1}) as target, Engine("127.0.0.1") as sender:
+        target.handle_notifies("job", handler)
+        sender.connect(target.local_engine)
+        sender.send_notify(target.local_engine, NotifyDesc("other", "queued"))  # the queue is full now
+        sender.send_notify(target.local_engine, NotifyDesc("job", "yes"))
+        with pytest.raises(AccessDenied, match="not from you"):
+            sender.send_notify(target.local_engine, NotifyDesc("job", "no"))
+        with pytest.raises(HixlError, match="failed to handle"):
+            sender.send_notify(target.local_engine, NotifyDesc("job", "bug"))
+        assert [msg for msg, _, _ in seen] == ["yes", "no", "bug"]
+        assert seen[0][1] in target.served_connections() and seen[0][2].startswith("hixl-serve")
+        assert target.get_notifies() == [NotifyDesc("other", "queued")]
+        with pytest.raises(ParamInvalid, match="callable"):
+            target.handle_notifies("job", None)  # type: ignore[arg-type]
+    with Engine("127.0.0.1") as client, pytest.raises(Unsupported, match="client-only"):
+        client.handle_notifies("job", handler)
 
 
 # -- registration --------------------------------------------------------------------------

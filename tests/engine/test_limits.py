@@ -6,10 +6,14 @@ requests larger than one frame, and an accept loop that outlives running out of 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,6 +155,81 @@ def test_notification_bytes_are_bounded(make_target: MakeTarget) -> None:
         assert len(target.notifies()) == 4
         eng.send_notify(target.engine, NotifyDesc("n5", "x" * 1000))  # drained: room again
         assert target.notifies() == [("n5", "x" * 1000)]
+
+
+def _flood(eng: Engine, target: str, notify: NotifyDesc, most: int) -> tuple[int, str]:
+    """Send ``notify`` until refused (at most ``most`` times): how many were accepted, and why the refusal."""
+    for sent in range(most):
+        try:
+            eng.send_notify(target, notify)
+        except ResourceExhausted as exc:
+            return sent, str(exc)
+    return most, ""
+
+
+@pytest.mark.parametrize(
+    "notify, share",
+    [(NotifyDesc("n", ""), 1024), (NotifyDesc("n" * 1024, "x" * 1024), 512)],
+    ids=["count", "bytes"],
+)
+def test_one_connection_fills_only_its_share_of_the_notification_queue(
+    make_target: MakeTarget, notify: NotifyDesc, share: int
+) -> None:
+    """With the default limits, a connection that never stops notifying is refused once it holds its
+    share (1024 notifications, or 1 MiB); another connection's notifications are still taken. Reading
+    the queue gives the flooder its share back."""
+    target = make_target([MiB])
+    total = 4096 if notify.msg == "" else 2048  # what the whole queue holds: max_notifies, or 4 MiB of 2 KiB
+    with Engine("127.0.0.1") as flooder, Engine("127.0.0.1") as other:
+        flooder.connect(target.engine)
+        other.connect(target.engine)
+        accepted, why = _flood(flooder, target.engine, notify, total + 1)
+        other.send_notify(target.engine, NotifyDesc("other", "still heard"))
+        assert (accepted, "this connection" in why) == (share, True), why
+        held = target.notifies()
+        assert len(held) == share + 1 and held[-1] == ("other", "still heard")
+        flooder.send_notify(target.engine, notify)  # drained: its share is free again
+        assert target.notifies() == [(notify.name, notify.msg)]
+
+
+def test_metadata_answers_are_sent_from_the_stored_value() -> None:
+    """One connection asks for a 16 MiB value 20 times without waiting, and reads slowly: each answer is
+    sent from the stored value, one at a time, so the target's memory stays flat (it used to copy
+    the value into a frame, and again for the part the socket did not take at once)."""
+    code = (
+        "import sys, hixl\n"
+        "with hixl.Engine('127.0.0.1:0') as engine:\n"
+        "    engine.set_metadata('big', b'\\x01' * hixl._protocol.frames.MAX_META)\n"
+        "    print(engine.local_engine, flush=True)\n"
+        "    sys.stdin.read()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(hixl.__file__).resolve().parents[1])}
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        assert child.stdout is not None
+        address = child.stdout.readline().decode().strip()
+        before = peak = _rss(child.pid)
+        with ScriptedPeer.connect(address) as peer:
+            peer.handshake()
+            for req_id in range(1, 21):
+                peer.send(proto.QueryMeta(req_id, "big"))
+            received, ends = 0, time.monotonic() + 3.0
+            while time.monotonic() < ends:  # about 3 MiB/s: a slow reader
+                received += len(peer.sock.recv(64 * 1024))
+                time.sleep(0.02)
+                peak = max(peak, _rss(child.pid))
+        assert received > MiB  # the answers were flowing
+        assert peak - before < 8 * MiB, f"the target grew by {(peak - before) / MiB:.1f} MiB"
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def _rss(pid: int) -> int:
+    """Resident set size of process ``pid`` in bytes (``VmRSS`` in ``/proc/PID/status``)."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
 
 
 def test_requests_in_flight_are_bounded(make_target: MakeTarget) -> None:

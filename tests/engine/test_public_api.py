@@ -79,6 +79,8 @@ def test_default_options() -> None:
         "frame_timeout": 10.0,
         "max_notifies": 4096,
         "max_notify_bytes": 4 << 20,
+        "max_notifies_per_connection": 1024,
+        "max_notify_bytes_per_connection": 1 << 20,
         "max_registrations": 65536,
         "max_handshakes": 64,
         "max_handshakes_per_source": 8,

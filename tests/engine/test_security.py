@@ -147,6 +147,8 @@ def test_allowed_networks(make_target: MakeTarget) -> None:
         {"hello_timeout": 6.0},  # more than handshake_timeout
         {"max_inflight": 1.5},
         {"max_notify_bytes": 10},
+        {"max_notifies_per_connection": 0},
+        {"max_notify_bytes_per_connection": 4095},
         {"handshake_timeout": 0},
         {"frame_timeout": -1.0},
         {"heartbeat_interval": True},

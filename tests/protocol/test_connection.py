@@ -332,15 +332,18 @@ def _sample(role: Role, kind: FrameType) -> F.Message:
 @pytest.mark.parametrize(("role", "stage"), CELLS, ids=[f"{r.value}-{s}" for r, s in CELLS])
 def test_send_legality(role: Role, stage: str) -> None:
     for kind in FrameType:
-        conn = _at(role, stage)
+        conn, split = _at(role, stage), _at(role, stage)  # send_split follows the same table
         before = (conn.state, conn.outstanding)
         message = _sample(role, kind)
         if kind in SENDABLE[(role, stage)]:
-            assert F.parse_header(conn.send(message)[: F.HEADER_SIZE]).type is kind
+            frame = conn.send(message)
+            assert F.parse_header(frame[: F.HEADER_SIZE]).type is kind
+            assert b"".join(split.send_split(message)) == frame and split.state is conn.state
         else:
-            with pytest.raises(ProtocolError, match=f"may not send {kind.name} while {STATE_OF[stage].name}"):
-                conn.send(message)
-            assert (conn.state, conn.outstanding) == before, kind  # a refusal changes nothing
+            for sender, send in ((conn, conn.send), (split, split.send_split)):
+                with pytest.raises(ProtocolError, match=f"may not send {kind.name} while {STATE_OF[stage].name}"):
+                    send(message)
+                assert (sender.state, sender.outstanding) == before, kind  # a refusal changes nothing
 
 
 def _honest(role: Role, stage: str, kind: FrameType) -> tuple[Connection, bytes]:

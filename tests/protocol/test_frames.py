@@ -20,6 +20,7 @@ from hixl._protocol.frames import (
     MAX_REGIONS,
     REGION_WRITABLE,
     VERSION,
+    encode_split,
 )
 
 U64_MAX = (1 << 64) - 1
@@ -150,6 +151,16 @@ def test_encode_refuses_bodies_over_their_limit() -> None:
         with pytest.raises(ValueError, match="limit"):
             proto.encode(message)
     assert len(proto.encode(proto.Meta(1, bytes(MAX_META)))) == proto.HEADER_SIZE + MAX_META
+    with pytest.raises(ValueError, match="limit"):
+        encode_split(proto.Meta(1, bytes(MAX_META + 1)))
+
+
+@pytest.mark.parametrize("message", list(MESSAGES.values()), ids=list(MESSAGES))
+def test_a_split_frame_is_the_frame(message: proto.Message) -> None:
+    """encode_split gives META's header and its value itself (not a copy); anything else whole."""
+    header, body = encode_split(message)
+    assert header + body == proto.encode(message)
+    assert body is message.value if isinstance(message, proto.Meta) else body == b""
 
 
 def test_long_error_and_bye_texts_are_cut_to_their_limit_on_valid_utf8() -> None:
