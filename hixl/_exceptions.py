@@ -6,6 +6,7 @@
     ├── HixlTimeout (TimeoutError)            TIMEOUT
     │   └── TransferTimeout (+TransferError)   a transfer ran past its deadline
     ├── NotConnected (ConnectionError)        NOT_CONNECTED
+    │   └── StoreUnavailable                   the metadata server (etcd) does not answer
     ├── AlreadyConnected                      ALREADY_CONNECTED
     ├── Unsupported                           UNSUPPORTED
     ├── ResourceExhausted                     RESOURCE_EXHAUSTED
@@ -36,6 +37,7 @@ __all__ = [
     "PeerDisconnected",
     "ProtocolError",
     "ResourceExhausted",
+    "StoreUnavailable",
     "TransferCancelled",
     "TransferError",
     "TransferTimeout",
@@ -78,6 +80,10 @@ class NotConnected(HixlError, ConnectionError):
     """No (live) connection to the named peer."""
 
     status = Status.NOT_CONNECTED
+
+
+class StoreUnavailable(NotConnected):
+    """The metadata server (``metadata_server``, etcd) cannot be reached, or stopped answering."""
 
 
 class AlreadyConnected(HixlError):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from ._exceptions import ParamInvalid
 from ._protocol.auth import Secret
+from .discovery.store import checked_lease_ttl
 
 __all__ = ["DEFAULT_OPTIONS", "EngineOptions"]
 
@@ -35,6 +37,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "auth_secret": None,
     "allow_unauthenticated": False,
     "allowed_networks": None,
+    "metadata_server": None,
+    "lease_ttl": 10.0,
 }
 """Engine options and their defaults (times in seconds, sizes in bytes).
 
@@ -66,6 +70,10 @@ DEFAULT_OPTIONS: dict[str, Any] = {
 - ``auth_secret``: shared secret (str or bytes; default ``$HIXL_AUTH_SECRET``) both ends must know.
 - ``allow_unauthenticated``: listen on a non-loopback address without a secret (refused otherwise).
 - ``allowed_networks`` (target): CIDR strings; connections from elsewhere are refused.
+- ``metadata_server``: ``"etcd://host:port"`` (default ``$HIXL_METADATA_SERVER``) to publish this
+  engine there and let DataDist resolve clusters through it (see :mod:`hixl.discovery`); ``None``:
+  peer to peer only. An unreachable store is an error at ``Engine(...)``, within ``connect_timeout``.
+- ``lease_ttl``: seconds (2 to 3600) the records this engine publishes outlive it if it dies.
 """
 
 _POSITIVE_TIMES = (
@@ -141,6 +149,11 @@ class EngineOptions:
         except TypeError as exc:
             raise ParamInvalid(str(exc)) from None
         values["auth_secret"] = secret
+        if values["metadata_server"] is None:
+            values["metadata_server"] = os.environ.get("HIXL_METADATA_SERVER") or None
+        if values["metadata_server"] is not None and not isinstance(values["metadata_server"], str):
+            raise ParamInvalid(f"option metadata_server must be an etcd://host:port URL, not {values['metadata_server']!r}")
+        values["lease_ttl"] = checked_lease_ttl(values["lease_ttl"])
         return cls(values, secret, _networks(values["allowed_networks"]))
 
     @property

@@ -15,6 +15,7 @@ descriptor's local *and* remote range against the registrations on each side
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import queue
 import secrets
@@ -48,10 +49,11 @@ from ._request import TransferReq
 from ._server import ServerLimits, TargetServer
 from ._types import MemDesc, MemHandle, MemType, NotifyDesc, Op, TransferOpDesc, TransferStatus
 from ._wire import Wire
+from .discovery import MetadataStore, open_store
 from .transports import default_transports
 from .transports.base import Channel, Transport
 
-__all__ = ["DEFAULT_OPTIONS", "Engine"]
+__all__ = ["DEFAULT_OPTIONS", "ENGINES_PREFIX", "Engine"]
 
 log = logging.getLogger("hixl")
 
@@ -60,6 +62,10 @@ log = logging.getLogger("hixl")
 #: would cost more than the copy itself.
 #: (Any size: up to IOV_MAX descriptors are one syscall on either path.)
 _SMALL_BATCH = 8
+
+#: Where a listening engine with a ``metadata_server`` publishes ``{address, incarnation, boot_id}``
+#: (JSON), under the key ``ENGINES_PREFIX + "ip:port"``, for as long as it lives.
+ENGINES_PREFIX = "/hixl/engines/"
 _DESC_TYPES = (list, tuple, TransferOpDesc)
 _SMALL_TYPES = (np.ndarray, *_DESC_TYPES)
 
@@ -208,7 +214,36 @@ class Engine:
                 raise ParamInvalid(f"cannot listen on {local_engine!r}: {exc}") from exc
         self.local_engine = self._server.address if self._server else host
         """The real ``"ip:port"`` this engine listens on (or ``"ip"`` if client-only)."""
+        self._store: MetadataStore | None = None
+        try:
+            self._store = self._open_store()
+        except BaseException:
+            if self._server is not None:
+                self._server.close()
+            for transport in self._transports:
+                transport.close()
+            raise
         self._finalized = False
+
+    def _open_store(self) -> MetadataStore | None:
+        """Connect to the ``metadata_server`` (if any) and publish this engine there (if it listens)."""
+        url = self.options["metadata_server"]
+        if url is None:
+            return None
+        store = open_store(url, self.options["lease_ttl"], float(self.options["connect_timeout"]))
+        if self._server is not None:
+            record = {"address": self.local_engine, "incarnation": self._id, "boot_id": _boot_id()}
+            try:
+                store.put_owned(ENGINES_PREFIX + self.local_engine, json.dumps(record).encode())
+            except BaseException:
+                store.close()
+                raise
+        return store
+
+    @property
+    def metadata_store(self) -> MetadataStore | None:
+        """The metadata store this engine publishes itself in (the ``metadata_server`` option), or None."""
+        return self._store
 
     def _check_transport_option(self) -> None:
         wanted = self.options["transport"]
@@ -678,6 +713,8 @@ class Engine:
                 return
             self._finalized = True
             peers, self._peers = list(self._peers.values()), {}
+        if self._store is not None:
+            self._store.close()  # first: watchers hear at once that this engine is going
         for peer in peers:
             if peer is not None:
                 peer.close()

@@ -46,6 +46,7 @@ from .._memory import empty
 from .._types import MemDesc, MemHandle, NotifyDesc, Op, TransferOpDesc
 from ..engine import Engine
 from ._catalog import CATALOG_KEY, Catalog, encode_catalog
+from ._discovery import ClusterRecord
 from ._errors import LLMException, LLMStatusCode, translate_errors
 from ._types import Cache, CacheDesc, LLMConfig, LLMRole, TransferDone
 
@@ -101,6 +102,11 @@ class DataDistState:
         self._links: dict[int, Link] = {}
         with self._lock:
             self._publish_locked()
+        # Last: peers that find this instance in the store can link to it at once.
+        self._record: ClusterRecord | None = None
+        store = engine.metadata_store
+        if store is not None and config.listen_ip_info:
+            self._record = ClusterRecord(store, cluster_id, engine.local_engine, engine.incarnation, role.name)
 
     def __del__(self) -> None:
         # The engine's threads may still be landing data in memory this state keeps alive
@@ -127,6 +133,7 @@ class DataDistState:
             self._caches[cache.cache_id] = cache
             self._handles[cache.cache_id] = handles
             self._publish_locked()
+        self._publish_record()
         return cache
 
     def remove_cache(self, cache_id: int) -> None:
@@ -139,6 +146,7 @@ class DataDistState:
             still_used = {h.id for hs in self._handles.values() for h in hs}
             # The catalog without it goes out first, so peers stop planning transfers into it.
             self._publish_locked()
+        self._publish_record()
         with translate_errors("unregister cache"):
             for handle in handles:
                 if handle.id not in still_used:
@@ -159,6 +167,7 @@ class DataDistState:
         with self._lock:
             self._role = role
             self._publish_locked()
+        self._publish_record()
 
     def _publish_locked(self) -> None:
         """Publish identity and caches, then bump the generation word (caller holds the lock).
@@ -173,6 +182,20 @@ class DataDistState:
         raw = encode_catalog(self.cluster_id, self._role.name, caches, generation, int(self._generation.ctypes.data))
         self.engine.set_metadata(CATALOG_KEY, raw)
         self._generation[0] = generation
+
+    def _publish_record(self) -> None:
+        """Bring this instance's record in the metadata store up to date, outside the lock (a
+        network write). It only summarises: a failure is logged, the catalog stays the truth."""
+        if self._record is None:
+            return
+        try:
+            self._record.update(self._record_snapshot)
+        except LLMException as exc:
+            log.warning("cluster %d: the metadata store's record is behind: %s", self.cluster_id, exc)
+
+    def _record_snapshot(self) -> tuple[str, list[Cache]]:
+        with self._lock:
+            return self._role.name, list(self._caches.values())
 
     # -- links and the catalogs fetched over them --------------------------------------------
     def add_link(self, cluster_id: int, link: Link) -> None:

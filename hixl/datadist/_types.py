@@ -84,14 +84,40 @@ class LLMConfig:
     link_retry_count: int = 3
     transport: str = "auto"
     engine_options: dict[str, Any] = field(default_factory=dict)
+    metadata_server: str | None = None
+    """``"etcd://host:port"`` to publish this instance there and link clusters by id alone
+    (default: the engine's ``metadata_server`` option, ``$HIXL_METADATA_SERVER``); ``None``: peer to peer."""
+    lease_ttl: float | None = None
+    """Seconds this instance's record outlives it if it dies (default: the engine's ``lease_ttl``, 10 s)."""
 
 
 @dataclass(frozen=True)
 class LLMClusterInfo:
-    """A cluster to link with: its id and its ``"ip:port"``."""
+    """A cluster to link with: its id and its ``"ip:port"`` — or, with a metadata store, its id
+    alone (``remote_ip_info=None``: the address is looked up in the store)."""
 
     remote_cluster_id: int
-    remote_ip_info: str
+    remote_ip_info: str | None = None
+
+
+class ClusterEventKind(enum.Enum):
+    """What :meth:`LLMDataDist.watch_clusters` reports about a cluster in the metadata store."""
+
+    ADDED = "ADDED"
+    RESTARTED = "RESTARTED"
+    """Its id is held by a new incarnation: links to the old one are dead."""
+    REMOVED = "REMOVED"
+    """Its record is gone: it finalized, or died and its lease ran out."""
+
+
+@dataclass(frozen=True)
+class ClusterEvent:
+    """A change to a cluster's record: its id, address (None when removed) and incarnation."""
+
+    kind: ClusterEventKind
+    cluster_id: int
+    address: str | None
+    incarnation: str
 
 
 @dataclass(frozen=True)

@@ -21,18 +21,20 @@ closing), then answer CLUSTER_ID_CONFLICT.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .._address import format_address, parse_address
 from .._exceptions import AlreadyConnected, HixlError, ParamInvalid
 from .._types import NotifyDesc
 from ..engine import Engine
 from ._catalog import CATALOG_KEY, Catalog
+from ._discovery import ClusterWatch, resolve_cluster
 from ._errors import LLMException, LLMStatusCode, status_of, translate_errors
 from ._state import DataDistState, Link
-from ._types import LLMClusterInfo, LLMConfig, LLMRole
+from ._types import ClusterEvent, LLMClusterInfo, LLMConfig, LLMRole
 from .cache_manager import CacheManager
 
 __all__ = ["LLMDataDist"]
@@ -54,6 +56,7 @@ class LLMDataDist:
         self._engine: Engine | None = None
         self._state: DataDistState | None = None
         self._cache_manager: CacheManager | None = None
+        self._watches: list[ClusterWatch] = []
 
     # -- life cycle ------------------------------------------------------------------------
     def init(self, config: LLMConfig) -> None:
@@ -64,6 +67,10 @@ class LLMDataDist:
             raise TypeError(f"init takes an LLMConfig, not {type(config).__name__}")
         # DataDist retries links itself (link_retry_count), so the engine's connect fails fast.
         options = {"transport": config.transport, "connect_fail_fast": True, **config.engine_options}
+        if config.metadata_server is not None:
+            options["metadata_server"] = config.metadata_server
+        if config.lease_ttl is not None:
+            options["lease_ttl"] = config.lease_ttl
         with translate_errors("init"):
             engine = Engine(config.listen_ip_info or config.local_ip, options)
             try:
@@ -78,6 +85,9 @@ class LLMDataDist:
     def finalize(self) -> None:
         """Unlink everything and stop the engine; idempotent."""
         engine, self._engine = self._engine, None
+        for watch in self._watches:
+            watch.cancel()
+        self._watches.clear()
         if engine is not None:
             engine.finalize()
         if self._state is not None:
@@ -131,19 +141,22 @@ class LLMDataDist:
         return [self._link_one(info, timeout) for info in _cluster_infos(clusters)]
 
     def _link_one(self, info: LLMClusterInfo, timeout: float) -> LLMStatusCode:
+        target = self._target_of(info)
+        if isinstance(target, LLMStatusCode):
+            return target
         engine, state = self.engine, self._live_state()
-        old = state.link(info.remote_cluster_id)
+        old = state.link(target.cluster_id)
         if old is not None:
             if state.reachable(old, timeout):
-                if _canonical(old.name) == _canonical(info.remote_ip_info):
+                if _canonical(old.name) == _canonical(target.address):
                     return LLMStatusCode.ALREADY_LINK
                 log.warning(
                     "link: cluster %d is linked at %s, and %s claims it too; refusing",
-                    info.remote_cluster_id, old.name, info.remote_ip_info,
+                    target.cluster_id, old.name, target.address,
                 )
                 return LLMStatusCode.CLUSTER_ID_CONFLICT
             # The old link is dead: forget it (and its catalog) before linking anew.
-            self._drop(info.remote_cluster_id, old)
+            self._drop(target.cluster_id, old)
         deadline = time.monotonic() + timeout
         attempts = max(1, self.config.link_retry_count + 1)
         for attempt in range(attempts):
@@ -151,38 +164,44 @@ class LLMDataDist:
             if left <= 0:
                 break
             try:
-                engine.connect(info.remote_ip_info, timeout=left)
+                engine.connect(target.address, timeout=left)
             except ParamInvalid as exc:
-                log.warning("link to cluster %d: %s", info.remote_cluster_id, exc)
+                log.warning("link to cluster %d: %s", target.cluster_id, exc)
                 return LLMStatusCode.PARAM_INVALID
             except HixlError as exc:
-                log.info("link to cluster %d, attempt %d: %s", info.remote_cluster_id, attempt + 1, exc)
+                log.info("link to cluster %d, attempt %d: %s", target.cluster_id, attempt + 1, exc)
                 time.sleep(min(0.05 * 2**attempt, max(0.0, deadline - time.monotonic()) / 2))
                 continue
-            return self._verify_link(info, max(0.001, deadline - time.monotonic()))
+            return self._verify_link(target, max(0.001, deadline - time.monotonic()))
         return LLMStatusCode.LINK_FAILED
 
-    def _verify_link(self, info: LLMClusterInfo, timeout: float) -> LLMStatusCode:
+    def _verify_link(self, target: _Target, timeout: float) -> LLMStatusCode:
         engine, state = self.engine, self._live_state()
         try:
-            catalog = Catalog.decode(engine.get_remote_metadata(info.remote_ip_info, CATALOG_KEY, timeout))
-            incarnation = engine.peer_incarnation(info.remote_ip_info)
+            catalog = Catalog.decode(engine.get_remote_metadata(target.address, CATALOG_KEY, timeout))
+            incarnation = engine.peer_incarnation(target.address)
         except (HixlError, ValueError) as exc:
-            log.warning("link to cluster %d: %s is not a DataDist peer: %s", info.remote_cluster_id, info.remote_ip_info, exc)
-            engine.disconnect(info.remote_ip_info)
+            log.warning("link to cluster %d: %s is not a DataDist peer: %s", target.cluster_id, target.address, exc)
+            engine.disconnect(target.address)
             return LLMStatusCode.LINK_FAILED
-        if catalog.cluster_id != info.remote_cluster_id:
-            log.warning("link: %s is cluster %d, not %d", info.remote_ip_info, catalog.cluster_id, info.remote_cluster_id)
-            engine.disconnect(info.remote_ip_info)
+        if target.incarnation is not None and incarnation != target.incarnation:
+            # The store's record is of another incarnation (it restarted, or another process took
+            # the address): not the instance the record describes.
+            log.warning("link: %s is not the incarnation of cluster %d the metadata store names", target.address, target.cluster_id)
+            engine.disconnect(target.address)
             return LLMStatusCode.LINK_FAILED
-        status = self._announce(info, time.monotonic() + timeout)
+        if catalog.cluster_id != target.cluster_id:
+            log.warning("link: %s is cluster %d, not %d", target.address, catalog.cluster_id, target.cluster_id)
+            engine.disconnect(target.address)
+            return LLMStatusCode.LINK_FAILED
+        status = self._announce(target, time.monotonic() + timeout)
         if status is not LLMStatusCode.SUCCESS:
-            engine.disconnect(info.remote_ip_info)
+            engine.disconnect(target.address)
             return status
-        state.add_link(info.remote_cluster_id, Link(info.remote_ip_info, incarnation, catalog))
+        state.add_link(target.cluster_id, Link(target.address, incarnation, catalog))
         return LLMStatusCode.SUCCESS
 
-    def _announce(self, info: LLMClusterInfo, deadline: float) -> LLMStatusCode:
+    def _announce(self, target: _Target, deadline: float) -> LLMStatusCode:
         """Announce our cluster id over the new connection; retried while the peer refuses it.
 
         A refusal means the peer still serves another connection that speaks for our
@@ -192,20 +211,39 @@ class LLMDataDist:
         pause = 0.01
         while True:
             try:
-                self._live_state().announce(info.remote_ip_info, max(0.001, deadline - time.monotonic()))
+                self._live_state().announce(target.address, max(0.001, deadline - time.monotonic()))
                 return LLMStatusCode.SUCCESS
             except AlreadyConnected as exc:
                 if time.monotonic() + pause >= deadline:
                     log.warning(
                         "link: cluster %d at %s refuses us (cluster %d at %s): %s",
-                        info.remote_cluster_id, info.remote_ip_info, self.cluster_id, self.engine.local_engine, exc,
+                        target.cluster_id, target.address, self.cluster_id, self.engine.local_engine, exc,
                     )
                     return LLMStatusCode.CLUSTER_ID_CONFLICT
             except HixlError as exc:
-                log.warning("link to cluster %d: announcing ourselves to %s failed: %s", info.remote_cluster_id, info.remote_ip_info, exc)
+                log.warning("link to cluster %d: announcing ourselves to %s failed: %s", target.cluster_id, target.address, exc)
                 return LLMStatusCode.LINK_FAILED
             time.sleep(pause)
             pause = min(0.2, pause * 2)
+
+    def _target_of(self, info: LLMClusterInfo) -> _Target | LLMStatusCode:
+        """Where to link for ``info``: its address, or (none given) the one the metadata store names."""
+        if info.remote_ip_info is not None:
+            return _Target(info.remote_cluster_id, info.remote_ip_info, None)
+        store = self.engine.metadata_store
+        if store is None:
+            log.warning("link to cluster %d: no address given, and no metadata_server to look it up in", info.remote_cluster_id)
+            return LLMStatusCode.PARAM_INVALID
+        try:
+            found = resolve_cluster(store, info.remote_cluster_id)
+        except LLMException as exc:
+            log.warning("link to cluster %d: %s", info.remote_cluster_id, exc)
+            return LLMStatusCode.LINK_FAILED
+        if found is None:
+            # Not a connect timeout: the store says at once that nobody holds the id.
+            log.warning("link to cluster %d: it is not in %s (never started, finalized, or dead)", info.remote_cluster_id, store.url)
+            return LLMStatusCode.LINK_FAILED
+        return _Target(info.remote_cluster_id, found[0], found[1])
 
     def _drop(self, cluster_id: int, link: Link) -> None:
         if self._live_state().drop_link(cluster_id, link) is not None:
@@ -231,6 +269,22 @@ class LLMDataDist:
                 results.append(LLMStatusCode.SUCCESS)
         return results
 
+    def watch_clusters(self, callback: Callable[[ClusterEvent], None]) -> ClusterWatch:
+        """Call ``callback(event)`` whenever a cluster appears in the metadata store, restarts as
+        a new incarnation, or goes away (finalized, or dead and its lease run out).
+
+        ``callback`` runs on a watch thread and must be quick. Clusters already in
+        the store when the watch starts are not reported; read them with
+        :meth:`link_clusters` by id. Stop with the returned watch's ``cancel()``
+        (finalize stops it too). Needs a ``metadata_server``.
+        """
+        store = self.engine.metadata_store
+        if store is None:
+            raise LLMException("watch_clusters needs a metadata_server", LLMStatusCode.PARAM_INVALID)
+        watch = ClusterWatch(store, callback)
+        self._watches.append(watch)
+        return watch
+
     def linked_clusters(self) -> dict[int, str]:
         """``{cluster_id: "ip:port"}`` of every link."""
         return self._state.links() if self._state is not None else {}
@@ -248,6 +302,15 @@ class LLMDataDist:
     def __repr__(self) -> str:
         state = "uninitialised" if self._engine is None else self._engine.local_engine
         return f"<LLMDataDist {self.role.name} cluster={self.cluster_id} {state} links={sorted(self.linked_clusters())}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """Where one link goes: the cluster, its address, and the incarnation the store named (if any)."""
+
+    cluster_id: int
+    address: str
+    incarnation: str | None
 
 
 def _canonical(address: str) -> str:

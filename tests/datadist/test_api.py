@@ -47,6 +47,8 @@ def test_exported_names():
         "CacheKeyByIdAndIndex",
         "CacheManager",
         "CacheTask",
+        "ClusterEvent",
+        "ClusterEventKind",
         "DataType",
         "LLMClusterInfo",
         "LLMConfig",

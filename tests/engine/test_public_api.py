@@ -35,6 +35,7 @@ EXPORTED = [
     "ProtocolError",
     "ResourceExhausted",
     "Status",
+    "StoreUnavailable",
     "TransferCancelled",
     "TransferError",
     "TransferOpDesc",
@@ -53,7 +54,7 @@ def test_exported_members() -> None:
     for name in EXPORTED:
         assert hasattr(hixl, name), name
     public = {n for n in dir(hixl) if not n.startswith("_")}
-    submodules = {"engine", "datadist", "testing", "transports", "demo", "bench", "cli", "proxy", "vllm"}
+    submodules = {"engine", "datadist", "discovery", "testing", "transports", "demo", "bench", "cli", "proxy", "vllm"}
     assert public - submodules <= set(EXPORTED), "public names missing from __all__"
 
 
@@ -90,6 +91,8 @@ def test_default_options() -> None:
         "auth_secret": None,
         "allow_unauthenticated": False,
         "allowed_networks": None,
+        "metadata_server": None,
+        "lease_ttl": 10.0,
     }
 
 
@@ -119,6 +122,7 @@ def test_import_has_no_side_effects() -> None:
         "assert not logging.getLogger().handlers\n"
         "assert dict(os.environ) == before\n"
         "assert 'torch' not in sys.modules\n"
+        "assert 'etcd3gw' not in sys.modules\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False)

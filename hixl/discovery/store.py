@@ -1,0 +1,96 @@
+"""The metadata-store contract and the URL that picks an implementation."""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from .._exceptions import ParamInvalid, StoreUnavailable
+
+__all__ = ["MetadataStore", "StoreEvent", "StoreEventKind", "StoreUnavailable", "checked_lease_ttl", "open_store"]
+
+
+class StoreEventKind(enum.Enum):
+    """What happened to a key under a watched prefix."""
+
+    PUT = "PUT"
+    DELETE = "DELETE"
+
+
+@dataclass(frozen=True)
+class StoreEvent:
+    """A change under a watched prefix: ``value`` is ``None`` for a DELETE."""
+
+    kind: StoreEventKind
+    key: str
+    value: bytes | None
+
+
+class MetadataStore(abc.ABC):
+    """A key-value store shared by the fleet, with keys that live only as long as their owner.
+
+    Every key this process writes with :meth:`put_owned` or :meth:`create_owned`
+    is bound to one lease, refreshed in the background every third of
+    ``lease_ttl``; :meth:`close` revokes it (its keys vanish at once), and a
+    process that dies stops refreshing it (they vanish within ``lease_ttl``).
+    """
+
+    url: str
+    lease_ttl: float
+
+    @abc.abstractmethod
+    def put_owned(self, key: str, value: bytes) -> None:
+        """Write ``key`` (replacing any value), bound to this process's lease."""
+
+    @abc.abstractmethod
+    def create_owned(self, key: str, value: bytes) -> bool:
+        """Write ``key`` bound to this process's lease only if it does not exist; whether it did."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The value of ``key``, or ``None``."""
+
+    @abc.abstractmethod
+    def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every key under ``prefix`` with its value."""
+
+    @abc.abstractmethod
+    def delete_owned(self, key: str) -> None:
+        """Delete ``key`` (one this process wrote)."""
+
+    @abc.abstractmethod
+    def watch_prefix(self, prefix: str, callback: Callable[[StoreEvent], None]) -> Callable[[], None]:
+        """Call ``callback`` (on a store thread; quick, non-blocking) for every later change under
+        ``prefix``; returns a function that stops the watch."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop refreshing, revoke the lease (this process's keys vanish) and stop every watch; idempotent."""
+
+
+def open_store(url: str, lease_ttl: float = 10.0, timeout: float = 5.0) -> MetadataStore:
+    """Connect to the store at ``url`` (``"etcd://host:port"``) and take a lease of ``lease_ttl`` s.
+
+    Raises :class:`ParamInvalid` for a URL it does not understand and
+    :class:`StoreUnavailable` if the store does not answer within ``timeout`` —
+    at once, never a hang.
+    """
+    if not isinstance(url, str):
+        raise ParamInvalid(f"metadata_server must be a URL string, not {url!r}")
+    parts = urlsplit(url)
+    if parts.scheme != "etcd" or not parts.hostname or parts.port is None:
+        raise ParamInvalid(f"metadata_server {url!r}: expected etcd://host:port")
+    lease_ttl = checked_lease_ttl(lease_ttl)
+    from .etcd import EtcdStore  # the optional dependency, only when asked for
+
+    return EtcdStore(url, parts.hostname, parts.port, lease_ttl, float(timeout))
+
+
+def checked_lease_ttl(value: object) -> float:
+    """``value`` as a lease TTL in seconds (2 to 3600: etcd's minimum, and an hour); ParamInvalid if off."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 2 <= value <= 3600:
+        raise ParamInvalid(f"lease_ttl must be a number of seconds from 2 to 3600, not {value!r}")
+    return float(value)
