@@ -48,7 +48,7 @@ from ._exceptions import (
     error_for_status,
 )
 from ._memory import RemoteRegions
-from ._protocol.connection import ConnectionClosed
+from ._protocol.connection import ConnectionClosed, PeerFatal, RegionsPushed
 from ._wire import Wire
 
 if TYPE_CHECKING:
@@ -338,7 +338,7 @@ class PeerLink:
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, ConnectionClosed):
             raise PeerDisconnected(f"{self.remote_engine} closed the connection")
-        if isinstance(message, proto.Regions) and message.req_id == 0:
+        if isinstance(message, RegionsPushed):
             self.table = RemoteRegions.from_rows(message.regions)  # of no known generation: kept as is
             return
         if isinstance(message, proto.Revoke):
@@ -359,7 +359,7 @@ class PeerLink:
             log.info("hixl: %s closed the link (%s)", self.remote_engine, message.reason or "no reason given")
             self._end(LinkState.BROKEN, f"peer closed the link ({message.reason or 'no reason given'})", quiet=True)
             return
-        if isinstance(message, proto.Error) and message.req_id == 0:
+        if isinstance(message, PeerFatal):
             raise PeerDisconnected(f"{self.remote_engine} reported a fatal error: {message.message}")
         with self._pending_lock:
             pending = self._pending.pop(message.req_id, None)
@@ -399,6 +399,8 @@ class PeerLink:
                 pass
 
     def _end(self, state: LinkState, reason: str, quiet: bool = False) -> None:
+        """End the link and fail every pending request with :class:`PeerDisconnected` (saying why:
+        the peer died, closed, or broke the protocol — its stream can't be trusted any more)."""
         error = PeerDisconnected(f"link to {self.remote_engine} {state.name.lower()}: {reason}")
         with self._pending_lock:
             if self.state is not LinkState.CONNECTED:

@@ -379,6 +379,10 @@ class _ServedConnection:
         with self._regions_gate:
             if not self.id:
                 return False
+            with self.wire.conn_lock:
+                covered = generation <= self.conn.newest_revoke
+            if covered:
+                return True  # a REVOKE sent meanwhile by a concurrent deregistration lists what is left
             try:
                 self.wire.send(proto.Revoke(generation, table.rows), deadline=deadline)
             except (HixlError, OSError) as exc:

@@ -3,7 +3,7 @@
 See :mod:`hixl._protocol.frames` for the frame layout.
 """
 
-from .connection import NEED_DATA, ConnState, Connection, ConnectionClosed, Role
+from .connection import NEED_DATA, ConnState, Connection, ConnectionClosed, PeerFatal, RegionsPushed, Role
 from .frames import (
     HEADER_SIZE,
     REGION_WRITABLE,
@@ -55,11 +55,13 @@ __all__ = [
     "Message",
     "Meta",
     "Notify",
+    "PeerFatal",
     "Ping",
     "Pong",
     "QueryMeta",
     "QueryRegions",
     "ReadRequest",
+    "RegionsPushed",
     "Role",
     "Regions",
     "Revoke",

@@ -9,6 +9,19 @@ complete frame, or :class:`ConnectionClosed`. To send, the driver asks the
 connection for the bytes of a message (:meth:`Connection.send`), which refuses
 anything this side may not send in the current state.
 
+The tables decide, both ways: ``_SENDABLE`` says what each side may send in
+each state, ``_RECEIVABLE`` (and ``_HANDSHAKE_STEPS``) what it may receive — the
+other side's ``_SENDABLE`` seen from here, which a test checks — and ``_REPLIES``
+which reply answers which request. The connection also keeps what the rules
+need beyond the frame kind: each outstanding request (a DATA must carry exactly
+the bytes its READ asked for) and the REVOKE generations (they only grow; a
+REVOKED must confirm one that was announced). Drivers never re-check any of it.
+The latency path takes a shortcut through the same tables for the frames it
+sees most; a test holds it to the tables' verdict. Frames that end or change
+the connection without answering anything come out as their own events:
+:class:`RegionsPushed` (REGIONS with request id 0) and :class:`PeerFatal`
+(ERROR with request id 0, after which the connection is CLOSED).
+
 States, the same on both sides::
 
     HANDSHAKE ──proofs checked──> AUTHENTICATED ──WELCOME──> OPEN ──BYE sent──> CLOSING
@@ -48,6 +61,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+import numpy as np
+
 from .._exceptions import AuthenticationFailed, ProtocolError
 from . import auth
 from .frames import (
@@ -65,6 +80,9 @@ from .frames import (
     Message,
     Pong,
     ReadRequest,
+    Regions,
+    Revoke,
+    Revoked,
     Welcome,
     WriteRequest,
     encode,
@@ -75,7 +93,7 @@ from .frames import (
     parse_header_at,
 )
 
-__all__ = ["NEED_DATA", "ConnState", "Connection", "ConnectionClosed", "Role"]
+__all__ = ["NEED_DATA", "ConnState", "Connection", "ConnectionClosed", "PeerFatal", "RegionsPushed", "Role"]
 
 
 class Role(enum.Enum):
@@ -109,8 +127,6 @@ class ConnectionClosed:
     """The peer closed its end (end of stream)."""
 
 
-Event = Message | ConnectionClosed | _NeedData
-
 _F = FrameType
 _OPEN_BY: dict[Role, frozenset[FrameType]] = {
     Role.INITIATOR: frozenset(
@@ -132,6 +148,20 @@ _SENDABLE: dict[tuple[Role, ConnState], frozenset[FrameType]] = {
     (Role.INITIATOR, ConnState.CLOSING): frozenset({_F.BYE, _F.PONG}),
     (Role.TARGET, ConnState.CLOSING): frozenset({_F.BYE, _F.PONG}),
 }
+# What each side may receive in each state: the other side's _SENDABLE, seen from here. The
+# handshake goes in steps (the frames of it received so far), each allowing one frame; from
+# OPEN on, whatever the peer may send while OPEN (it may not have seen our BYE yet when we are
+# CLOSING). A test checks this against _SENDABLE.
+_HANDSHAKE_STEPS: dict[Role, tuple[frozenset[FrameType], ...]] = {
+    Role.TARGET: (frozenset({_F.HELLO}), frozenset({_F.AUTH})),
+    Role.INITIATOR: (frozenset({_F.CHALLENGE, _F.ERROR}), frozenset({_F.WELCOME, _F.ERROR})),
+}
+_RECEIVABLE: dict[tuple[Role, ConnState], frozenset[FrameType]] = {
+    (Role.INITIATOR, ConnState.OPEN): _OPEN_BY[Role.TARGET],
+    (Role.INITIATOR, ConnState.CLOSING): _OPEN_BY[Role.TARGET],
+    (Role.TARGET, ConnState.OPEN): _OPEN_BY[Role.INITIATOR],
+    (Role.TARGET, ConnState.CLOSING): _OPEN_BY[Role.INITIATOR],
+}
 # The replies an initiator's request may get (ERROR always may come instead).
 _REPLIES: dict[FrameType, frozenset[FrameType]] = {
     _F.READ: frozenset({_F.DATA}),
@@ -140,10 +170,16 @@ _REPLIES: dict[FrameType, frozenset[FrameType]] = {
     _F.QUERY_REGIONS: frozenset({_F.REGIONS}),
     _F.QUERY_META: frozenset({_F.META}),
 }
+# Frames that answer no request: pushed by the target (req_id 0), or heartbeats (any id).
+_UNSOLICITED: frozenset[FrameType] = frozenset({_F.REGIONS, _F.PING, _F.PONG, _F.BYE, _F.ERROR, _F.REVOKE, _F.REVOKED})
+_HEARTBEATS = frozenset({_F.PING, _F.PONG})
 _HANDSHAKE_KINDS = frozenset({_F.HELLO, _F.CHALLENGE, _F.AUTH, _F.WELCOME})
-_TARGET_HOT = frozenset({_F.READ, _F.WRITE})  # requests a target serves
-_HOT = frozenset({_F.READ, _F.WRITE, _F.DATA, _F.ACK})  # the latency path, both directions
-_UNSOLICITED: frozenset[FrameType] = frozenset({_F.REGIONS, _F.PING, _F.PONG, _F.BYE, _F.ERROR, _F.REVOKE})
+# The latency path: the frames a side receives most, in OPEN, checked in fewer steps. Derived
+# from the tables above (and checked against the general path frame by frame in a test).
+_FAST: dict[Role, frozenset[FrameType]] = {
+    Role.TARGET: frozenset({_F.READ, _F.WRITE}) & _RECEIVABLE[(Role.TARGET, ConnState.OPEN)],
+    Role.INITIATOR: frozenset({_F.DATA, _F.ACK}) & _RECEIVABLE[(Role.INITIATOR, ConnState.OPEN)],
+}
 _I64_MAX = (1 << 63) - 1
 _PLAIN = frozenset({ReadRequest, WriteRequest, Data, Ack})
 """Messages that change no state when received."""
@@ -151,11 +187,39 @@ _GUARD = 0.010
 """Seconds by which a deadline sent to the target is moved earlier (chunk time, clock reads)."""
 
 
+@dataclass(frozen=True)
+class RegionsPushed:
+    """Event (initiator): the target's registrations changed; its regions now, of no known generation."""
+
+    regions: np.ndarray
+
+
+@dataclass(frozen=True)
+class PeerFatal:
+    """Event: the peer reports an error that ends the connection (an ERROR frame with request id 0)."""
+
+    status: int
+    message: str
+
+
+Event = Message | ConnectionClosed | _NeedData | RegionsPushed | PeerFatal
+
+
+@dataclass
+class _Request:
+    """What an initiator remembers of a request until its reply: its kind, and for a READ the
+    bytes of DATA it must be answered with."""
+
+    kind: FrameType
+    data_len: int = 0
+
+
 class Connection:
     """One side of one hixl connection; see the module docstring.
 
     ``secret`` is the shared secret (``None``: no authentication).
-    ``clock`` is the monotonic clock (injectable for tests).
+    ``clock`` is the monotonic clock and ``nonce_source`` makes this side's nonce
+    (default :func:`~hixl._protocol.auth.fresh_nonce`); both injectable for tests.
     """
 
     def __init__(
@@ -164,6 +228,7 @@ class Connection:
         secret: auth.Secret | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        nonce_source: Callable[[], str] | None = None,
     ) -> None:
         self.role = role
         self.state = ConnState.HANDSHAKE
@@ -178,12 +243,15 @@ class Connection:
         self._clock = clock
         self._buf = bytearray()
         self._pos = 0
-        self._nonce = auth.fresh_nonce()
+        self._nonce = (nonce_source or auth.fresh_nonce)()
         self._peer_nonce = ""
         self._session_key = b""
-        self._hello_seen = False
+        self._steps = 0  # handshake frames received so far
         self._handshake_sent: set[FrameType] = set()
-        self._outstanding: dict[int, FrameType] = {}
+        self._outstanding: dict[int, _Request] = {}
+        self._revokes: list[int] = []  # target: REVOKE generations sent and not yet confirmed
+        self._confirmed_revoke = 0  # target: the newest generation the peer confirmed
+        self._last_revoke = 0  # initiator: the newest REVOKE generation received
         self._clock_offset: float | None = None
         self._offset_at = 0.0
 
@@ -247,7 +315,7 @@ class Connection:
             raise ProtocolError(f"a {self.role.value} may not send {kind.name} while {self.state.name}")
         if kind in _HANDSHAKE_KINDS:
             # Each handshake step once, in order (a CHALLENGE answers a HELLO).
-            if kind in self._handshake_sent or (kind is _F.CHALLENGE and not self._hello_seen):
+            if kind in self._handshake_sent or (kind is _F.CHALLENGE and not self._steps):
                 raise ProtocolError(
                     f"a {self.role.value} may not send {kind.name} while {self.state.name} "
                     "(each handshake step once, a CHALLENGE only after a HELLO)"
@@ -256,7 +324,12 @@ class Connection:
         if kind in _REPLIES and self.role is Role.INITIATOR:
             if message.req_id == 0 or message.req_id in self._outstanding:
                 raise ProtocolError(f"request id {message.req_id} is zero or already in use")
-            self._outstanding[message.req_id] = kind
+            data_len = int(message.descs[:, 1].sum()) if isinstance(message, ReadRequest) else 0
+            self._outstanding[message.req_id] = _Request(kind, data_len)
+        elif isinstance(message, Revoke):
+            if message.generation <= self.newest_revoke:
+                raise ProtocolError(f"REVOKE generation {message.generation} is not newer than {self.newest_revoke}")
+            self._revokes.append(message.generation)
         elif kind is _F.WELCOME:
             self.state = ConnState.OPEN
         elif kind is _F.BYE:
@@ -272,8 +345,14 @@ class Connection:
             raise ProtocolError(f"a {self.role.value} may not send {kind.name} while {self.state.name}")
         if req_id == 0 or req_id in self._outstanding:
             raise ProtocolError(f"request id {req_id} is zero or already in use")
-        self._outstanding[req_id] = kind
+        self._outstanding[req_id] = _Request(kind, 0 if write else sum(n for _, n in pairs))
         return small_request(kind, req_id, deadline, pairs, data_len)
+
+    @property
+    def newest_revoke(self) -> int:
+        """Target: the generation of the newest REVOKE sent (0: none). A REVOKE of an older one is
+        refused: the newer one, which lists the regions as of later, covers it."""
+        return self._revokes[-1] if self._revokes else self._confirmed_revoke
 
     def forget_request(self, req_id: int) -> None:
         """Stop expecting a reply to ``req_id`` (used when the request can never be answered)."""
@@ -324,7 +403,7 @@ class Connection:
             header = parse_header_at(self._buf, pos)
             # Checked on the header alone, before waiting for the body: a peer can make us
             # buffer no more than the largest frame it may send now (a HELLO, before the proofs).
-            answers = self._check_incoming(header.type, header.req_id)
+            answers = self._check_incoming(header.type, header.req_id, header.data_len)
             end = pos + HEADER_SIZE + header.body_len
             if len(self._buf) < end:
                 return self._end_of_input()
@@ -365,51 +444,57 @@ class Connection:
             raise RuntimeError(f"moved {nbytes} bytes, only {self.data_left} were due")
         self.data_left -= nbytes
 
-    def _check_incoming(self, kind: FrameType, req_id: int) -> int | None:
+    def _receivable(self) -> frozenset[FrameType]:
+        """What the peer may send us now, by the tables (see ``_RECEIVABLE``)."""
+        if self.state in (ConnState.HANDSHAKE, ConnState.AUTHENTICATED):
+            steps = _HANDSHAKE_STEPS[self.role]
+            return steps[self._steps] if self._steps < len(steps) else frozenset()
+        return _RECEIVABLE.get((self.role, self.state), frozenset())
+
+    def _check_incoming(self, kind: FrameType, req_id: int, data_len: int) -> int | None:
         """Refuse a frame the peer may not send now; the request id it answers, if any. No side effects."""
-        if self.state is ConnState.OPEN and kind in _HOT:
-            # The transfers themselves, in the state they live in: the same rules, fewer steps.
+        if self.state is ConnState.OPEN and kind in _FAST[self.role]:
+            # The transfers themselves, in the state they live in: the tables' verdict in fewer steps.
             if self.role is Role.TARGET:
-                if kind in _TARGET_HOT:
-                    if not req_id:
-                        raise ProtocolError(f"{kind.name} with request id 0")
+                if req_id:
                     return None
-            elif kind not in _TARGET_HOT:
+            else:
                 request = self._outstanding.get(req_id)
-                if request is not None and kind in _REPLIES[request]:
+                if request is not None and kind in _REPLIES[request.kind] and data_len == request.data_len:
                     return req_id
+        return self._check_by_table(kind, req_id, data_len)
+
+    def _check_by_table(self, kind: FrameType, req_id: int, data_len: int) -> int | None:
+        """:meth:`_check_incoming` the long way, straight from the tables (what the fast path must agree with)."""
+        allowed = self._receivable()
         peer = Role.TARGET if self.role is Role.INITIATOR else Role.INITIATOR
-        if self.state is ConnState.HANDSHAKE and self.role is Role.TARGET:
-            allowed: frozenset[FrameType] = frozenset({_F.AUTH if self._hello_seen else _F.HELLO})
-        elif self.state in (ConnState.HANDSHAKE, ConnState.AUTHENTICATED) and self.role is Role.INITIATOR:
-            allowed = frozenset({_F.CHALLENGE if self.state is ConnState.HANDSHAKE else _F.WELCOME, _F.ERROR})
-        elif self.state in (ConnState.OPEN, ConnState.CLOSING):
-            allowed = _OPEN_BY[peer]
-        else:
-            allowed = frozenset()
         if kind not in allowed:
             if self.state in (ConnState.HANDSHAKE, ConnState.AUTHENTICATED):
-                wanted = " or ".join(sorted(k.name for k in allowed))
+                wanted = " or ".join(sorted(k.name for k in allowed)) or "nothing"
                 raise ProtocolError(f"expected {wanted} from the {peer.value} during the handshake, got {kind.name}")
             raise ProtocolError(f"unexpected {kind.name} from the {peer.value} while {self.state.name}")
         if self.role is Role.INITIATOR and self.state in (ConnState.OPEN, ConnState.CLOSING):
-            return self._match_reply(kind, req_id)
+            return self._match_reply(kind, req_id, data_len)
         if self.role is Role.TARGET and kind in _REPLIES and req_id == 0:
             raise ProtocolError(f"{kind.name} with request id 0")
         return None
 
-    def _match_reply(self, kind: FrameType, req_id: int) -> int | None:
-        if kind in _UNSOLICITED and (req_id == 0 or kind in (_F.PING, _F.PONG)):
+    def _match_reply(self, kind: FrameType, req_id: int, data_len: int) -> int | None:
+        if kind in _UNSOLICITED and (req_id == 0 or kind in _HEARTBEATS):
             return None
         request = self._outstanding.get(req_id)
-        if request is None or (kind is not _F.ERROR and kind not in _REPLIES[request]):
+        if request is None or (kind is not _F.ERROR and kind not in _REPLIES[request.kind]):
             raise ProtocolError(f"{kind.name} answers no request of ours (id {req_id})")
+        if kind is _F.DATA and data_len != request.data_len:
+            raise ProtocolError(f"DATA carries {data_len} bytes, the READ asked for {request.data_len}")
         return req_id
 
     def _react(self, message: Message) -> Event:
-        """State changes the handshake and goodbyes bring."""
+        """State changes the handshake, goodbyes and revocations bring; the event to report."""
         if type(message) in _PLAIN:
             return message
+        if isinstance(message, (Hello, Challenge, Auth, Welcome)):
+            self._steps += 1
         if isinstance(message, Hello):
             self._on_hello(message.info)
         elif isinstance(message, Challenge):
@@ -420,6 +505,20 @@ class Connection:
             self._on_welcome(message.info)
         elif isinstance(message, Error) and self.state in (ConnState.HANDSHAKE, ConnState.AUTHENTICATED):
             self._close(f"refused: {message.message}")
+        elif isinstance(message, Error) and message.req_id == 0:
+            self._close(f"the peer reported a fatal error: {message.message}")
+            return PeerFatal(message.status, message.message)
+        elif isinstance(message, Regions) and message.req_id == 0:
+            return RegionsPushed(message.regions)
+        elif isinstance(message, Revoke):
+            if message.generation <= self._last_revoke:
+                raise ProtocolError(f"REVOKE generation {message.generation} is not newer than {self._last_revoke}")
+            self._last_revoke = message.generation
+        elif isinstance(message, Revoked):
+            if message.generation not in self._revokes:
+                raise ProtocolError(f"REVOKED confirms generation {message.generation}, which no outstanding REVOKE announced")
+            self._confirmed_revoke = message.generation
+            del self._revokes[: self._revokes.index(message.generation) + 1]  # it confirms the older ones too
         elif isinstance(message, Bye):
             self._close(f"the peer said goodbye ({message.reason or 'no reason given'})")
         elif isinstance(message, Pong) and self.role is Role.INITIATOR and message.clock:
@@ -438,7 +537,6 @@ class Connection:
             )
         self.version = high
         self._peer_nonce = _nonce(info, "HELLO")
-        self._hello_seen = True
 
     def _on_challenge(self, info: dict[str, Any]) -> None:
         version = info.get("version")

@@ -45,7 +45,7 @@ from .. import (
     TransferStatus,
     empty,
 )
-from .. import _protocol as proto
+from .._protocol import RegionsPushed
 from .._link import PeerLink
 from .peer import TargetProcess, load_transport
 
@@ -395,7 +395,7 @@ class TransportConformance:
         dispatch = PeerLink._dispatch
 
         def late_updates(link: PeerLink, message: Any) -> None:
-            if late.is_set() and isinstance(message, proto.Regions) and message.req_id == 0:
+            if late.is_set() and isinstance(message, RegionsPushed):
                 time.sleep(0.1)
             dispatch(link, message)
 

@@ -96,7 +96,7 @@ def test_data_of_the_wrong_length(scripted, initiator) -> None:  # type: ignore[
     fake = scripted(script)
     eng, buf = initiator
     eng.connect(fake.engine)
-    with pytest.raises(ProtocolError, match="17"):
+    with pytest.raises(PeerDisconnected, match="DATA carries 17 bytes, the READ asked for 16"):
         eng.transfer_sync(fake.engine, Op.READ, _read(buf, 16), timeout=10)
     with pytest.raises(PeerDisconnected):  # the stream can't be trusted any more
         eng.transfer_sync(fake.engine, Op.READ, _read(buf, 16), timeout=5)

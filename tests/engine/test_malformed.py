@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -56,8 +56,9 @@ def header(kind: int = proto.FrameType.PING, req_id: int = 0, body_len: int = 0,
 
 
 def _protocol_error(frames: list[proto.Message]) -> None:
-    """The target explains a drop with one ERROR frame (status FAILED)."""
-    assert len(frames) == 1 and isinstance(frames[0], proto.Error), frames
+    """The target explains a drop with one ERROR frame (status FAILED): a refusal during the
+    handshake, a fatal error (request id 0, the PeerFatal event) once open."""
+    assert len(frames) == 1 and isinstance(frames[0], (proto.Error, proto.PeerFatal)), frames
     assert frames[0].status == Status.FAILED
     assert "protocol error" in frames[0].message
 
@@ -148,7 +149,17 @@ def test_truncated_frame_then_close(target: TargetProcess) -> None:
     conn = ScriptedPeer.connect(target.engine)
     conn.handshake()
     conn.send_raw(header(kind=proto.FrameType.WRITE, req_id=1, body_len=24, data_len=1 << 20)[:10])
-    conn.close()  # the target must just forget this connection (checked by still_serves)
+    ours = "{}:{}".format(*conn.sock.getsockname())
+    _wait_until(lambda: ours in target.call("served_connections").values())  # (named once its WELCOME is out)
+    conn.close()  # the target must just forget this connection (and still serve others: still_serves)
+    _wait_until(lambda: ours not in target.call("served_connections").values())
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition()
 
 
 def test_write_body_then_close_mid_data(raw: ScriptedPeer, target: TargetProcess) -> None:
@@ -162,6 +173,7 @@ def test_write_body_then_close_mid_data(raw: ScriptedPeer, target: TargetProcess
     deadline = time.monotonic() + 5
     while target.read(0, 8192 + 99, 1) != b"\x01" and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert target.read(0, 8192, 4096) == b"\x01" * 100 + bytes(3996)  # what arrived, and nothing else
     target.fill(0, 11)
 
 

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 
 from hixl._protocol import (
+    PeerFatal,
+    RegionsPushed,
     NEED_DATA,
     ConnState,
     Connection,
@@ -134,7 +136,7 @@ def reply(kind: FrameType, req_id: int) -> F.Message:
         _T.PING: lambda: F.Ping(req_id),
         _T.PONG: lambda: F.Pong(req_id, 7.0),
         _T.BYE: lambda: F.Bye(0, "done"),
-        _T.REVOKE: lambda: F.Revoke(3, np.array([[4096, 8192, 1]], dtype=np.uint64), 0),
+        _T.REVOKE: lambda: F.Revoke(4, np.array([[4096, 8192, 1]], dtype=np.uint64), 0),  # newer than at()'s
     }[kind]()
 
 
@@ -166,6 +168,16 @@ class Pair:
     target: Connection
     to_target: list[bytes]
     to_initiator: list[bytes]
+
+
+def frame_of(event: Any) -> FrameType:
+    """The frame type an event came in: a message's own, or the ERROR / REGIONS behind the events
+    the connection makes of the unsolicited ones (PeerFatal, RegionsPushed)."""
+    if isinstance(event, PeerFatal):
+        return FrameType.ERROR
+    if isinstance(event, RegionsPushed):
+        return FrameType.REGIONS
+    return F.kind_of(event)
 
 
 def one_event(conn: Connection, data: bytes) -> Any:
@@ -226,6 +238,8 @@ def at(role: Role, stage: str, secret: Secret | None = SECRET) -> Connection:
     if role is Role.INITIATOR:
         for req_id, kind in OUTSTANDING.items():
             conn.send(request(kind, req_id))
+    else:
+        conn.send(F.Revoke(3, np.zeros((0, 3), np.uint64)))  # what request(REVOKED) confirms
     if stage == "closing":
         conn.send(F.Bye(0, "closing"))
     elif stage == "closed":

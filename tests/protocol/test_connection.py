@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hixl import AuthenticationFailed, ProtocolError
-from hixl._protocol import NEED_DATA, ConnState, Connection, ConnectionClosed, FrameType, Role
+from hixl._protocol import NEED_DATA, ConnState, Connection, ConnectionClosed, FrameType, PeerFatal, RegionsPushed, Role
 from hixl._protocol import auth
 from hixl._protocol import connection as connection_module
 from hixl._protocol import frames as F
@@ -34,6 +34,7 @@ from .helpers import (
     at,
     clone,
     descs,
+    frame_of,
     handshake,
     one_event,
     request,
@@ -374,7 +375,7 @@ def test_receive_legality(role: Role, stage: str) -> None:
             assert isinstance(conn.next_event(), ConnectionClosed)  # nothing is parsed any more
             continue
         if legal:
-            assert F.kind_of(one_event(conn, frame)) is kind
+            assert frame_of(one_event(conn, frame)) is kind
             continue
         # Refused on the header alone: the body of a frame that may not come is never waited for.
         conn.receive_data(frame[: F.HEADER_SIZE])
@@ -436,9 +437,10 @@ def test_replies_must_answer_an_outstanding_request_of_the_right_kind(reply: F.M
 
 def test_every_request_gets_exactly_one_answer() -> None:
     i = at(Role.INITIATOR, "open")
-    replies = [F.Data(1, 0), F.Ack(2), F.Ack(3), F.Regions(np.zeros((1, 3), np.uint64), 4), F.Meta(5, b"v")]
+    replies = [F.Data(1, 16), F.Ack(2), F.Ack(3), F.Regions(np.zeros((1, 3), np.uint64), 4), F.Meta(5, b"v")]
     for n, message in enumerate(replies, 1):
         assert isinstance(one_event(i, F.encode(message)), type(message))
+        i.data_moved(i.data_left)
         assert i.outstanding == len(OUTSTANDING) - n
     _refuses(i, F.encode(F.Ack(2)), ProtocolError, "answers no request")
 
@@ -452,9 +454,43 @@ def test_error_answers_any_request(req_id: int) -> None:
 
 def test_unsolicited_frames_need_no_request() -> None:
     i = at(Role.INITIATOR, "open")
-    for message in (F.Regions(np.zeros((2, 3), np.uint64), 0), F.Error(0, 6, "going away"), F.Ping(0), F.Ping(77), F.Pong(78, 1.0)):
+    for message in (F.Ping(0), F.Ping(77), F.Pong(78, 1.0)):
         assert isinstance(one_event(i, F.encode(message)), type(message))
+    pushed = one_event(i, F.encode(F.Regions(np.ones((2, 3), np.uint64), 0)))
+    assert isinstance(pushed, RegionsPushed) and pushed.regions.tolist() == [[1, 1, 1]] * 2  # its own event
     assert i.outstanding == len(OUTSTANDING) and i.state is ConnState.OPEN
+    fatal = one_event(i, F.encode(F.Error(0, 6, "going away")))
+    assert fatal == PeerFatal(6, "going away") and i.state is ConnState.CLOSED  # ends the connection
+
+
+def test_data_must_carry_what_the_read_asked_for() -> None:
+    """The connection knows each READ's length: a DATA of another is refused on its header."""
+    for wrong in (0, 15, 17, 1 << 40):
+        _refuses(at(Role.INITIATOR, "open"), F.encode(F.Data(1, wrong)), ProtocolError, "the READ asked for 16")
+    fast = at(Role.INITIATOR, "open")  # the latency path's READ, packed from pairs: the same rule
+    fast.transfer_frame(False, 9, 0, [(4096, 8), (8192, 4)], 0)
+    _refuses(fast, F.encode(F.Data(9, 8)), ProtocolError, "the READ asked for 12")
+
+
+def test_revocations_are_tracked_both_ways() -> None:
+    """REVOKE generations only grow; a REVOKED must confirm one the target announced (it confirms
+    the older ones with it), and a REVOKE the newer one covers is refused to the sender."""
+    pair = handshake(SECRET, SECRET)
+    i, t = pair.initiator, pair.target
+    one_event(i, t.send(F.Revoke(3, np.zeros((0, 3), np.uint64))))
+    one_event(i, t.send(F.Revoke(5, np.zeros((0, 3), np.uint64))))
+    assert t.newest_revoke == 5
+    with pytest.raises(ProtocolError, match="not newer"):
+        t.send(F.Revoke(4, np.zeros((0, 3), np.uint64)))
+    assert isinstance(one_event(t, i.send(F.Revoked(5))), F.Revoked)  # confirms 3 too
+    _refuses(clone(t), i.send(F.Revoked(3)), ProtocolError, "no outstanding REVOKE")
+    _refuses(clone(i), F.encode(F.Revoke(5, np.zeros((0, 3), np.uint64))), ProtocolError, "not newer")
+
+
+def test_the_nonce_source_is_injectable() -> None:
+    initiator = Connection(Role.INITIATOR, SECRET, nonce_source=lambda: "11" * 32)
+    hello = one_event(Connection(Role.TARGET, SECRET), initiator.initiate())
+    assert isinstance(hello, F.Hello) and hello.info["nonce"] == "11" * 32
 
 
 @pytest.mark.parametrize("kind", [FrameType.READ, FrameType.WRITE, FrameType.NOTIFY, FrameType.QUERY_REGIONS, FrameType.QUERY_META], ids=lambda k: k.name)
@@ -746,7 +782,8 @@ def _initiator_script() -> tuple[Connection, list[F.Message], bytes]:
     i, t = pair.initiator, pair.target
     one_event(t, i.initiate())
     i0 = clone(i)
-    requests = [request(FrameType.READ, 1), request(FrameType.WRITE, 2), request(FrameType.QUERY_META, 3), request(FrameType.NOTIFY, 4)]
+    data = F.encode(F.Ack(2)) * 2  # looks like frames, is data
+    requests = [F.ReadRequest(1, descs((4096, len(data))), 123), request(FrameType.WRITE, 2), request(FrameType.QUERY_META, 3), request(FrameType.NOTIFY, 4)]
     stream = [t.challenge()]
     one_event(i, stream[0])
     one_event(t, i.authenticate(dict(INITIATOR_INFO)))
@@ -754,7 +791,6 @@ def _initiator_script() -> tuple[Connection, list[F.Message], bytes]:
     one_event(i, stream[-1])
     for message in requests:
         i.send(message)
-    data = F.encode(F.Ack(2)) * 2  # looks like frames, is data
     stream += [
         t.send(F.Ping(0)),
         t.send(F.Data(1, len(data))) + data,
@@ -831,3 +867,30 @@ def test_any_chunking_is_the_same_as_whole(side: str, tail: int, cut: int | None
     chunks = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)]) if b > a]
     assert b"".join(chunks) == stream
     assert _run(side, chunks, eof) == _run(side, [stream], eof)
+
+
+@pytest.mark.parametrize("role", [Role.INITIATOR, Role.TARGET], ids=lambda r: r.value)
+def test_the_fast_path_agrees_with_the_tables(role: Role) -> None:
+    """Every frame the latency path takes a shortcut for gets the tables' verdict: the same answer,
+    or the same refusal — for answered and unanswered ids, right and wrong lengths, every kind."""
+    conn = at(role, "open")
+    for kind in FrameType:
+        for req_id in (0, 1, 2, 3, 9):
+            for data_len in (0, 8, 16):
+                verdicts = []
+                for check in (conn._check_incoming, conn._check_by_table):
+                    try:
+                        verdicts.append(check(kind, req_id, data_len))
+                    except ProtocolError as exc:
+                        verdicts.append(str(exc))
+                assert verdicts[0] == verdicts[1], (kind, req_id, data_len)
+
+
+def test_the_receive_table_is_the_send_table_seen_from_the_other_side() -> None:
+    from hixl._protocol.connection import _HANDSHAKE_STEPS, _RECEIVABLE, _SENDABLE
+
+    for role, peer in ((Role.INITIATOR, Role.TARGET), (Role.TARGET, Role.INITIATOR)):
+        for state in (ConnState.OPEN, ConnState.CLOSING):  # the peer may be OPEN while we close
+            assert _RECEIVABLE[(role, state)] == _SENDABLE[(peer, ConnState.OPEN)]
+        handshake_sent = _SENDABLE[(peer, ConnState.HANDSHAKE)] | _SENDABLE[(peer, ConnState.AUTHENTICATED)]
+        assert frozenset().union(*_HANDSHAKE_STEPS[role]) == handshake_sent

@@ -476,7 +476,8 @@ def test_transfer_frame_follows_the_rules_of_send() -> None:
     for req_id in (0, 1):
         with pytest.raises(ProtocolError, match="zero or already in use"):
             conn.transfer_frame(True, req_id, 0, [(4096, 8)], 8)
-    one_event(conn, F.encode(F.Data(1, 0)))  # answered: the id is free again
+    one_event(conn, F.encode(F.Data(1, 8)))  # answered: the id is free again
+    conn.data_moved(8)
     conn.transfer_frame(True, 1, 0, [(4096, 8)], 8)
     conn.send(F.Bye())
     with pytest.raises(ProtocolError, match="may not send READ while CLOSING"):
