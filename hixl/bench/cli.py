@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from .. import _plot
-from . import kv_bench, soak_bench
+from . import fleet_bench, kv_bench, soak_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
 from .progress import Progress
 from .report import failed, format_table, summary, to_json, write_json
@@ -51,6 +51,13 @@ average one process is SIGKILLed and restarted. Every completed transfer is
 verified, every byte that was not registered is checked untouched, and the
 survivors are checked for leaked threads, fds and mappings: corrupted bytes
 and leaks must be 0.
+
+--scenario fleet connects --peers authenticated TCP engines (default 1000;
+--quick: 40), spread over --peer-processes processes, to one target, and
+reports the target's threads, RSS growth and idle CPU with all of them idle,
+register_mem/deregister_mem times, one peer's 8-byte READ latency against
+the same with one peer connected, and --readers peers reading at once:
+aggregate throughput against one peer alone, and the slowest peer's share.
 """
 
 
@@ -152,6 +159,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="soak: mean seconds between SIGKILLs (default: 2)",
     )
+    parser.add_argument("--peers", type=_positive_int, metavar="N", help="fleet: TCP peers of the target (default: 1000; --quick: 40)")
+    parser.add_argument(
+        "--peer-processes", type=_positive_int, metavar="N", help="fleet: processes the peers run in (default: 4; --quick: 2)"
+    )
+    parser.add_argument(
+        "--readers", type=_positive_int, metavar="N", help="fleet: peers reading at once (default: 64; --quick: 8)"
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -202,6 +216,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         "soak_initiators": args.initiators,
         "soak_concurrency": args.concurrency,
         "soak_fault_interval": args.fault_interval,
+        "fleet_peers": args.peers,
+        "fleet_processes": args.peer_processes,
+        "fleet_readers": args.readers,
     }
     config = replace(config, extra={**config.extra, **{k: v for k, v in knobs.items() if v is not None}})
     return config
@@ -214,7 +231,9 @@ def _header(config: BenchConfig, scenarios: tuple[str, ...]) -> str:
     parts += [kv_bench.describe(config, name) for name in scenarios if name in kv_bench.PRESETS]
     if "soak" in scenarios:
         parts.append(soak_bench.describe(config))
-    if set(scenarios) - {"soak"}:
+    if "fleet" in scenarios:
+        parts.append(fleet_bench.describe(config))
+    if set(scenarios) - {"soak", "fleet"}:
         parts.append(f"median of {config.repeat} (+{config.warmup} warm-up)")
     if "engine" in scenarios:
         parts.append(f"latency over {config.iterations} calls")

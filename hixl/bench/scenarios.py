@@ -8,14 +8,15 @@ with a ``run`` function and add it below; the CLI, table and JSON pick it up.
 Scenario-specific knobs can travel in ``BenchConfig.extra`` — as the ``kv``
 scenario's (:mod:`hixl.bench.kv_bench`, a KV cache on :mod:`hixl.datadist`)
 ``kv_layers`` / ``kv_tokens`` / ``kv_block_sizes`` do (for ``kv-vllm`` too), and
-the ``soak`` scenario's ``soak_*`` (:mod:`hixl.bench.soak_bench`).
+the ``soak`` scenario's ``soak_*`` (:mod:`hixl.bench.soak_bench`) and the ``fleet``
+scenario's ``fleet_*`` (:mod:`hixl.bench.fleet_bench`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import engine_bench, kv_bench, soak_bench
+from . import engine_bench, fleet_bench, kv_bench, soak_bench
 from .config import BenchConfig
 from .progress import Progress
 from .results import ScenarioResult
@@ -29,6 +30,7 @@ SCENARIOS: dict[str, Scenario] = {
     "kv": kv_bench.run,
     "kv-vllm": kv_bench.run_vllm,
     "soak": soak_bench.run,
+    "fleet": fleet_bench.run,
 }
 
 DEFAULT_SCENARIO = "engine"
