@@ -183,6 +183,10 @@ class TargetServer:
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"hixl-accept-{self.address}", daemon=True)
         self._acceptor.start()
 
+    def publish(self, key: str, value: bytes) -> None:
+        """Publish ``value`` under ``key`` for connected peers' QUERY_META (replacing what was there)."""
+        self.metadata[key] = value
+
     def open_connections(self) -> dict[str, str]:
         """Authenticated connections being served: id (as in ``NotifyDesc.sender``) -> the peer's address."""
         with self._lock:

@@ -565,7 +565,7 @@ class Engine:
             raise ParamInvalid("metadata key must be str and value bytes")
         if len(value) > proto.frames.MAX_META:
             raise ParamInvalid(f"metadata value of {len(value)} bytes is too large")
-        self._server.metadata[key] = bytes(value)
+        self._server.publish(key, bytes(value))
 
     def get_remote_metadata(self, remote_engine: str, key: str, timeout: float | None = None) -> bytes:
         """Fetch what ``remote_engine`` published under ``key``; :class:`ParamInvalid` if nothing."""

@@ -31,7 +31,7 @@ from .._exceptions import HixlError
 from .._request import TransferReq
 from ._errors import LLMException, LLMStatusCode, status_of, translate_errors
 
-__all__ = ["CacheTask"]
+__all__ = ["CacheTask", "TaskControl"]
 
 
 class _LayerSlot:
@@ -233,7 +233,10 @@ class CacheTask:
                 LLMStatusCode.KV_CACHE_NOT_EXIST,
             )
 
-    # -- fed by the cache manager ----------------------------------------------------------
+    # -- fed by the cache manager, through a TaskControl -------------------------------------
+    def _set_guard(self, req: TransferReq, current: Callable[[], bool]) -> None:
+        self._guard = (req, current)
+
     def _on_success(self, send: Callable[[], None]) -> None:
         """Have :meth:`synchronize` call ``send`` (once) after every layer landed."""
         self._completion = _Completion(send)
@@ -283,3 +286,37 @@ class CacheTask:
     def __repr__(self) -> str:
         landed = sum(1 for s in self._slots.values() if s.submitted and all(r.done() for r in s.reqs))
         return f"<CacheTask {landed}/{len(self.layers)} layers ended, {self.status.name}>"
+
+
+class TaskControl:
+    """The driving side of one :class:`CacheTask`: what the cache manager does to it.
+
+    A task's users only watch it (wait, await, cancel); the one that moves its
+    layers holds this. Both live in this module, which owns the task's state.
+    """
+
+    def __init__(self, layers: Sequence[int], timeout: float) -> None:
+        self.task = CacheTask(layers, timeout)
+        """The task its users get."""
+
+    def guard(self, req: TransferReq, current: Callable[[], bool]) -> None:
+        """The task stands only if ``req`` (a read of the source's generation word, ahead of its
+        data) lands with ``current()`` true; else every layer fails KV_CACHE_NOT_EXIST."""
+        self.task._set_guard(req, current)
+
+    def on_success(self, send: Callable[[], None]) -> None:
+        """Have ``synchronize`` call ``send`` (once) after every layer landed."""
+        self.task._on_success(send)
+
+    def start(self, position: int, start: Callable[[], list[TransferReq]]) -> bool:
+        """Start the layer at ``position`` with ``start`` unless cancelled; False if it did not start
+        (``start`` raising :class:`LLMException` fails that layer and every later one)."""
+        return self.task._start(position, start)
+
+    def submit(self, layer: int, reqs: list[TransferReq]) -> None:
+        """The requests that move ``layer``."""
+        self.task._submit(layer, reqs)
+
+    def fail_from(self, layer_pos: int, error: LLMException) -> None:
+        """Fail the layer at ``layer_pos`` and every later one with ``error``."""
+        self.task._fail_from(layer_pos, error)

@@ -27,7 +27,7 @@ from ._catalog import Catalog, RemoteCache
 from ._errors import LLMException, LLMStatusCode, translate_errors
 from ._layout import layer_tensors, resolve_layers, row_descs, rows_array
 from ._state import DataDistState
-from ._task import CacheTask
+from ._task import CacheTask, TaskControl
 from ._types import (
     BlocksCacheKey,
     Cache,
@@ -245,7 +245,7 @@ class CacheManager:
         ]
         if len({tuple(p.layers) for p in plans}) != 1:
             raise ValueError("every transfer config must cover the same source layers")
-        task = CacheTask(plans[0].layers, timeout)
+        control = TaskControl(plans[0].layers, timeout)
         state = self._state
 
         def start_layer(position: int, layer: int) -> list[TransferReq]:
@@ -262,16 +262,16 @@ class CacheManager:
                 return [state.engine.transfer_async(p.remote_engine, p.op, p.layer_slice(position), timeout) for p in plans]
 
         def push() -> None:
-            for position, layer in enumerate(task.layers):
+            for position, layer in enumerate(control.task.layers):
                 try:
                     ready = layer_synchronizer.synchronize_layer(layer, timeout)
                 except Exception as exc:
-                    task._fail_from(position, LLMException(f"synchronize_layer({layer}) raised {exc!r}", LLMStatusCode.FAILED))
+                    control.fail_from(position, LLMException(f"synchronize_layer({layer}) raised {exc!r}", LLMStatusCode.FAILED))
                     return
                 if not ready:
-                    task._fail_from(position, LLMException(f"layer {layer} was not computed in time", LLMStatusCode.TIMEOUT))
+                    control.fail_from(position, LLMException(f"layer {layer} was not computed in time", LLMStatusCode.TIMEOUT))
                     return
-                if not task._start(position, functools.partial(start_layer, position, layer)):
+                if not control.start(position, functools.partial(start_layer, position, layer)):
                     return
 
         threading.Thread(target=push, name="hixl-datadist-push", daemon=True).start()
@@ -281,8 +281,8 @@ class CacheManager:
                 for plan in plans:
                     self._notify_done(plan, req_id, "push")
 
-            task._on_success(notify_every_destination)
-        return task
+            control.on_success(notify_every_destination)
+        return control.task
 
     # -- completion notifications -----------------------------------------------------------
     def completed_requests(self) -> list[TransferDone]:
@@ -409,7 +409,7 @@ class CacheManager:
             self._notify_done(plan, req_id, "pull" if plan.op is Op.READ else "push")
 
     def _run_async(self, plan: _Plan, req_id: int | None, timeout: float) -> CacheTask:
-        task = CacheTask(plan.layers, timeout)
+        control = TaskControl(plan.layers, timeout)
         engine = self._state.engine
         per_layer = len(plan.descs) // len(plan.layers)
         # The catalog check rides in the same ordered queue just ahead of layer 0,
@@ -420,8 +420,8 @@ class CacheManager:
         # are still being validated; each call validates its layers in one pass.
         with translate_errors("pull"):
             guard_req, first = engine.transfer_async_split(plan.remote_engine, plan.op, head, [1, per_layer], timeout)
-        task._guard = (guard_req, current)
-        task._submit(plan.layers[0], [first])
+        control.guard(guard_req, current)
+        control.submit(plan.layers[0], [first])
         if len(plan.layers) > 1:
             try:
                 with translate_errors("pull"):
@@ -429,13 +429,13 @@ class CacheManager:
                         plan.remote_engine, plan.op, plan.descs[per_layer:], [per_layer] * (len(plan.layers) - 1), timeout
                     )
             except LLMException as exc:
-                task._fail_from(1, exc)
+                control.fail_from(1, exc)
             else:
                 for layer, req in zip(plan.layers[1:], rest):
-                    task._submit(layer, [req])
+                    control.submit(layer, [req])
         if req_id is not None:
-            task._on_success(lambda: self._notify_done(plan, req_id, "pull"))
-        return task
+            control.on_success(lambda: self._notify_done(plan, req_id, "pull"))
+        return control.task
 
 
 def _tensor_addr(tensor: Any, desc: CacheDesc, index: int) -> int:
