@@ -20,7 +20,7 @@ from __future__ import annotations
 import ipaddress
 import mmap
 import os
-import select
+import signal
 import socket
 import stat
 import sys
@@ -98,26 +98,33 @@ def far_end_owner_error(pid: int, sock: socket.socket) -> str | None:
 
 
 class PeerProcess:
-    """A process pinned by a pidfd: :meth:`alive` is false once *it* has exited, even if
-    its pid has since been given to another process."""
+    """A process pinned by a pidfd: :meth:`alive` is false once *it* has gone, even if its pid
+    has since been given to another process."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._fd = os.pidfd_open(pid)  # ProcessLookupError if there is no such process
-        self._poll = select.poll()
-        self._poll.register(self._fd, select.POLLIN)
 
     def alive(self) -> bool:
-        """True until the pinned process exits (a pidfd turns readable then)."""
+        """True until the pinned process is gone (reaped: only then can its pid be reused).
+
+        Signal 0 through the pidfd checks without signalling — cheaper than polling the
+        pidfd (this is on every copy's path). A zombie still counts as alive, but nothing
+        can be copied into it, and its pid is not free until it is reaped.
+        """
         try:
-            return not self._poll.poll(0)
+            signal.pidfd_send_signal(self._fd, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # it exists; signalling it is another permission than cma's
         except (OSError, ValueError):  # closed
             return False
+        return True
 
     def close(self) -> None:
         """Release the pidfd; idempotent."""
         if self._fd >= 0:
-            self._poll.unregister(self._fd)
             os.close(self._fd)
             self._fd = -1
 
