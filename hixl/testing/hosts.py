@@ -23,7 +23,8 @@ Nothing is left behind: :meth:`Hosts.close` (the context manager's exit) kills e
 still in the namespaces and deletes them, and each live :class:`Hosts` holds a lock file, so
 one whose process died without cleaning up (SIGKILL, a crashed run) is swept away by the
 next :class:`Hosts` created on the machine. Needs root (``ip netns``); :func:`hosts_unavailable`
-says why not, and :func:`hosts_fixture` makes a pytest fixture that skips with that reason.
+says why not, and :func:`hosts_fixture` makes a pytest fixture that skips with that reason
+(:func:`skip_unless_hosts` does the same in a test).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from .datadist_peer import DataDistProcess
     from .peer import TargetProcess
 
-__all__ = ["Host", "Hosts", "HostsError", "hosts_fixture", "hosts_unavailable"]
+__all__ = ["Host", "Hosts", "HostsError", "hosts_fixture", "hosts_unavailable", "skip_unless_hosts"]
 
 _STATE = "/run/hixl-hosts"
 """Lock files: ``.lock`` serialises set-up and sweeps; ``P-N.lock`` is held by a live :class:`Hosts`."""
@@ -86,22 +87,29 @@ def hosts_unavailable() -> str | None:
     return None
 
 
-def hosts_fixture(count: int = 2, *, scope: str = "module", **options: Any) -> Any:
-    """A pytest fixture yielding ``Hosts(count, **options)``, removed after its ``scope``.
+def skip_unless_hosts() -> None:
+    """In a pytest test or fixture: skip, with the reason, where :class:`Hosts` cannot be made —
+    or fail, where the environment variable ``HIXL_REQUIRE_HOSTS`` is set (CI sets it)."""
+    import pytest  # only here: importing this module needs no pytest
 
-    It skips, with the reason, where namespaces cannot be made — unless the environment
-    variable ``HIXL_REQUIRE_HOSTS`` is set (CI sets it), where it fails instead. Use it in a
-    test module or conftest: ``hosts = hosts_fixture(3, pid_namespaces=[2])``.
+    reason = hosts_unavailable()
+    if reason is not None:
+        if os.environ.get(_REQUIRE, "0") != "0":
+            pytest.fail(f"{_REQUIRE} is set, but {reason}")
+        pytest.skip(reason)
+
+
+def hosts_fixture(count: int = 2, *, scope: str = "module", **options: Any) -> Any:
+    """A pytest fixture yielding ``Hosts(count, **options)``, removed after its ``scope``
+    (see :func:`skip_unless_hosts` for where namespaces cannot be made).
+
+    Use it in a test module or conftest: ``hosts = hosts_fixture(3, pid_namespaces=[2])``.
     """
-    import pytest  # only for the fixture: importing this module needs no pytest
+    import pytest
 
     @pytest.fixture(scope=scope)
     def hosts() -> Iterator[Hosts]:
-        reason = hosts_unavailable()
-        if reason is not None:
-            if os.environ.get(_REQUIRE, "0") != "0":
-                pytest.fail(f"{_REQUIRE} is set, but {reason}")
-            pytest.skip(reason)
+        skip_unless_hosts()
         with Hosts(count, **options) as made:
             yield made
 
