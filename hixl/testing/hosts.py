@@ -39,7 +39,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from ..datadist import LLMConfig, LLMRole
@@ -50,10 +50,11 @@ __all__ = ["Host", "Hosts", "HostsError", "hosts_fixture", "hosts_unavailable", 
 
 _STATE = "/run/hixl-hosts"
 """Lock files: ``.lock`` serialises set-up and sweeps; ``P-N.lock`` is held by a live :class:`Hosts`."""
-_NETNS = re.compile(r"^hixl-(\d+-\d+)-(?:\d+|sw)$")
+_NETNS = re.compile(r"^hixl-(\d+-\d+)-(?:\d+|sw|probe)$")
 _SUBNETS = range(32, 255)
 """Third octets of the 10.213.S.0/24 subnets handed out (those below 32 are left to hand-made tests)."""
 _serials = itertools.count()
+_Scope = Literal["session", "package", "module", "class", "function"]
 _REQUIRE = "HIXL_REQUIRE_HOSTS"
 """Set (to anything but ``0``) where namespaces must work: the fixture fails instead of skipping."""
 
@@ -64,7 +65,7 @@ class HostsError(RuntimeError):
 
 def _run(*args: str, check: bool = True, timeout: float = 10.0) -> subprocess.CompletedProcess[str]:
     try:
-        done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise HostsError(f"{' '.join(args)}: {exc}") from exc
     if check and done.returncode != 0:
@@ -99,7 +100,7 @@ def skip_unless_hosts() -> None:
         pytest.skip(reason)
 
 
-def hosts_fixture(count: int = 2, *, scope: str = "module", **options: Any) -> Any:
+def hosts_fixture(count: int = 2, *, scope: _Scope = "module", **options: Any) -> Any:
     """A pytest fixture yielding ``Hosts(count, **options)``, removed after its ``scope``
     (see :func:`skip_unless_hosts` for where namespaces cannot be made).
 
@@ -146,7 +147,9 @@ class Host:
     def prefix(self) -> list[str]:
         """The command line that runs the rest on this host: e.g. ``[*host.prefix, "python3", ...]``."""
         if self._init is not None:
-            enter = ["nsenter", "-t", str(self._init_pid), "-n", "-p", "-m", "--"]
+            # nsenter must fork to put the command in the PID namespace, and waits for it without
+            # passing signals on: the command dies with it, so that killing what was started kills it.
+            enter = ["nsenter", "-t", str(self._init_pid), "-n", "-p", "-m", "--", "setpriv", "--pdeathsig", "KILL", "--"]
         elif self.netns is not None:
             enter = ["ip", "netns", "exec", self.netns]
         else:
@@ -174,7 +177,12 @@ class Host:
         return subprocess.run([*self.prefix, *args], timeout=timeout, **kwargs)
 
     def target(self, sizes: list[int], options: dict[str, Any] | None = None, **kwargs: Any) -> TargetProcess:
-        """A :class:`~hixl.testing.TargetProcess` on this host, listening on its address."""
+        """A :class:`~hixl.testing.TargetProcess` on this host, listening on its address.
+
+        On a host with a PID namespace of its own, its ``pid`` is the one it has there, and
+        ``stop`` (SIGSTOP) cannot reach it (nsenter, in front of it, would be stopped instead);
+        ``kill`` and ``close`` work as anywhere.
+        """
         from .peer import TargetProcess
 
         return TargetProcess(sizes, options, address=kwargs.pop("address", self.address()), prefix=self.prefix, **kwargs)
@@ -276,18 +284,18 @@ class Hosts:
             port = f"p{index}"
             ip = str(next(addresses))
             if index < count:
-                netns: str | None = f"hixl-{self.tag}-{index}"
-                device = "eth0"
-                self._add_netns(netns)
-                # Made in the switch namespace with its far end straight in the host's: no moment
-                # where a half-made pair sits in a namespace nobody will delete.
-                _run("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", device, "netns", netns)
-                _run("ip", "-n", netns, "link", "set", "lo", "up")
+                name = f"hixl-{self.tag}-{index}"
+                self._add_netns(name)
+                netns: str | None = name
+                device, far_end, ip_in = "eth0", name, ["ip", "-n", name]
             else:
-                netns, device = None, f"hx{self.tag}"[:15]
-                here_netns = str(os.getpid())  # "netns PID": the network namespace this process is in
-                _run("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", device, "netns", here_netns)
-            ip_in = ["ip", "-n", netns] if netns else ["ip"]
+                # "netns PID" below: the network namespace this process is in.
+                netns, device, far_end, ip_in = None, f"hx{self.tag}"[:15], str(os.getpid()), ["ip"]
+            # Made in the switch namespace with its far end straight in the host's: no moment
+            # where a half-made pair sits in a namespace nobody will delete.
+            _run("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", device, "netns", far_end)
+            if netns is not None:
+                _run(*ip_in, "link", "set", "lo", "up")
             _run(*ip_in, "addr", "add", f"{ip}/{subnet.prefixlen}", "dev", device)
             _run(*ip_in, "link", "set", device, "up")
             _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
@@ -306,8 +314,8 @@ class Hosts:
         # The init is unshare's child: pid 1 inside, and this number outside.
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                children = open(f"/proc/{init.pid}/task/{init.pid}/children").read().split()
+            with contextlib.suppress(OSError), open(f"/proc/{init.pid}/task/{init.pid}/children") as f:
+                children = f.read().split()
                 if children:
                     host._init_pid = int(children[0])
                     return
@@ -414,7 +422,7 @@ def _free_subnet() -> ipaddress.IPv4Network:
             with contextlib.suppress(OSError), open(os.path.join(_STATE, entry)) as f:
                 taken.add(f.read().strip())
     for third in _SUBNETS:
-        subnet = ipaddress.ip_network(f"10.213.{third}.0/24")
+        subnet = ipaddress.IPv4Network(f"10.213.{third}.0/24")
         if str(subnet) not in taken and not any(subnet.overlaps(route) for route in routes):
             return subnet
     raise HostsError("every 10.213.S.0/24 subnet is in use")

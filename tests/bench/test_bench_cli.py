@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from hixl.bench.cli import main
-from hixl.bench.engine_bench import VETH
 from hixl.bench.config import BenchConfig
+from hixl.bench.engine_bench import VETH
 from hixl.bench.results import Row, ScenarioResult, Target
 from hixl.bench.scenarios import SCENARIOS
 from hixl.testing.hosts import skip_unless_hosts

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -66,6 +67,34 @@ def test_processes_of_a_pid_namespace_host_share_one(hosts: Hosts) -> None:
     assert seen[0] == seen[1] != own  # one namespace for the host, not one per command
     assert hosts[0].run(["readlink", "/proc/self/ns/pid"], capture_output=True, text=True).stdout.strip() == own
     assert hosts[1].pid_namespace and not hosts[0].pid_namespace
+
+
+def _running(host, argv: list[str]) -> bool:
+    """Whether a process with command line ``argv`` runs in ``host``'s network namespace."""
+    pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True, check=True).stdout.split()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0")[:-1] == [a.encode() for a in argv]:
+                    return True
+        except OSError:
+            continue  # gone meanwhile
+    return False
+
+
+def test_killing_what_was_started_on_a_pid_namespace_host_kills_the_command(hosts: Hosts) -> None:
+    """Popen's process there is nsenter, which passes no signal on: the command must die with it."""
+    argv = ["sleep", "61"]
+    started = hosts[1].popen(argv)
+    deadline = time.monotonic() + 10
+    while not _running(hosts[1], argv):
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.01)
+    started.kill()
+    started.wait(10)
+    while _running(hosts[1], argv):
+        assert time.monotonic() < deadline, "the command outlived the process that started it"
+        time.sleep(0.01)
 
 
 def test_a_host_can_run_as_another_user(hosts: Hosts) -> None:
