@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+import hixl
 from hixl.testing.hosts import Hosts, hosts_fixture
 
 pytestmark = pytest.mark.timeout(60)
@@ -142,3 +144,26 @@ def test_hosts_of_a_killed_process_are_swept_by_the_next() -> None:
 def test_a_live_owners_hosts_are_not_swept(hosts: Hosts) -> None:
     with Hosts(1):
         assert {h.netns for h in hosts if h.netns} <= _namespaces()
+
+
+_NEEDS_HOSTS = """
+from hixl.testing.hosts import hosts_fixture
+hosts = hosts_fixture(1)
+
+def test_uses_hosts(hosts):
+    pass
+"""
+
+
+@pytest.mark.parametrize(("require", "outcome"), [("0", "1 skipped"), ("1", "1 error")])
+def test_without_root_the_fixture_skips_with_the_reason_unless_required(hosts, tmp_path, require, outcome) -> None:
+    """Run by an unprivileged user (host 2's), who can make no namespace: skipped, and why — or,
+    where HIXL_REQUIRE_HOSTS is set (as CI sets it), an error instead of a silent skip."""
+    (tmp_path / "test_needs_hosts.py").write_text(_NEEDS_HOSTS)
+    done = hosts[2].run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True, text=True, check=False, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(hixl.__file__).resolve().parents[1]), "HIXL_REQUIRE_HOSTS": require},
+    )  # fmt: skip
+    assert outcome in done.stdout, done.stdout + done.stderr
+    assert "making network namespaces needs root" in done.stdout
