@@ -19,8 +19,8 @@ connection to the bench target (:mod:`hixl.bench.target`):
 
 With ``target_netns`` (``--target-netns``) the TCP phases run once more, as transport
 ``tcp-veth``: the target in a network namespace of its own (:class:`hixl.testing.hosts.Hosts`),
-reached over a veth pair and a bridge, and the raw stream over the same path — loopback's
-64 KiB MTU and kernel shortcuts next to a real NIC's 1500-byte frames.
+reached over a veth pair and a bridge (a 1500-byte MTU, as on an Ethernet link between hosts,
+where loopback has 64 KiB), and the raw stream over the same path.
 
 Buffers come from :func:`hixl.empty` (page-aligned), are filled before
 anything is timed, and are freed after each phase.
@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from .. import PAGE_SIZE, Engine, HixlError, Op, TransferOpDesc, empty
+from ..testing.hosts import Hosts
 from .baselines import Copier, RawStream, cma_batch_copier, cma_copier, memcpy_copier
 from .config import BenchConfig, format_size
 from .procstat import cpu_ns, memory, reset_peak_rss
@@ -77,8 +78,6 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
         for transport in config.transports:
             _measure(result, _Setup(transport, target), config, progress)
     if veth:
-        from ..testing.hosts import Hosts
-
         # Its own address, so the engines may only talk with a secret: a fresh one for the run.
         secret = {"auth_secret": secrets.token_hex(16)}
         with Hosts(1, here=True) as hosts, BenchTarget(secret, host=hosts[0]) as target:

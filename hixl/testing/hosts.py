@@ -75,7 +75,7 @@ def _run(*args: str, check: bool = True, timeout: float = 10.0) -> subprocess.Co
 
 def hosts_unavailable() -> str | None:
     """Why :class:`Hosts` cannot be made here (not root, no ``ip``, namespaces refused), or None."""
-    for tool in ("ip", "nsenter", "unshare", "tc"):
+    for tool in ("ip", "tc", "nsenter", "unshare", "setpriv"):
         if shutil.which(tool) is None:
             return f"no {tool} command"
     if os.geteuid() != 0:
@@ -123,11 +123,19 @@ class Host:
     ``netns`` is its network namespace (None for the ``here`` host: the namespace this
     process runs in), ``ip`` its address, ``device`` its interface (in its namespace),
     ``pid_namespace`` whether it has a PID namespace of its own, ``user`` the uid its
-    commands run as (None: this process's).
+    commands run as (None: this process's). Made by :class:`Hosts`, which closes it.
     """
 
     def __init__(
-        self, index: int, netns: str | None, ip: str, device: str, switch: str, port: str, user: int | None
+        self,
+        index: int,
+        netns: str | None,
+        ip: str,
+        device: str,
+        switch: str,
+        port: str,
+        user: int | None,
+        pid_namespace: bool,
     ) -> None:
         self.index = index
         self.netns = netns
@@ -137,6 +145,36 @@ class Host:
         self._switch, self._port = switch, port
         self._init: subprocess.Popen[bytes] | None = None
         self._init_pid = 0
+        if pid_namespace:
+            self._start_init()
+
+    def _start_init(self) -> None:
+        """Start the init that holds this host's PID namespace (its death ends every process in it)."""
+        netns = ["ip", "netns", "exec", self.netns] if self.netns else []
+        self._init = subprocess.Popen(
+            [*netns, "unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sleep", "infinity"]
+        )
+        # The init is unshare's child: pid 1 inside, and this number outside.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and self._init.poll() is None:
+            with contextlib.suppress(OSError), open(f"/proc/{self._init.pid}/task/{self._init.pid}/children") as f:
+                children = f.read().split()
+                if children:
+                    self._init_pid = int(children[0])
+                    return
+            time.sleep(0.005)
+        raise HostsError(f"the init of host {self.index}'s PID namespace did not start")
+
+    def close(self) -> None:
+        """End its PID namespace (every process in it) and take down an interface of this
+        process's namespace; idempotent. (:class:`Hosts` deletes the network namespaces.)"""
+        if self._init is not None and self._init.poll() is None:
+            self._init.kill()  # unshare --kill-child: its death takes the PID namespace down
+            self._init.wait(10)
+        if self.netns is None:
+            # Would go with the switch's namespace too, but only once the kernel gets round to
+            # tearing that down: deleted now, so the subnet's route here goes now.
+            _run("ip", "link", "del", self.device, check=False)
 
     @property
     def pid_namespace(self) -> bool:
@@ -268,14 +306,14 @@ class Hosts:
                 subnet = _free_subnet()
                 self._held.write(f"{subnet}\n")
                 self._held.flush()
-                self._build(count, here, subnet, dict(users or {}))
-            for index in pid_namespaces:
-                self._own_pid_namespace(self.hosts[index])
+                self._build(count, here, subnet, dict(users or {}), set(pid_namespaces))
         except BaseException:
             self.close()
             raise
 
-    def _build(self, count: int, here: bool, subnet: ipaddress.IPv4Network, users: dict[int, int]) -> None:
+    def _build(
+        self, count: int, here: bool, subnet: ipaddress.IPv4Network, users: dict[int, int], own_pids: set[int]
+    ) -> None:
         self._add_netns(self.switch)
         _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.switch, "link", "set", "br0", "up")
@@ -300,29 +338,11 @@ class Hosts:
             _run(*ip_in, "link", "set", device, "up")
             _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
             _run("ip", "-n", self.switch, "link", "set", port, "up")
-            self.hosts.append(Host(index, netns, ip, device, self.switch, port, users.get(index)))
+            self.hosts.append(Host(index, netns, ip, device, self.switch, port, users.get(index), index in own_pids))
 
     def _add_netns(self, name: str) -> None:
         _run("ip", "netns", "add", name)
         self._netns.append(name)
-
-    def _own_pid_namespace(self, host: Host) -> None:
-        """Start the init that holds ``host``'s PID namespace (its death ends every process in it)."""
-        netns = ["ip", "netns", "exec", host.netns] if host.netns else []
-        init = subprocess.Popen([*netns, "unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sleep", "infinity"])
-        host._init = init
-        # The init is unshare's child: pid 1 inside, and this number outside.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), open(f"/proc/{init.pid}/task/{init.pid}/children") as f:
-                children = f.read().split()
-                if children:
-                    host._init_pid = int(children[0])
-                    return
-            if init.poll() is not None:
-                break
-            time.sleep(0.005)
-        raise HostsError(f"the init of host {host.index}'s PID namespace did not start")
 
     def __getitem__(self, index: int) -> Host:
         return self.hosts[index]
@@ -336,13 +356,7 @@ class Hosts:
     def close(self) -> None:
         """Kill every process left on the hosts and delete their namespaces; idempotent."""
         for host in self.hosts:
-            if host._init is not None and host._init.poll() is None:
-                host._init.kill()  # unshare --kill-child: its death takes the PID namespace down
-                host._init.wait(10)
-            if host.netns is None:
-                # Would go with the switch's namespace too, but only once the kernel gets round
-                # to tearing that down: deleted now, so the subnet's route here goes now.
-                _run("ip", "link", "del", host.device, check=False)
+            host.close()
         for name in reversed(self._netns):
             _remove_netns(name)
         self._netns.clear()
