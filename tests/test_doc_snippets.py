@@ -16,6 +16,7 @@ import pytest
 import hixl
 from hixl.datadist import TransferDone
 from hixl.testing import TargetProcess
+from hixl.testing.hosts import skip_unless_hosts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,6 +66,17 @@ def test_engine_wait_notifies(shared_target: TargetProcess) -> None:
 
 def test_engine_asyncio(shared_target: TargetProcess) -> None:
     assert run(snippet("engine.md", "async def read_pages"), {"target": shared_target.engine}) == 1
+
+
+def test_engine_hosts() -> None:
+    skip_unless_hosts()
+    namespace: dict[str, Any] = {}
+    try:
+        assert run(snippet("engine.md", "from hixl.testing.hosts import Hosts"), namespace) == 2
+    finally:  # what a failing snippet left open (each close is idempotent)
+        for name, close in (("engine", "finalize"), ("target", "close"), ("hosts", "close")):
+            if name in namespace:
+                getattr(namespace[name], close)()
 
 
 # -- docs/datadist.md --------------------------------------------------------------------

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from .. import _plot
+from ..testing.hosts import hosts_unavailable
 from . import fleet_bench, kv_bench, soak_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
 from .progress import Progress
@@ -41,6 +42,12 @@ first layer lands with pull_blocks_async. --scenario kv-vllm does the same on
 vLLM's CPU layout (one tensor per layer, K and V interleaved in each block) at
 a Llama-3-8B shape (32 layers, 8 KV heads x 128, fp16, 4096 tokens: 512 MiB),
 32-token blocks.
+
+--target-netns runs the TCP measurements once more (rows "tcp-veth") with the
+target in a network namespace of its own, reached over a veth pair and a
+bridge, and the raw socket stream over the same path: a 1500-byte MTU, as
+between hosts, next to loopback's 64 KiB (needs root; made and removed by the
+run, addresses in a private 10.213.x.0/24 seen nowhere else).
 
 --scenario soak runs the soak test for --duration seconds (default 60;
 --quick: 5): --targets processes register and deregister memory under
@@ -167,6 +174,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--readers", type=_positive_int, metavar="N", help="fleet: peers reading at once (default: 64; --quick: 8)"
     )
     parser.add_argument(
+        "--target-netns",
+        action="store_true",
+        help="engine scenario: also measure TCP with the target in another network namespace, over a veth pair "
+        "(rows tcp-veth; needs root)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a smoke run of a few seconds: small sizes, few repeats, only size-independent targets judged",
@@ -200,7 +213,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The :class:`BenchConfig` the parsed options ask for."""
     config = BenchConfig.quick_run() if args.quick else BenchConfig.full_run()
-    config = replace(config, transports=tuple(args.transport))
+    config = replace(config, transports=tuple(args.transport), target_netns=args.target_netns)
     if args.repeat is not None:
         config = replace(config, repeat=args.repeat)
     if args.iterations is not None:
@@ -225,7 +238,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def _header(config: BenchConfig, scenarios: tuple[str, ...]) -> str:
-    parts = [f"hixl bench: scenario {','.join(scenarios)}", f"transports {','.join(config.transports)}"]
+    transports = ",".join(config.transports) + (",tcp-veth (target in another network namespace)" if config.target_netns else "")
+    parts = [f"hixl bench: scenario {','.join(scenarios)}", f"transports {transports}"]
     if "engine" in scenarios:
         parts.append(f"sizes {format_size(min(config.sizes))}..{format_size(max(config.sizes))}")
     parts += [kv_bench.describe(config, name) for name in scenarios if name in kv_bench.PRESETS]
@@ -260,6 +274,12 @@ def run(args: argparse.Namespace) -> int:
     scenarios = tuple(args.scenario)
     if args.plot and not _plot.plotting_available():
         print(f"hixl bench: error: {_plot.MISSING}", file=sys.stderr)
+        return 2
+    if args.target_netns and "engine" not in scenarios:
+        print("hixl bench: error: --target-netns applies to the engine scenario: add --scenario engine", file=sys.stderr)
+        return 2
+    if args.target_netns and (reason := hosts_unavailable()) is not None:
+        print(f"hixl bench: error: --target-netns: {reason}", file=sys.stderr)
         return 2
     if args.plot and "engine" not in scenarios:
         print("hixl bench: error: --plot draws the engine scenario: add --scenario engine", file=sys.stderr)

@@ -74,6 +74,8 @@ class BenchConfig:
     rss_size: int = 512 * MiB
     idle_seconds: float = 3.0
     quick: bool = False
+    target_netns: bool = False
+    """Also run the TCP phases with the target in another network namespace, behind a veth pair."""
     extra: dict[str, object] = field(default_factory=dict)
     """Free-form options for scenarios that need more than the above: the ``kv`` scenario's cache shape
     (``kv_layers``, ``kv_tokens``, ``kv_block_sizes``; see :func:`hixl.bench.kv_bench.shape_of`)."""

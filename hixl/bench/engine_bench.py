@@ -17,6 +17,11 @@ connection to the bench target (:mod:`hixl.bench.target`):
    on both sides so nothing merges, against IOV_MAX-per-call raw batches.
 6. **Idle CPU** of both processes while the connection sits unused.
 
+With ``target_netns`` (``--target-netns``) the TCP phases run once more, as transport
+``tcp-veth``: the target in a network namespace of its own (:class:`hixl.testing.hosts.Hosts`),
+reached over a veth pair and a bridge (a 1500-byte MTU, as on an Ethernet link between hosts,
+where loopback has 64 KiB), and the raw stream over the same path.
+
 Buffers come from :func:`hixl.empty` (page-aligned), are filled before
 anything is timed, and are freed after each phase.
 """
@@ -25,12 +30,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from .. import PAGE_SIZE, Engine, HixlError, Op, TransferOpDesc, empty
+from ..testing.hosts import Hosts
 from .baselines import Copier, RawStream, cma_batch_copier, cma_copier, memcpy_copier
 from .config import BenchConfig, format_size
 from .procstat import cpu_ns, memory, reset_peak_rss
@@ -39,9 +48,11 @@ from .results import Row, ScenarioResult, Target, median, percentile
 from .target import BenchTarget, RemoteBuffer, sample_bytes
 from .timing import interleaved_latency, interleaved_reps
 
-__all__ = ["run"]
+__all__ = ["VETH", "run"]
 
 SCENARIO = "engine"
+VETH = "tcp-veth"
+"""The rows' transport when the target is in another network namespace (``--target-netns``)."""
 MiB = 1 << 20
 OPS = (Op.READ, Op.WRITE)
 
@@ -60,21 +71,32 @@ RSS_GROWTH = Target("<", 16.0, on="value", in_smoke=True)  # MiB
 
 def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
     """Run the scenario (see the module docstring) and return its rows."""
-    progress.expect(1 + sum(_transport_steps(config, t) for t in config.transports))
+    veth = ("tcp",) if config.target_netns else ()
+    progress.expect(1 + sum(_transport_steps(config, t) for t in (*config.transports, *veth)))
     result = ScenarioResult(_memcpy_rows(config, progress), [])
     with BenchTarget() as target:
         for transport in config.transports:
-            try:
-                bench = _TransportBench(transport, target, config, progress)
-            except HixlError as exc:
-                result.notes.append(f"{transport}: skipped, the target is unreachable this way ({exc})")
-                progress.skip(_transport_steps(config, transport))
-                continue
-            with bench:
-                bench.run()
-            result.rows += bench.rows
-            result.latency_samples.update(bench.latency_samples)
+            _measure(result, _Setup(transport, target), config, progress)
+    if veth:
+        # Its own address, so the engines may only talk with a secret: a fresh one for the run.
+        secret = {"auth_secret": secrets.token_hex(16)}
+        with Hosts(1, here=True) as hosts, BenchTarget(secret, host=hosts[0]) as target:
+            _measure(result, _Setup("tcp", target, hosts[1].ip, VETH, secret), config, progress)
     return result
+
+
+def _measure(result: ScenarioResult, setup: _Setup, config: BenchConfig, progress: Progress) -> None:
+    """Run one transport's phases into ``result`` (or note why it could not connect)."""
+    try:
+        bench = _TransportBench(setup, config, progress)
+    except HixlError as exc:
+        result.notes.append(f"{setup.label}: skipped, the target is unreachable this way ({exc})")
+        progress.skip(_transport_steps(config, setup.transport))
+        return
+    with bench:
+        bench.run()
+    result.rows += bench.rows
+    result.latency_samples.update(bench.latency_samples)
 
 
 def _transport_steps(config: BenchConfig, transport: str) -> int:
@@ -142,15 +164,29 @@ def _memcpy_rows(config: BenchConfig, progress: Progress) -> list[Row]:
     return [reference, *_misaligned_rows(times, n, iterations, "local", "copy", "memcpy", config.align_offset)]
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What one transport's phases run against: the target, and how this side reaches it."""
+
+    transport: str
+    target: BenchTarget
+    local_ip: str = "127.0.0.1"
+    label: str = ""
+    """The rows' transport column (default: ``transport``)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Options of the initiator engine, besides ``transport``."""
+
+
 class _TransportBench:
     """One transport's phases over one initiator engine connected to the bench target."""
 
-    def __init__(self, transport: str, target: BenchTarget, config: BenchConfig, progress: Progress) -> None:
-        self.transport = transport
-        self.target = target
+    def __init__(self, setup: _Setup, config: BenchConfig, progress: Progress) -> None:
+        self.transport = transport = setup.transport
+        self.label = setup.label or transport
+        self.target = target = setup.target
         self.config = config
         self.progress = progress
-        self.engine = Engine("127.0.0.1", {"transport": transport})
+        self.engine = Engine(setup.local_ip, {**setup.options, "transport": transport})
         try:
             self.engine.connect(target.engine)
             self.stream = RawStream(target.raw_address) if transport == "tcp" else None
@@ -192,7 +228,7 @@ class _TransportBench:
         note: str = "",
     ) -> None:
         self.rows.append(
-            Row(name, self.transport, op, size, value, unit, baseline, baseline_name, target, SCENARIO, note)
+            Row(name, self.label, op, size, value, unit, baseline, baseline_name, target, SCENARIO, note)
         )
 
     @contextlib.contextmanager
@@ -244,7 +280,7 @@ class _TransportBench:
         descs = _descs(int(local.ctypes.data), remote.addr, n)
         expected = sample_bytes(seed, n)
         k = len(expected)
-        with self.progress.step(f"{self.transport} RSS while moving {format_size(n)}"):
+        with self.progress.step(f"{self.label} RSS while moving {format_size(n)}"):
             pids = {"initiator": os.getpid(), "target": self.target.pid}
             peak_reset = all([reset_peak_rss(pid) for pid in pids.values()])  # noqa: C419  (reset both, always)
             before = {side: memory(pid) for side, pid in pids.items()}
@@ -255,7 +291,7 @@ class _TransportBench:
             after = {side: memory(pid) for side, pid in pids.items()}
             write_ok = self.target.read(remote, 0, k) == local[:k].tobytes()
         if not (read_ok and write_ok):
-            raise RuntimeError(f"bench self-check failed on {self.transport}: READ ok={read_ok}, WRITE ok={write_ok}")
+            raise RuntimeError(f"bench self-check failed on {self.label}: READ ok={read_ok}, WRITE ok={write_ok}")
         for side in pids:
             b, a = before[side], after[side]
             growth = max(a.rss - b.rss, a.hwm - (b.rss if peak_reset else b.hwm), 0)
@@ -271,7 +307,7 @@ class _TransportBench:
 
     def _bandwidth(self, op: Op, nbytes: int, local: np.ndarray, remote: RemoteBuffer) -> None:
         iterations = _iterations(self.config, nbytes)
-        with self.progress.step(f"{self.transport} {op.name} {format_size(nbytes)}"):
+        with self.progress.step(f"{self.label} {op.name} {format_size(nbytes)}"):
             times = interleaved_reps(
                 {
                     "hixl": self._hixl(op, _descs(int(local.ctypes.data), remote.addr, nbytes)),
@@ -300,14 +336,14 @@ class _TransportBench:
         n, off = self.config.align_size, self.config.align_offset
         iterations = _iterations(self.config, n)
         addr = int(local.ctypes.data)
-        with self.progress.step(f"{self.transport} READ {format_size(n)} misaligned"):
+        with self.progress.step(f"{self.label} READ {format_size(n)} misaligned"):
             # READ: the source is remote, the destination local.
             copiers = {
                 case: self._hixl(Op.READ, _descs(addr + d, remote.addr + s, n))
                 for case, (s, d) in _alignments(off).items()
             }
             times = interleaved_reps(copiers, iterations, self.config.repeat, self.config.warmup)
-        self.rows += _misaligned_rows(times, n, iterations, self.transport, "READ", "READ", off)
+        self.rows += _misaligned_rows(times, n, iterations, self.label, "READ", "READ", off)
 
     def _latency_phase(self) -> None:
         iterations = self.config.iterations
@@ -316,7 +352,7 @@ class _TransportBench:
         with self._buffers(size, seed=11) as (local, remote):
             for op in OPS:
                 for nbytes in self.config.latency_sizes:
-                    with self.progress.step(f"{self.transport} latency {op.name} {format_size(nbytes)}"):
+                    with self.progress.step(f"{self.label} latency {op.name} {format_size(nbytes)}"):
                         # TCP is judged against a plain 8-byte round trip between the same two processes.
                         raw = self.echo.round_trip() if self.echo is not None else self._raw(op, local[:nbytes], remote.addr)
                         samples = interleaved_latency(
@@ -328,7 +364,7 @@ class _TransportBench:
                             warmup,
                         )
                     for contender, ns in samples.items():
-                        self.latency_samples[(self.transport, op.name, nbytes, contender)] = [t / 1000 for t in ns]
+                        self.latency_samples[(self.label, op.name, nbytes, contender)] = [t / 1000 for t in ns]
                     raw_name = "socket round trip, 8 B" if self.echo is not None else f"{self._raw_name(op)} (1 call)"
                     median_target = TCP_LATENCY if self.echo is not None else CMA_LATENCY
                     for label, pct, target in (("median", 50.0, median_target), ("p99", 99.0, None)):
@@ -360,7 +396,7 @@ class _TransportBench:
                 else:
                     raw = cma_batch_copier(self.target.pid, op, descs[:, [0, 2]], descs[:, [1, 2]])
                     raw_name = f"{self._raw_name(op)} batched"
-                with self.progress.step(f"{self.transport} batch {op.name} {blocks} x {format_size(block)}"):
+                with self.progress.step(f"{self.label} batch {op.name} {blocks} x {format_size(block)}"):
                     times = interleaved_reps(
                         {"hixl": self._hixl(op, descs), "raw": raw}, iterations, self.config.repeat, self.config.warmup
                     )
@@ -379,7 +415,7 @@ class _TransportBench:
     def _idle_phase(self) -> None:
         seconds = self.config.idle_seconds
         pids = {"initiator": os.getpid(), "target": self.target.pid}
-        with self.progress.step(f"{self.transport} idle CPU for {seconds:g} s"):
+        with self.progress.step(f"{self.label} idle CPU for {seconds:g} s"):
             time.sleep(min(0.2, seconds))  # let the last transfer's stragglers finish
             start = {side: cpu_ns(pid) for side, pid in pids.items()}
             t0 = time.perf_counter_ns()

@@ -24,11 +24,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._child import ChildProcess, serve_commands
+
+if TYPE_CHECKING:
+    from ..testing.hosts import Host
 
 __all__ = ["ECHO", "ECHO_SIZE", "RAW_HEADER", "STREAM", "BenchTarget", "RemoteBuffer", "sample_bytes"]
 
@@ -58,10 +61,10 @@ class RemoteBuffer:
 class _RawServer:
     """Plain-socket READ/WRITE of the child's buffers: the TCP baseline (see module docstring)."""
 
-    def __init__(self, buffers: dict[int, np.ndarray]) -> None:
+    def __init__(self, buffers: dict[int, np.ndarray], host: str) -> None:
         self.buffers = buffers
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.bind(("127.0.0.1", 0))
+        self.listener.bind((host, 0))
         self.listener.listen(8)
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, name="bench-raw-accept", daemon=True).start()
@@ -129,13 +132,14 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
 
 
 def _serve(conn: Connection) -> None:
-    """The child's main loop: options in, then ``(command, args)`` requests until ``exit``."""
+    """The child's main loop: host and options in, then ``(command, args)`` requests until ``exit``."""
     from .. import Engine, empty  # imported in the child only
 
-    engine = Engine("127.0.0.1:0", conn.recv())
+    host, options = conn.recv()
+    engine = Engine(f"{host}:0", options)
     buffers: dict[int, np.ndarray] = {}
     handles: dict[int, Any] = {}
-    raw = _RawServer(buffers)
+    raw = _RawServer(buffers, host)
     conn.send((engine.local_engine, raw.port, os.getpid()))
     state = {"next_id": 1}
 
@@ -168,18 +172,23 @@ class BenchTarget:
     """Start the bench's target process; a context manager. See the module docstring.
 
     Attributes: ``engine`` (its ``"ip:port"``), ``raw_address`` (the raw
-    server's ``(host, port)``) and ``pid``.
+    server's ``(host, port)``) and ``pid``. With ``host`` (a :class:`~hixl.testing.hosts.Host`
+    without a PID namespace of its own, so that ``pid`` means the same process here), the
+    child runs on it and both servers listen on its address; else on 127.0.0.1.
     """
 
-    def __init__(self, options: dict[str, Any] | None = None, timeout: float = 60.0) -> None:
-        self._child = ChildProcess("hixl.bench._target_main", timeout)
+    def __init__(self, options: dict[str, Any] | None = None, timeout: float = 60.0, host: Host | None = None) -> None:
+        if host is not None and host.pid_namespace:
+            raise ValueError("the bench target reads its own pid from /proc here: give a host without a PID namespace")
+        ip = "127.0.0.1" if host is None else host.ip
+        self._child = ChildProcess("hixl.bench._target_main", timeout, prefix=[] if host is None else host.prefix)
         try:
-            self._child.send(options or {})
+            self._child.send((ip, options or {}))
             self.engine, port, self.pid = self._child.receive()
         except BaseException:
             self._child.kill()
             raise
-        self.raw_address = ("127.0.0.1", port)
+        self.raw_address = (ip, port)
 
     def _do(self, command: str, *args: Any) -> Any:
         status, value = self._child.request((command, args))

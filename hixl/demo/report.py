@@ -54,7 +54,8 @@ def format_report(result: dict[str, Any]) -> str:
     lines = [
         f"hixl demo: {cfg['layers']}-layer Llama (seed {cfg['seed']}), prompt {cfg['prompt_len']} tokens, "
         f"{cfg['tokens']} tokens generated, block {cfg['block_size']} tokens",
-        f"mode {cfg['mode']} ({what}), transport {result['transport']}, KV cache moved {mib:.2f} MiB",
+        f"mode {cfg['mode']} ({what}), transport {result['transport']}, KV cache moved {mib:.2f} MiB"
+        + (", prefill and decode on two hosts (namespaces)" if cfg["hosts"] else ""),
         "",
         f"{'':{_LABEL}}{'colocated':>14}{'disaggregated':>16}",
         _row("prefill compute", col["prefill"], dis["prefill"]),

@@ -5,12 +5,16 @@ block ids and relays the first token, as a serving proxy would), a prefill
 instance and a decode instance (:mod:`hixl.demo.worker`). The KV cache moves
 between the two instances through DataDist — pulled layer by layer by decode,
 or pushed layer by layer by prefill while it is still computing — and the
-generated tokens must equal a colocated, single-process generation.
+generated tokens must equal a colocated, single-process generation. With
+``hosts``, prefill and decode run on two :class:`hixl.testing.hosts.Hosts`
+(network and PID namespaces of their own): the KV cache crosses a network.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +25,7 @@ import numpy as np
 
 from .. import _plot
 from .._child import ChildProcess
+from ..testing.hosts import Host, Hosts, hosts_unavailable
 from .report import format_report
 
 PREFILL_CLUSTER, DECODE_CLUSTER = 1, 2
@@ -37,14 +42,16 @@ class DemoConfig:
     transport: str = "auto"
     mode: str = "pull"
     seed: int = 0
+    hosts: bool = False
+    """Prefill and decode on two hosts (network and PID namespaces of their own), not on this one."""
 
 
 class _Worker:
     """The router's handle on one worker process."""
 
-    def __init__(self, setup: dict[str, Any]) -> None:
-        self.child = ChildProcess("hixl.demo.worker", timeout=120.0)
-        self.child.send(setup)
+    def __init__(self, setup: dict[str, Any], host: Host | None) -> None:
+        self.child = ChildProcess("hixl.demo.worker", timeout=120.0, prefix=host.prefix if host is not None else ())
+        self.child.send({**setup, "ip": host.ip if host is not None else "127.0.0.1"})
 
     def ready(self) -> dict[str, Any]:
         return self.child.receive()  # type: ignore[no-any-return]
@@ -100,49 +107,59 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] = _quiet) -> dict[
     needed = -(-cfg.prompt_len // cfg.block_size)
     num_blocks = needed * 2  # room to scatter: the blocks a request gets are not contiguous
     push = cfg.mode == "push"
-    progress(f"starting the prefill and decode processes (each builds the {cfg.layers}-layer model and warms it up)")
+    what = f"each builds the {cfg.layers}-layer model and warms it up"
+    if cfg.hosts:
+        what += "; a host is network and PID namespaces of its own, joined to the other's by veth pairs"
+    progress(f"starting the prefill and decode processes{' on two hosts' if cfg.hosts else ''} ({what})")
     began = time.monotonic()
-    common = {"spec": spec_kwargs, "num_blocks": num_blocks, "block_size": cfg.block_size, "transport": cfg.transport, "threads": 1}
-    prefill_w = _Worker({"role": "PROMPT", "cluster_id": PREFILL_CLUSTER, "listen": not push, **common})
-    decode_w = _Worker({"role": "DECODER", "cluster_id": DECODE_CLUSTER, "listen": push, **common})
-    # The side that linked closes first, so its peer never sees a vanished link.
-    workers = [prefill_w, decode_w] if push else [decode_w, prefill_w]
-    try:
-        prefill_info, decode_info = prefill_w.ready(), decode_w.ready()
-        progress(f"both ready after {time.monotonic() - began:.1f} s; timing the colocated reference (one process)")
-        # Timed only once both workers are idle: the machine is small.
-        colocated = _colocated(cfg, spec_kwargs, prompt, num_blocks)
-        rng = np.random.default_rng(cfg.seed)
-        src_blocks = sorted(rng.choice(num_blocks, needed, replace=False).tolist())
-        dst_blocks = rng.permutation(num_blocks)[:needed].tolist()
-        progress(f"linking {'prefill -> decode' if push else 'decode -> prefill'} (the side that links moves the data)")
-        if push:
-            link = prefill_w.call("link", ip_info=decode_info["ip_info"], cluster_id=DECODE_CLUSTER)
-        else:
-            link = decode_w.call("link", ip_info=prefill_info["ip_info"], cluster_id=PREFILL_CLUSTER)
-        if link["status"] != "SUCCESS":
-            raise RuntimeError(f"link failed: {link['status']}")
-        req_id = 1
-        progress(
-            f"one request: prefill computes {cfg.prompt_len} prompt tokens, "
-            f"{'prefill pushes' if push else 'decode pulls'} the KV cache, decode generates {cfg.tokens} tokens"
-        )
-        start = time.monotonic()
-        pre = prefill_w.call(
-            "prefill", prompt=prompt, block_ids=src_blocks, req_id=req_id,
-            push_to={"cluster_id": DECODE_CLUSTER, "dst_blocks": dst_blocks} if push else None,
-        )
-        dec = decode_w.call(
-            "decode", first_token=pre["first_token"], prompt_len=cfg.prompt_len, block_ids=dst_blocks,
-            num_tokens=cfg.tokens, req_id=req_id,
-            pull_from=None if push else {"cluster_id": PREFILL_CLUSTER, "src_blocks": src_blocks},
-        )
-        end = time.monotonic()
-        notified = _await_completion(decode_w if push else prefill_w, req_id)
-        progress(f"done; closing the workers ({time.monotonic() - began:.1f} s in all)")
-    finally:
-        for worker in workers:
-            worker.close()
+    # Engines listening on another host's address talk only with a secret: a fresh one for the run.
+    options = {"auth_secret": secrets.token_hex(16)} if cfg.hosts else {}
+    common = {
+        "spec": spec_kwargs, "num_blocks": num_blocks, "block_size": cfg.block_size, "transport": cfg.transport,
+        "threads": 1, "engine_options": options,
+    }  # fmt: skip
+    with Hosts(2, pid_namespaces=[0, 1]) if cfg.hosts else contextlib.nullcontext() as hosts:
+        prefill_host, decode_host = hosts.hosts if hosts is not None else (None, None)
+        prefill_w = _Worker({"role": "PROMPT", "cluster_id": PREFILL_CLUSTER, "listen": not push, **common}, prefill_host)
+        decode_w = _Worker({"role": "DECODER", "cluster_id": DECODE_CLUSTER, "listen": push, **common}, decode_host)
+        # The side that linked closes first, so its peer never sees a vanished link.
+        workers = [prefill_w, decode_w] if push else [decode_w, prefill_w]
+        try:
+            prefill_info, decode_info = prefill_w.ready(), decode_w.ready()
+            progress(f"both ready after {time.monotonic() - began:.1f} s; timing the colocated reference (one process)")
+            # Timed only once both workers are idle: the machine is small.
+            colocated = _colocated(cfg, spec_kwargs, prompt, num_blocks)
+            rng = np.random.default_rng(cfg.seed)
+            src_blocks = sorted(rng.choice(num_blocks, needed, replace=False).tolist())
+            dst_blocks = rng.permutation(num_blocks)[:needed].tolist()
+            progress(f"linking {'prefill -> decode' if push else 'decode -> prefill'} (the side that links moves the data)")
+            if push:
+                link = prefill_w.call("link", ip_info=decode_info["ip_info"], cluster_id=DECODE_CLUSTER)
+            else:
+                link = decode_w.call("link", ip_info=prefill_info["ip_info"], cluster_id=PREFILL_CLUSTER)
+            if link["status"] != "SUCCESS":
+                raise RuntimeError(f"link failed: {link['status']}")
+            req_id = 1
+            progress(
+                f"one request: prefill computes {cfg.prompt_len} prompt tokens, "
+                f"{'prefill pushes' if push else 'decode pulls'} the KV cache, decode generates {cfg.tokens} tokens"
+            )
+            start = time.monotonic()
+            pre = prefill_w.call(
+                "prefill", prompt=prompt, block_ids=src_blocks, req_id=req_id,
+                push_to={"cluster_id": DECODE_CLUSTER, "dst_blocks": dst_blocks} if push else None,
+            )
+            dec = decode_w.call(
+                "decode", first_token=pre["first_token"], prompt_len=cfg.prompt_len, block_ids=dst_blocks,
+                num_tokens=cfg.tokens, req_id=req_id,
+                pull_from=None if push else {"cluster_id": PREFILL_CLUSTER, "src_blocks": src_blocks},
+            )
+            end = time.monotonic()
+            notified = _await_completion(decode_w if push else prefill_w, req_id)
+            progress(f"done; closing the workers ({time.monotonic() - began:.1f} s in all)")
+        finally:
+            for worker in workers:
+                worker.close()
     landed = pre["landed"] if push else dec["landed"]
     transfer_start = pre["start"] if push else dec["start"]
     kv_bytes = needed * cfg.block_size * spec.num_kv_heads * spec.head_dim * 4 * 2 * cfg.layers
@@ -198,7 +215,10 @@ Prefill/decode-disaggregated generation on a small real transformer (a seeded
 Llama-architecture model from transformers; nothing is downloaded). Three
 processes: this router, a prefill instance and a decode instance. Decode pulls
 the prompt's KV cache layer by layer while it starts its first step (--mode pull),
-or prefill pushes each layer as soon as it is computed (--mode push). The tokens
+or prefill pushes each layer as soon as it is computed (--mode push). With
+--hosts, prefill and decode run on two "hosts" (network and PID namespaces of
+their own, joined by veth pairs and a bridge; needs root), so the KV cache
+crosses a network, over TCP, as between machines. The tokens
 must equal a colocated single-process generation (exit status 1 if they differ or
 the completion notification is missing). Progress goes to stderr; the timeline
 table, with a legend, to stdout. Needs the 'demo' extra (torch, transformers).
@@ -237,6 +257,12 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--seed", default=defaults.seed, **number, help="model and prompt seed (default: %(default)s)")
     parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="run prefill and decode on two hosts: network and PID namespaces of their own, joined by veth pairs "
+        "(the KV cache crosses a network, over TCP; needs root)",
+    )
+    parser.add_argument(
         "--plot",
         metavar="FILE",
         help="also draw the request's timeline, colocated vs disaggregated, to FILE "
@@ -258,6 +284,12 @@ def _main(args: argparse.Namespace) -> int:
     if args.plot and not _plot.plotting_available():
         print(f"hixl demo: error: {_plot.MISSING}", file=sys.stderr)
         return 2
+    if args.hosts and args.transport == "cma":
+        print("hixl demo: error: --hosts puts prefill and decode in different PID namespaces: cma cannot cross them", file=sys.stderr)
+        return 2
+    if args.hosts and (reason := hosts_unavailable()) is not None:
+        print(f"hixl demo: error: --hosts: {reason}", file=sys.stderr)
+        return 2
     _progress("loading torch and transformers")
     try:
         import torch  # noqa: F401
@@ -265,7 +297,9 @@ def _main(args: argparse.Namespace) -> int:
     except ImportError:
         print("hixl demo: error: it needs torch and transformers: pip install 'hixl[demo]'", file=sys.stderr)
         return 2
-    cfg = DemoConfig(args.tokens, args.prompt_len, args.layers, args.block_size, args.transport, args.mode, args.seed)
+    cfg = DemoConfig(
+        args.tokens, args.prompt_len, args.layers, args.block_size, args.transport, args.mode, args.seed, args.hosts
+    )
     result = run_demo(cfg, _progress)
     print(format_report(result))
     if args.plot:

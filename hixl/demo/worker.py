@@ -56,6 +56,8 @@ class DemoWorker:
         transport: str,
         listen: bool,
         threads: int,
+        ip: str,
+        engine_options: dict[str, Any],
     ) -> None:
         torch.set_num_threads(threads)
         self.spec = ModelSpec(**spec)
@@ -67,7 +69,10 @@ class DemoWorker:
         warm = prefill(self.model, [1, 2, 3], self.cache, [0])
         decode(self.model, warm, 3, self.cache, [0], 2)
         self.datadist = LLMDataDist(LLMRole[role], cluster_id)
-        self.datadist.init(LLMConfig(listen_ip_info="127.0.0.1:0" if listen else None, transport=transport))
+        config = LLMConfig(
+            listen_ip_info=f"{ip}:0" if listen else None, local_ip=ip, transport=transport, engine_options=engine_options
+        )
+        self.datadist.init(config)
         desc = CacheDesc(2 * self.spec.num_layers, shape, DataType.DT_FLOAT)
         self.kv = self.datadist.cache_manager.register_blocks_cache(
             desc, self.cache.layer_tensors(), BlocksCacheKey(cluster_id, MODEL_ID)

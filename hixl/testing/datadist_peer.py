@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -166,14 +167,18 @@ class DataDistProcess:
     child: :meth:`register_blocks_cache`, :meth:`register_cache`,
     :meth:`unregister`, :meth:`read`, :meth:`write`, :meth:`completed_requests`,
     :meth:`local_mems`, :meth:`cache_manager` and :meth:`datadist` (any
-    method). Errors in the child come back as :class:`PeerError`.
+    method). Errors in the child come back as :class:`PeerError`. ``prefix`` runs the
+    child under a command that execs it (as for :class:`~hixl.testing.TargetProcess`;
+    :attr:`hixl.testing.hosts.Host.prefix` puts it on another host).
     """
 
-    def __init__(self, role: LLMRole, cluster_id: int, config: LLMConfig, timeout: float = 30.0) -> None:
+    def __init__(
+        self, role: LLMRole, cluster_id: int, config: LLMConfig, timeout: float = 30.0, prefix: Sequence[str] = ()
+    ) -> None:
         self.role = role
         self.cluster_id = cluster_id
         self.timeout = timeout
-        self._child = ChildProcess("hixl.testing._datadist_main", timeout)
+        self._child = ChildProcess("hixl.testing._datadist_main", timeout, prefix)
         try:
             self.ip_info, self.pid = self._unwrap(self._child.request((role, cluster_id, config)))
         except BaseException:

@@ -92,6 +92,9 @@ def far_end_owner_error(pid: int, sock: socket.socket) -> str | None:
         try:
             if os.readlink(f"/proc/{pid}/fd/{fd}") in names:
                 return None
+        except PermissionError as exc:
+            # The same check as cross-memory attach's: another user's process, without CAP_SYS_PTRACE.
+            return f"not permitted to look at pid {pid}'s open files ({exc.strerror}): cross-memory attach would be refused too"
         except OSError:
             continue  # closed meanwhile
     return f"pid {pid} does not hold this connection's socket"

@@ -15,6 +15,10 @@ compute (derived from the session key), read through ``process_vm_readv``; and
 (3) it has its generation page open where it says (opened without ever
 blocking). The process is then pinned with a pidfd, and every copy checks that
 it is still alive, so a pid reused after the peer died is never copied into.
+Before any of that, the peer must run under this kernel (its boot id) and in this
+PID namespace (the pid it names means that process only there); network namespaces
+do not matter — two containers that share a kernel and a PID namespace but not a
+network still use cma, as the socket's far end is looked up in the peer's own.
 The probe fails (and the engine falls back to TCP, logging why) across hosts,
 across pid namespaces, behind a proxy or NAT, and where ptrace permission is
 withheld (Yama, seccomp, containers without CAP_SYS_PTRACE, other users).
@@ -68,6 +72,14 @@ _GENERATION = struct.Struct("<Q")
 
 
 _GENERATION_NAME = "hixl-cma-generation"
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (``pid:[inode]``): pids mean the same process only within one."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 _SMALL_IOVECS = 8
@@ -237,6 +249,7 @@ class CmaTransport(Transport):
         return {
             "pid": os.getpid(),
             "boot_id": _boot_id(),
+            "pid_namespace": _pid_namespace(),
             "probe_addr": ctypes.addressof(probe),
             "generation_fd": self._generation_fd if self._generation_map is not None else None,
         }
@@ -268,6 +281,11 @@ class CmaTransport(Transport):
             return "the peer does not offer cma"
         if info.get("boot_id") != _boot_id():
             return "the peer runs under another kernel (different boot id)"
+        theirs, ours = info.get("pid_namespace"), _pid_namespace()
+        if theirs is not None and theirs != ours:
+            # Its pid names another process here, or none: nothing to attach to. (A peer that
+            # does not say is left to the socket proof below, which no wrong pid passes.)
+            return f"the peer runs in another PID namespace ({theirs}, ours is {ours})"
         try:
             pid, addr, generation_fd = int(info["pid"]), int(info["probe_addr"]), int(info["generation_fd"])
         except (KeyError, TypeError, ValueError):

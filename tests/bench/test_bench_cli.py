@@ -20,8 +20,10 @@ import pytest
 
 from hixl.bench.cli import main
 from hixl.bench.config import BenchConfig
+from hixl.bench.engine_bench import VETH
 from hixl.bench.results import Row, ScenarioResult, Target
 from hixl.bench.scenarios import SCENARIOS
+from hixl.testing.hosts import skip_unless_hosts
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -204,6 +206,34 @@ def test_plot_needs_the_engine_scenario(tmp_path: Path) -> None:
     with contextlib.redirect_stderr(err):
         assert main(["--scenario", "kv", "--plot", str(tmp_path / "x.png")]) == 2
     assert "--plot draws the engine scenario" in err.getvalue()
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+
+
+def test_target_netns_measures_tcp_over_a_veth_next_to_loopback(tmp_path: Path) -> None:
+    skip_unless_hosts()
+    before = _namespaces()
+    path, out = tmp_path / "veth.json", io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--quick", "--no-progress", "--transport", "tcp", "--target-netns", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    got = {(r["name"], r["transport"], r["op"], r["size"]) for r in doc["rows"]}
+    assert got == _expected_rows(["tcp", VETH])  # every figure twice: over loopback, and over the veth
+    for row in doc["rows"]:
+        if row["transport"] == VETH and row["name"] == "bandwidth":
+            assert row["baseline_name"] == "socket stream" and row["baseline"] > 0  # the raw stream, same path
+    assert doc["config"]["target_netns"] is True
+    assert "tcp-veth (target in another network namespace)" in out.getvalue().splitlines()[1]
+    assert _namespaces() == before  # made for the run, and removed
+
+
+def test_target_netns_needs_the_engine_scenario() -> None:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["--scenario", "kv", "--target-netns"]) == 2
+    assert "--target-netns applies to the engine scenario" in err.getvalue()
 
 
 def _run_module(*args: str) -> subprocess.CompletedProcess[str]:

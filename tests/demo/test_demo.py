@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 
 from hixl.demo.report import format_report  # noqa: E402
 from hixl.demo.run import DemoConfig, run_demo  # noqa: E402
+from hixl.testing.hosts import skip_unless_hosts  # noqa: E402
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 #: The table's rows, in the order the request lives them (colocated and disaggregated columns).
@@ -50,6 +51,18 @@ def test_disaggregated_tokens_equal_colocated(mode: str, transport: str, docs_sa
     timeline = result["timeline"]["disaggregated"]
     assert len(timeline["layer_done"]) == len(timeline["landed"]) == len(timeline["decode_layers"]) == 2
     assert timeline["ttft"] <= timeline["decode_layers"][0] <= timeline["t2"]  # first token, then decode
+
+
+@pytest.mark.timeout(180)
+def test_prefill_and_decode_on_two_hosts_move_the_cache_over_a_network() -> None:
+    """--hosts: each worker in network and PID namespaces of its own; the cache crosses the bridge (TCP)."""
+    skip_unless_hosts()
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    result = run_demo(DemoConfig(tokens=4, prompt_len=24, layers=2, block_size=8, mode="pull", hosts=True))
+    assert result["transport"] == "tcp"  # auto: another PID namespace rules cma out
+    assert result["identical"] and result["completion_notified"]
+    assert "prefill and decode on two hosts (namespaces)" in format_report(result).splitlines()[1]
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout == before
 
 
 def _labels(text: str) -> list[str]:
@@ -92,6 +105,11 @@ def test_cli_rejects_bad_options() -> None:
     )
     assert proc.returncode == 2
     assert "hixl demo: error: --tokens must be at least 1" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "hixl", "demo", "--hosts", "--transport", "cma"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "cma cannot cross them" in proc.stderr
 
 
 def test_plot_without_matplotlib_is_refused_before_the_run(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import hixl
 import hixl.testing
-from hixl.testing import conformance
+from hixl.testing import conformance, hosts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,6 +109,7 @@ def test_typed_marker() -> None:
 def test_testing_helpers() -> None:
     assert "TargetProcess" in hixl.testing.__all__
     assert conformance.__all__ == ["TransportConformance"]
+    assert hosts.__all__ == ["Host", "Hosts", "HostsError", "hosts_fixture", "hosts_unavailable", "skip_unless_hosts"]
 
 
 def test_import_has_no_side_effects() -> None:
@@ -116,13 +117,14 @@ def test_import_has_no_side_effects() -> None:
     code = (
         "import os, sys, threading, logging\n"
         "before = dict(os.environ)\n"
-        "import hixl, hixl.testing, hixl.transports\n"
+        "import hixl, hixl.testing, hixl.testing.hosts, hixl.transports\n"
         "assert threading.active_count() == 1, threading.enumerate()\n"
         "assert not logging.getLogger('hixl').handlers\n"
         "assert not logging.getLogger().handlers\n"
         "assert dict(os.environ) == before\n"
         "assert 'torch' not in sys.modules\n"
         "assert 'etcd3gw' not in sys.modules\n"
+        "assert 'pytest' not in sys.modules\n"  # hixl.testing.hosts imports it for its fixture only
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False)
