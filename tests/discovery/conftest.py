@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +13,9 @@ from hixl.testing.etcd import EtcdServer, etcd_binary
 @pytest.fixture(scope="session")
 def etcd() -> Iterator[EtcdServer]:
     if etcd_binary() is None:
-        pytest.skip("no etcd binary (Debian's etcd-server package; .ci/run installs it)")
+        reason = "no etcd binary (Debian's etcd-server package; .ci/run installs it)"
+        if os.environ.get("HIXL_REQUIRE_ETCD"):
+            pytest.fail(f"HIXL_REQUIRE_ETCD is set: {reason}")
+        pytest.skip(reason)
     with EtcdServer() as server:
         yield server
