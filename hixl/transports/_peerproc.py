@@ -25,7 +25,7 @@ import socket
 import stat
 import sys
 
-__all__ = ["PeerProcess", "far_end_owner_error", "map_peer_file"]
+__all__ = ["PeerProcess", "Watched", "far_end_owner_error", "map_peer_file"]
 
 _ESTABLISHED = "01"
 _Endpoint = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
@@ -97,29 +97,40 @@ def far_end_owner_error(pid: int, sock: socket.socket) -> str | None:
     return f"pid {pid} does not hold this connection's socket"
 
 
-class PeerProcess:
-    """A process pinned by a pidfd: :meth:`alive` is false once *it* has exited, even if
-    its pid has since been given to another process."""
+class Watched:
+    """A descriptor that turns ready (readable, or hung up) once what it stands for is gone: a
+    pidfd once its process exited, a pipe's read end once every write end is closed.
+    :meth:`alive` until then; takes ownership of ``fd``."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._fd = os.pidfd_open(pid)  # ProcessLookupError if there is no such process
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
         self._poll = select.poll()
-        self._poll.register(self._fd, select.POLLIN)
+        self._poll.register(fd, select.POLLIN)
 
     def alive(self) -> bool:
-        """True until the pinned process exits (a pidfd turns readable then)."""
+        """True until what the descriptor watches is gone (False once this is closed)."""
+        if self._fd < 0:
+            return False
         try:
             return not self._poll.poll(0)
         except (OSError, ValueError):  # closed
             return False
 
     def close(self) -> None:
-        """Release the pidfd; idempotent."""
+        """Release the descriptor; idempotent."""
         if self._fd >= 0:
             self._poll.unregister(self._fd)
             os.close(self._fd)
             self._fd = -1
+
+
+class PeerProcess(Watched):
+    """A process pinned by a pidfd: :meth:`alive` is false once *it* has exited, even if
+    its pid has since been given to another process."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        super().__init__(os.pidfd_open(pid))  # ProcessLookupError if there is no such process
 
 
 def map_peer_file(pid: int, fd: int, name: str, size: int) -> mmap.mmap:

@@ -105,7 +105,7 @@ def test_peer_killed_while_a_tcp_transfer_waits(make_target: MakeTarget) -> None
 def test_killed_initiator_does_not_disturb_the_target(transport: str, make_target: MakeTarget) -> None:
     """Our engine is the target here; initiators in child processes come and go."""
     with Engine("127.0.0.1:0") as eng:
-        region = hixl.empty(MiB)
+        region = hixl.empty(MiB, shared=transport == "shm")
         eng.register_mem(region)
         dying = make_target([MiB], {"transport": transport})
         dying.call("connect", eng.local_engine)
