@@ -75,8 +75,10 @@ DIR_ENV = "HIXL_SHM_DIR"
 """Environment variable naming the default socket directory."""
 DEFAULT_DIR = "/tmp"
 _SUN_PATH = 108  # sizeof(sockaddr_un.sun_path), the terminating NUL included
-CHUNK = 4 << 20
-"""Most bytes one lease hold copies: a REVOKE or a cancel waits at most this long."""
+CHUNK = 16 << 20
+"""Most bytes one lease hold copies: a REVOKE or a cancel waits for at most one such chunk (a
+millisecond or two). Smaller chunks cost a batch of 16 KiB blocks a few percent (each chunk is one
+numpy call, or one Python loop, of its own)."""
 _WINDOW = 1024
 """Most descriptors one lease hold copies."""
 

@@ -152,7 +152,7 @@ def test_frozen_tcp_peer_times_out(make_target: MakeTarget) -> None:
         assert isinstance(req.error, TransferTimeout)
 
 
-@pytest.mark.parametrize("transport", ["cma", "tcp"])
+@pytest.mark.parametrize("transport", ["cma", "shm", "tcp"])
 def test_heartbeats_break_the_link_to_a_frozen_peer(transport: str, make_target: MakeTarget) -> None:
     target = make_target([MiB])
     eng, buf = _initiator(transport, **FAST_HEARTBEAT)
@@ -162,7 +162,7 @@ def test_heartbeats_break_the_link_to_a_frozen_peer(transport: str, make_target:
         descs = [(_addr(buf), target.addrs[0], 4096)]
         start = time.monotonic()
         while True:
-            # cma still copies from a frozen process, tcp times out; once the
+            # cma and shm still copy from a frozen process, tcp times out; once the
             # heartbeats give up, both refuse at once.
             try:
                 eng.transfer_sync(target.engine, Op.READ, descs, timeout=0.2)
