@@ -17,7 +17,7 @@ __all__ = [
 
 
 def default_transports() -> list[Transport]:
-    """Every built-in transport, most preferred first: cma (no copy the target takes part in, but
-    needs ptrace permission), shm (one copy through the target's pool memory, for peers cma cannot
-    reach), tcp (anywhere, and every region)."""
+    """Every built-in transport, most preferred first: cma (one kernel copy of any registered memory;
+    needs ptrace permission), shm (one copy through the target's pool memory, for same-host peers
+    cma cannot reach), tcp (anywhere, any registered memory)."""
     return [CmaTransport(), ShmTransport(), TcpTransport()]

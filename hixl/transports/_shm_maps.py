@@ -137,7 +137,9 @@ class SharedMappings:
             for grant, fd in received:
                 try:
                     same = current.get((grant.addr, grant.length, _identity(fd)))
-                    if same is not None and same.writable >= grant.writable:
+                    # Kept if it grants no more than the grant: a writable mapping of memory granted
+                    # read-only now is made anew (read-only) instead.
+                    if same is not None and same.writable <= grant.writable:
                         prepared.reused.append(same)
                     else:
                         prepared.fresh.append(map_grant(grant, fd))

@@ -129,6 +129,7 @@ class PeerMemory:
             with link.wire.conn_lock:
                 binding, proof = link.wire.conn.binding("shm"), link.wire.conn.binding("shm-target")
             received: list[Received] = []
+            liveness: Liveness | None = None
             try:
                 fetched = fetch(self.path, binding, proof, min(timeout, self.timeout))
                 try:
@@ -141,19 +142,21 @@ class PeerMemory:
                 problem = f"cannot get the peer's shared memory from {self.path}: {exc}"
                 log.warning("hixl: %s: %s; its regions go over TCP", link.remote_engine, problem)
             else:
-                if self._liveness is not None:
-                    self._liveness.close()
-                self._liveness, received = liveness, fetched.received
+                received = fetched.received
             prepared = self.maps.prepare(received)
             for why in prepared.refused:
                 log.warning("hixl: %s: a shared region was refused (it goes over TCP): %s", link.remote_engine, why)
-            with link.lease:
+            with link.lease:  # (copies look at the liveness pipe under it too: none sees the old one closed)
+                if liveness is not None:
+                    liveness, self._liveness = self._liveness, liveness
                 self.maps.install(prepared, link.table)
                 self._elsewhere = frozenset(
                     (a, n) for a, n in table.regions if self.maps.find(a, n, False) < 0
                 )
                 if link.table is table:
                     self.synced = table
+            if liveness is not None:
+                liveness.close()  # the one it replaced
             return problem or ("; ".join(prepared.refused) if prepared.refused and not self.maps.items else None)
 
     def on_revoke(self, table: RemoteRegions) -> None:

@@ -240,6 +240,7 @@ class ShmTransport(Transport):
         """Stop listening and remove the socket; idempotent."""
         with self._lock:
             server, self._server = self._server, None
+            self._unavailable = "closed"  # (no socket again after finalize)
         if server is not None:
             server.close()
         self._close_liveness()  # initiators' liveness pipes hang up now
