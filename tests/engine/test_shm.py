@@ -14,6 +14,7 @@ import mmap
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,7 +62,10 @@ def _as_user(uid: int) -> list[str]:
     if shutil.which("setpriv") is None:
         pytest.skip("no setpriv")
     caps = "+dac_read_search"
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", f"--inh-caps={caps}", f"--ambient-caps={caps}"]
+    prefix = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", f"--inh-caps={caps}", f"--ambient-caps={caps}"]
+    if subprocess.run([*prefix, sys.executable, "-c", "import numpy"], timeout=30, check=False).returncode:
+        pytest.skip(f"cannot run this interpreter as uid {uid} here")
+    return prefix
 
 
 def _pool_mappings(size: int) -> list[str]:
