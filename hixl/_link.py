@@ -121,6 +121,9 @@ class PeerLink:
         self.lease = threading.Lock()
         """Held by a same-host copy from its last check to the end of its syscall; a REVOKE
         is confirmed only under it, after the new regions are installed."""
+        self.revoke_hooks: list[Callable[[RemoteRegions], None]] = []
+        """Called with a REVOKE's regions under the lease, before REVOKED goes out: a transport
+        that mapped the peer's memory unmaps what was withdrawn there."""
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
         self._pending_lock = threading.Lock()
@@ -347,6 +350,8 @@ class PeerLink:
                 self.table = table
                 self.table_generation = message.generation
                 self._revokes += 1
+                for hook in self.revoke_hooks:
+                    hook(table)
             self.wire.send(proto.Revoked(message.generation))
             return
         if isinstance(message, proto.Ping):

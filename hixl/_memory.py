@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _shm_pool
 from ._exceptions import AccessDenied, MemoryRangeError, ParamInvalid, ProtocolError, ResourceExhausted
 from ._types import MemDesc, MemHandle, MemType, TransferOpDesc
 
@@ -46,20 +47,28 @@ _WRITABLE = np.uint64(1)
 ADDRESS_HINT = "an address is an int: buf.ctypes.data for a numpy array, tensor.data_ptr() for a torch tensor"
 
 
-def empty(shape: int | Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
+def empty(shape: int | Sequence[int], dtype: Any = np.uint8, *, shared: bool = False) -> np.ndarray:
     """A new, page-aligned, zero-filled numpy array backed by an anonymous mapping.
 
     Copies between buffers whose page offsets differ run several times slower on
     common CPUs (the ``rep movsb`` fast path needs matching alignment), so the
     easy way to get a buffer is also the fast one. ``shape`` may be a byte count
     (with the default ``uint8`` dtype) or any numpy shape.
+
+    ``shared=True`` takes the memory from hixl's shared-memory pool instead (a
+    memfd, its pages allocated up front): registered, it can be moved by the
+    ``shm`` transport, which peers on this host use when cross-memory attach is
+    refused (another user, another pid namespace). A torch tensor on it:
+    ``torch.from_numpy(hixl.empty(shape, np.float16, shared=True))`` (for dtypes
+    numpy lacks, a byte array ``.view(torch.bfloat16)``). Raises
+    :class:`MemoryError` if the pages cannot be had.
     """
     dt = np.dtype(dtype)
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
     if nbytes < 0:
         raise ParamInvalid(f"negative size {shape!r}")
-    mapping = mmap.mmap(-1, max(nbytes, 1))
+    mapping = _shm_pool.allocate(nbytes) if shared else mmap.mmap(-1, max(nbytes, 1))
     return np.frombuffer(mapping, dtype=np.uint8, count=nbytes).view(dt).reshape(dims)
 
 

@@ -5,7 +5,7 @@ listens and lets connected initiators read and write the memory it
 registered; its application code never takes part. As an *initiator* it
 connects to targets and moves bytes with :meth:`Engine.transfer_sync` /
 :meth:`Engine.transfer_async`, over the best transport that passes its probe
-for that peer (cross-memory attach on the same host, else TCP).
+for that peer (cross-memory attach on the same host, else shared memory, else TCP).
 
 Every argument is validated — addresses, op, descriptor shape, and every
 descriptor's local *and* remote range against the registrations on each side

@@ -13,7 +13,7 @@ import pytest
 from hixl.testing import TargetProcess
 from hixl.testing.leaks import open_fds
 
-TRANSPORTS = ["cma", "tcp"]
+TRANSPORTS = ["cma", "shm", "tcp"]
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -24,19 +24,27 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def shared_target() -> Iterator[TargetProcess]:
-    """A target with two 1 MiB buffers, shared by a module's tests that don't disturb it."""
-    with TargetProcess([1 << 20, 1 << 20]) as tp:
+    """A target with two 1 MiB buffers, shared by a module's tests that don't disturb it.
+
+    Its buffers are pool memory (``hixl.empty(..., shared=True)``), so that every transport,
+    shm included, moves them itself."""
+    with TargetProcess([1 << 20, 1 << 20], shared=True) as tp:
         tp.fill(0, 7)
         yield tp
 
 
 @pytest.fixture
-def make_target() -> Iterator[Callable[..., TargetProcess]]:
-    """Factory for targets a test may kill or freeze; always resumed and closed afterwards."""
+def make_target(request: pytest.FixtureRequest) -> Iterator[Callable[..., TargetProcess]]:
+    """Factory for targets a test may kill or freeze; always resumed and closed afterwards.
+
+    In a test run with ``transport`` shm, the targets' buffers are pool memory (what shm moves;
+    anything else it sends over TCP)."""
     started: list[TargetProcess] = []
+    callspec = getattr(request.node, "callspec", None)
+    shared = callspec is not None and callspec.params.get("transport") == "shm"
 
     def make(sizes: list[int] | None = None, options: dict | None = None) -> TargetProcess:
-        tp = TargetProcess(sizes or [1 << 20], options)
+        tp = TargetProcess(sizes or [1 << 20], options, shared=shared)
         started.append(tp)
         return tp
 
@@ -91,7 +99,7 @@ class DocsSample:
     @staticmethod
     def label(line: str, chunks: int = 1) -> str:
         """The first ``chunks`` columns of ``line``, generic (see the class docstring); 0: the whole line."""
-        generic = re.sub(r"\b(cma|tcp)\b", "T", re.sub(r"\d+(\.\d+)?", "#", line.strip()))
+        generic = re.sub(r"\b(cma|shm|tcp)\b", "T", re.sub(r"\d+(\.\d+)?", "#", line.strip()))
         if chunks == 0:
             return generic
         columns = re.split(r"\s{2,}", generic.split(": ", 1)[0])

@@ -13,7 +13,9 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 FULL_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 512 * MiB)
 QUICK_SIZES = (4 * KiB, 64 * KiB, 1 * MiB)
 
-TRANSPORTS = ("cma", "tcp")
+TRANSPORTS = ("cma", "shm", "tcp")
+"""Every transport the bench can measure (``--transport``); which a scenario measures by default:
+:data:`hixl.bench.scenarios.DEFAULT_TRANSPORTS`."""
 
 _UNITS = {
     "": 1,
@@ -59,7 +61,7 @@ class BenchConfig:
     noise. Latency figures are taken over ``iterations`` single transfers.
     """
 
-    transports: tuple[str, ...] = TRANSPORTS
+    transports: tuple[str, ...] = ("cma", "tcp")
     sizes: tuple[int, ...] = FULL_SIZES
     repeat: int = 5
     warmup: int = 1

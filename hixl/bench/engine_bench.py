@@ -8,13 +8,16 @@ connection to the bench target (:mod:`hixl.bench.target`):
    each side's peak RSS grew (zero-copy means: not at all). The same
    transfer is the run's self-check that the right bytes arrived.
 2. **Bandwidth** — single transfers of each size, READ and WRITE, against a
-   bare ``process_vm_readv``/``writev`` loop (cma) or a plain socket stream
-   (tcp) over the *same* buffers.
+   bare ``process_vm_readv``/``writev`` loop (cma), a plain socket stream
+   (tcp) over the *same* buffers, or a memcpy of the same bytes (shm: the
+   initiator copies in its own process, through its mapping of the target's
+   pool memory; the baseline maps that very memory too and copies with numpy).
 3. **Alignment** (cma) — READ with the remote source shifted by a few bytes.
 4. **Latency** — every ``transfer_sync`` of 8 B / 4 KiB timed alone, against
-   one raw syscall (cma) or one raw request/response (tcp).
+   one raw syscall (cma), one raw request/response (tcp) or one memcpy (shm).
 5. **Batch** — a paged KV cache in miniature: many 16 KiB blocks, shuffled
-   on both sides so nothing merges, against IOV_MAX-per-call raw batches.
+   on both sides so nothing merges, against IOV_MAX-per-call raw batches (cma),
+   the same bytes streamed (tcp) or a numpy gather of the same blocks (shm).
 6. **Idle CPU** of both processes while the connection sits unused.
 
 With ``target_netns`` (``--target-netns``) the TCP phases run once more, as transport
@@ -22,8 +25,9 @@ With ``target_netns`` (``--target-netns``) the TCP phases run once more, as tran
 reached over a veth pair and a bridge (a 1500-byte MTU, as on an Ethernet link between hosts,
 where loopback has 64 KiB), and the raw stream over the same path.
 
-Buffers come from :func:`hixl.empty` (page-aligned), are filled before
-anything is timed, and are freed after each phase.
+Buffers come from :func:`hixl.empty` (page-aligned; the target's from the
+shared-memory pool for shm), are filled before anything is timed, and are
+freed after each phase.
 """
 
 from __future__ import annotations
@@ -40,7 +44,14 @@ import numpy as np
 
 from .. import PAGE_SIZE, Engine, HixlError, Op, TransferOpDesc, empty
 from ..testing.hosts import Hosts
-from .baselines import Copier, RawStream, cma_batch_copier, cma_copier, memcpy_copier
+from .baselines import (
+    Copier,
+    RawStream,
+    cma_batch_copier,
+    cma_copier,
+    gather_copier,
+    memcpy_copier,
+)
 from .config import BenchConfig, format_size
 from .procstat import cpu_ns, memory, reset_peak_rss
 from .progress import Progress
@@ -64,6 +75,9 @@ TCP_BANDWIDTH = ((16 * MiB, Target(">=", 0.9)), (1 * MiB, Target(">=", 0.8)), (6
 TCP_LATENCY = Target("<=", 2.0)  # transfer_sync 8 B / 4 KiB against an 8-byte socket round trip
 CMA_BATCH = Target(">=", 0.85)
 CMA_LATENCY = Target("<=", 1.5)
+SHM_BANDWIDTH = Target(">=", 0.9)  # single transfers >= 1 MiB, against a memcpy of the same bytes
+SHM_BANDWIDTH_FROM = 1 * MiB
+SHM_BATCH = Target(">=", 0.85)  # against a numpy gather of the same blocks
 # Absolute limits hold at any size, so a --quick smoke run judges them too.
 IDLE_CPU = Target("<", 1.0, on="value", in_smoke=True)  # % of one core
 RSS_GROWTH = Target("<", 16.0, on="value", in_smoke=True)  # MiB
@@ -187,12 +201,16 @@ class _TransportBench:
         self.config = config
         self.progress = progress
         self.engine = Engine(setup.local_ip, {**setup.options, "transport": transport})
+        # shm is chosen at connect only if the target has pool memory registered then.
+        self._anchor = target.alloc(PAGE_SIZE, shared=True) if transport == "shm" else None
+        self._mirror: np.ndarray | None = None  # shm: the target's buffer, mapped here, for the baselines
         try:
             self.engine.connect(target.engine)
             self.stream = RawStream(target.raw_address) if transport == "tcp" else None
             self.echo = RawStream(target.raw_address, echo=True) if transport == "tcp" else None
         except BaseException:
             self.engine.finalize()
+            self._free_anchor()
             raise
         self.rows: list[Row] = []
         self.latency_samples: dict[tuple[str, str, int, str], list[float]] = {}
@@ -205,6 +223,12 @@ class _TransportBench:
             if raw is not None:
                 raw.close()
         self.engine.finalize()
+        self._free_anchor()
+
+    def _free_anchor(self) -> None:
+        if self._anchor is not None:
+            self.target.free(self._anchor)
+            self._anchor = None
 
     def run(self) -> None:
         """Every phase, in order, into ``rows`` and ``latency_samples``."""
@@ -237,11 +261,18 @@ class _TransportBench:
         local = empty(size)
         local.fill(0x11)
         handle = self.engine.register_mem(local)
+        shm = self.transport == "shm"
         try:
-            remote = self.target.alloc(size, seed)
+            remote = self.target.alloc(size, seed, shared=shm)
             try:
+                if shm:
+                    self._mirror = self.target.mapped(remote)
+                # The first transfer after a registration may set up state (shm maps the new memory):
+                # done here, untimed.
+                self.engine.transfer_sync(self.target.engine, Op.READ, _descs(int(local.ctypes.data), remote.addr, 1))
                 yield local, remote
             finally:
+                self._mirror = None
                 self.target.free(remote)
         finally:
             self.engine.deregister_mem(handle)
@@ -257,11 +288,16 @@ class _TransportBench:
     def _raw(self, op: Op, local: np.ndarray, remote_addr: int) -> Copier:
         if self.stream is not None:
             return self.stream.copier(op, local.data, remote_addr)
+        if self._mirror is not None:
+            mirror = self._mirror[: local.nbytes]
+            return memcpy_copier(local, mirror) if op is Op.READ else memcpy_copier(mirror, local)
         return cma_copier(self.target.pid, op, int(local.ctypes.data), remote_addr, local.nbytes)
 
     def _raw_name(self, op: Op) -> str:
         if self.stream is not None:
             return "socket stream"
+        if self.transport == "shm":
+            return "memcpy, same bytes"
         return "process_vm_readv" if op is Op.READ else "process_vm_writev"
 
     # -- phases ----------------------------------------------------------------------------
@@ -319,6 +355,8 @@ class _TransportBench:
             )
         if self.transport == "cma":
             target = CMA_BANDWIDTH if nbytes >= CMA_BANDWIDTH_FROM else None
+        elif self.transport == "shm":
+            target = SHM_BANDWIDTH if nbytes >= SHM_BANDWIDTH_FROM else None
         else:
             target = next((t for floor, t in TCP_BANDWIDTH if nbytes >= floor), None)
         self._row(
@@ -366,7 +404,7 @@ class _TransportBench:
                     for contender, ns in samples.items():
                         self.latency_samples[(self.label, op.name, nbytes, contender)] = [t / 1000 for t in ns]
                     raw_name = "socket round trip, 8 B" if self.echo is not None else f"{self._raw_name(op)} (1 call)"
-                    median_target = TCP_LATENCY if self.echo is not None else CMA_LATENCY
+                    median_target = {"cma": CMA_LATENCY, "tcp": TCP_LATENCY}.get(self.transport)
                     for label, pct, target in (("median", 50.0, median_target), ("p99", 99.0, None)):
                         self._row(
                             f"latency {label}",
@@ -393,6 +431,8 @@ class _TransportBench:
             for op in OPS:
                 if self.stream is not None:
                     raw, raw_name = self.stream.copier(op, local.data, remote.addr), "socket stream (same bytes)"
+                elif self._mirror is not None:
+                    raw, raw_name = self._gather(op, local, local_blocks, remote_blocks), "numpy gather, same blocks"
                 else:
                     raw = cma_batch_copier(self.target.pid, op, descs[:, [0, 2]], descs[:, [1, 2]])
                     raw_name = f"{self._raw_name(op)} batched"
@@ -408,9 +448,21 @@ class _TransportBench:
                     "GiB/s",
                     baseline=_gib_per_s(total * iterations, median(times["raw"])),
                     baseline_name=raw_name,
-                    target=CMA_BATCH if self.transport == "cma" else None,
+                    target={"cma": CMA_BATCH, "shm": SHM_BATCH}.get(self.transport),
                     note=f"{blocks} x {format_size(block)} shuffled blocks",
                 )
+
+    def _gather(self, op: Op, local: np.ndarray, local_blocks: np.ndarray, remote_blocks: np.ndarray) -> Copier:
+        """shm's batch baseline: the same block moves, between the same memory, as one numpy gather.
+        Block ``local_blocks[i]`` pairs with ``remote_blocks[i]``; each side is a permutation of all
+        blocks, so walking the destination in order is one ``take``."""
+        block = self.config.batch_block_size
+        mirror = self._mirror
+        assert mirror is not None
+        here, there = local.reshape(-1, block), mirror[: local.nbytes].reshape(-1, block)
+        if op is Op.READ:
+            return gather_copier(here, there, remote_blocks[np.argsort(local_blocks)])
+        return gather_copier(there, here, local_blocks[np.argsort(remote_blocks)])
 
     def _idle_phase(self) -> None:
         seconds = self.config.idle_seconds

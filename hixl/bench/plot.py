@@ -23,6 +23,8 @@ _CURVE_POINTS = 250
 _COLOURS = {
     ("cma", "READ"): "tab:blue",
     ("cma", "WRITE"): "tab:cyan",
+    ("shm", "READ"): "tab:green",
+    ("shm", "WRITE"): "tab:olive",
     ("tcp", "READ"): "tab:red",
     ("tcp", "WRITE"): "tab:orange",
 }

@@ -21,7 +21,7 @@ from .config import BenchConfig
 from .progress import Progress
 from .results import ScenarioResult
 
-__all__ = ["DEFAULT_SCENARIO", "SCENARIOS", "Scenario"]
+__all__ = ["DEFAULT_SCENARIO", "DEFAULT_TRANSPORTS", "SCENARIOS", "Scenario"]
 
 Scenario = Callable[[BenchConfig, Progress], ScenarioResult]
 
@@ -34,3 +34,12 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 DEFAULT_SCENARIO = "engine"
+
+DEFAULT_TRANSPORTS: dict[str, tuple[str, ...]] = {
+    "engine": ("cma", "shm", "tcp"),
+    "kv": ("cma", "tcp"),
+    "kv-vllm": ("cma", "tcp"),
+    "soak": ("cma", "tcp"),
+}
+"""What each scenario measures unless ``--transport`` says: shm needs the peer's memory to come from the
+shared pool, which only the engine scenario's target allocates."""

@@ -17,6 +17,7 @@ for ``W`` it ``recv_into``\\s them and answers one byte.
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import struct
@@ -143,8 +144,8 @@ def _serve(conn: Connection) -> None:
     conn.send((engine.local_engine, raw.port, os.getpid()))
     state = {"next_id": 1}
 
-    def alloc(size: int, seed: int, fill: int) -> tuple[int, int]:
-        buf = empty(size)
+    def alloc(size: int, seed: int, fill: int, shared: bool) -> tuple[int, int]:
+        buf = empty(size, shared=shared)
         buf.fill(fill)  # touch every page now, not inside a timed transfer
         buf[:SAMPLE] = sample_bytes(seed, size)
         buf_id = state["next_id"]
@@ -159,7 +160,13 @@ def _serve(conn: Connection) -> None:
     def read(buf_id: int, offset: int, nbytes: int) -> bytes:
         return buffers[buf_id][offset : offset + nbytes].tobytes()
 
-    commands: dict[str, Callable[..., Any]] = {"alloc": alloc, "free": free, "read": read}
+    def memfd(buf_id: int) -> int:
+        from .._shm_pool import overlapping
+
+        (entry,) = overlapping(int(buffers[buf_id].ctypes.data), 1)
+        return entry.fd
+
+    commands: dict[str, Callable[..., Any]] = {"alloc": alloc, "free": free, "read": read, "memfd": memfd}
     try:
         serve_commands(conn, lambda command, args: commands[command](*args))
     finally:
@@ -196,14 +203,26 @@ class BenchTarget:
             raise RuntimeError(f"bench target could not {command}: {value}")
         return value
 
-    def alloc(self, size: int, seed: int = 0, fill: int = 0x5A) -> RemoteBuffer:
-        """A new registered buffer of ``size`` bytes: ``fill`` everywhere, then :func:`sample_bytes` in front."""
-        buf_id, addr = self._do("alloc", size, seed, fill)
+    def alloc(self, size: int, seed: int = 0, fill: int = 0x5A, shared: bool = False) -> RemoteBuffer:
+        """A new registered buffer of ``size`` bytes: ``fill`` everywhere, then :func:`sample_bytes` in front;
+        from the shared-memory pool if ``shared`` (what the shm transport moves)."""
+        buf_id, addr = self._do("alloc", size, seed, fill, shared)
         return RemoteBuffer(buf_id, addr, size)
 
     def free(self, buf: RemoteBuffer) -> None:
         """Deregister and release ``buf``."""
         self._do("free", buf.id)
+
+    def mapped(self, buf: RemoteBuffer) -> np.ndarray:
+        """The target's pool buffer ``buf`` mapped into this process, through its memfd (opened in
+        ``/proc``: the child is ours): the very memory an shm transfer copies, for its baselines."""
+        fd = os.open(f"/proc/{self.pid}/fd/{self._do('memfd', buf.id)}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            size = -(-buf.size // mmap.PAGESIZE) * mmap.PAGESIZE
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fd)
+        return np.frombuffer(mapping, dtype=np.uint8, count=buf.size)
 
     def read(self, buf: RemoteBuffer, offset: int, nbytes: int) -> bytes:
         """Bytes of ``buf`` as the target sees them."""

@@ -20,10 +20,10 @@ __all__ = ["TargetProcess"]
 def _serve(conn: Connection) -> None:
     from .. import Engine, empty  # imported in the child only
 
-    address, options, sizes, transport_paths = conn.recv()
+    address, options, sizes, transport_paths, shared = conn.recv()
     transports = [load_transport(path)() for path in transport_paths] if transport_paths else None
     engine = Engine(address, options, transports=transports)
-    buffers = [empty(size) for size in sizes]
+    buffers = [empty(size, shared=shared) for size in sizes]
     handles = [engine.register_mem(buf) for buf in buffers]
     conn.send((engine.local_engine, [int(b.ctypes.data) for b in buffers], os.getpid()))
     try:
@@ -61,10 +61,12 @@ def _write(engine: Any, buffers: list[np.ndarray], handles: list[Any], index: in
     buffers[index][start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
 
-def _add_buffer(engine: Any, buffers: list[np.ndarray], handles: list[Any], size: int, access: str) -> int:
+def _add_buffer(
+    engine: Any, buffers: list[np.ndarray], handles: list[Any], size: int, access: str, shared: bool
+) -> int:
     from .. import MemType, empty
 
-    buffers.append(empty(size))
+    buffers.append(empty(size, shared=shared))
     handles.append(engine.register_mem(buffers[-1], MemType.HOST, access))
     return int(buffers[-1].ctypes.data)
 
@@ -155,6 +157,8 @@ class TargetProcess:
     ``transports`` names the transport classes the child's engine uses
     (``"package.module:Class"``, most preferred first; default: the built-in ones).
     ``prefix`` runs the child under a command that execs it (e.g. ``ip netns exec NS``).
+    ``shared``: the buffers come from hixl's shared-memory pool (``hixl.empty(..., shared=True)``),
+    which the shm transport can move; :meth:`add_buffer` follows it unless told otherwise.
     """
 
     def __init__(
@@ -165,9 +169,11 @@ class TargetProcess:
         timeout: float = 30.0,
         transports: list[str] | None = None,
         prefix: Sequence[str] = (),
+        shared: bool = False,
     ) -> None:
+        self.shared = shared
         self._child = ChildProcess("hixl.testing._target_main", timeout, prefix)
-        self.engine, self.addrs, self.pid = self._child.request((address, options or {}, sizes, transports))
+        self.engine, self.addrs, self.pid = self._child.request((address, options or {}, sizes, transports, shared))
 
     def _do(self, command: str, *args: Any) -> Any:
         status, value = self._child.request((command, args))
@@ -187,9 +193,10 @@ class TargetProcess:
         """Set bytes of buffer ``index`` from the child's side."""
         self._do("write", index, start, data)
 
-    def add_buffer(self, size: int, access: str = "rw") -> int:
-        """Allocate and register another buffer (``access`` as in ``register_mem``); returns its address."""
-        addr = self._do("add_buffer", size, access)
+    def add_buffer(self, size: int, access: str = "rw", shared: bool | None = None) -> int:
+        """Allocate and register another buffer (``access`` as in ``register_mem``; from the pool if
+        ``shared``, default: as the first buffers); returns its address."""
+        addr = self._do("add_buffer", size, access, self.shared if shared is None else shared)
         self.addrs.append(addr)
         return addr  # type: ignore[no-any-return]
 

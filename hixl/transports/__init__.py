@@ -2,11 +2,22 @@
 
 from .base import Capabilities, Channel, Transport
 from .cma import CmaTransport
+from .shm import ShmTransport
 from .tcp import TcpTransport
 
-__all__ = ["Capabilities", "Channel", "CmaTransport", "TcpTransport", "Transport", "default_transports"]
+__all__ = [
+    "Capabilities",
+    "Channel",
+    "CmaTransport",
+    "ShmTransport",
+    "TcpTransport",
+    "Transport",
+    "default_transports",
+]
 
 
 def default_transports() -> list[Transport]:
-    """Every built-in transport, most preferred first."""
-    return [CmaTransport(), TcpTransport()]
+    """Every built-in transport, most preferred first: cma (one kernel copy of any registered memory;
+    needs ptrace permission), shm (one copy through the target's pool memory, for same-host peers
+    cma cannot reach), tcp (anywhere, any registered memory)."""
+    return [CmaTransport(), ShmTransport(), TcpTransport()]

@@ -20,12 +20,13 @@ from __future__ import annotations
 import ipaddress
 import mmap
 import os
+import select
 import signal
 import socket
 import stat
 import sys
 
-__all__ = ["PeerProcess", "far_end_owner_error", "map_peer_file"]
+__all__ = ["PeerProcess", "Watched", "far_end_owner_error", "map_peer_file"]
 
 _ESTABLISHED = "01"
 _Endpoint = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
@@ -100,13 +101,40 @@ def far_end_owner_error(pid: int, sock: socket.socket) -> str | None:
     return f"pid {pid} does not hold this connection's socket"
 
 
-class PeerProcess:
+class Watched:
+    """A descriptor that turns ready (readable, or hung up) once what it stands for is gone: a
+    pidfd once its process exited, a pipe's read end once every write end is closed.
+    :meth:`alive` until then; takes ownership of ``fd``."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def alive(self) -> bool:
+        """True until what the descriptor watches is gone (False once this is closed)."""
+        if self._fd < 0:
+            return False
+        try:
+            return not self._poll.poll(0)
+        except (OSError, ValueError):  # closed
+            return False
+
+    def close(self) -> None:
+        """Release the descriptor; idempotent."""
+        if self._fd >= 0:
+            self._poll.unregister(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
+class PeerProcess(Watched):
     """A process pinned by a pidfd: :meth:`alive` is false once *it* has gone, even if its pid
     has since been given to another process."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._fd = os.pidfd_open(pid)  # ProcessLookupError if there is no such process
+        super().__init__(os.pidfd_open(pid))  # ProcessLookupError if there is no such process
 
     def alive(self) -> bool:
         """True until the pinned process is gone (reaped: only then can its pid be reused).
@@ -115,6 +143,8 @@ class PeerProcess:
         pidfd (this is on every copy's path). A zombie still counts as alive, but nothing
         can be copied into it, and its pid is not free until it is reaped.
         """
+        if self._fd < 0:
+            return False
         try:
             signal.pidfd_send_signal(self._fd, 0)
         except ProcessLookupError:
@@ -124,12 +154,6 @@ class PeerProcess:
         except (OSError, ValueError):  # closed
             return False
         return True
-
-    def close(self) -> None:
-        """Release the pidfd; idempotent."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 def map_peer_file(pid: int, fd: int, name: str, size: int) -> mmap.mmap:

@@ -66,7 +66,7 @@ class Capabilities:
     name: str
     """Short name, also the value of the engine's ``"transport"`` option."""
     same_host_only: bool
-    """Only works when both engines share a kernel (and pid namespace)."""
+    """Only works when both engines share a kernel (the engine skips it for a peer whose boot id differs)."""
     mem_types: frozenset[MemType]
     """Memory kinds it can move."""
     target_cpu_free: bool

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from hixl import Op, empty
-from hixl.bench.baselines import RawStream, cma_batch_copier, cma_copier, memcpy_copier
+from hixl.bench.baselines import (
+    RawStream,
+    cma_batch_copier,
+    cma_copier,
+    gather_copier,
+    memcpy_copier,
+)
 from hixl.bench.target import BenchTarget, sample_bytes
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,6 +98,27 @@ def test_memcpy_copier() -> None:
     src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
     memcpy_copier(dst, src)()
     assert np.array_equal(dst, src)
+
+
+def test_gather_copier_moves_the_blocks_in_the_order_given() -> None:
+    src = np.arange(8 * 16, dtype=np.uint8).reshape(8, 16)
+    dst = np.zeros((8, 16), dtype=np.uint8)
+    order = np.array([3, 1, 7, 0, 6, 2, 5, 4])
+    gather_copier(dst, src, order)()
+    assert np.array_equal(dst, src[order])
+
+
+def test_the_target_maps_its_pool_buffer_here(target: BenchTarget) -> None:
+    """What shm's baselines copy: the target's very memory, through its memfd."""
+    remote = target.alloc(SIZE, SEED, shared=True)
+    try:
+        mapped = target.mapped(remote)
+        assert np.array_equal(mapped[: len(sample_bytes(SEED, SIZE))], sample_bytes(SEED, SIZE))
+        mapped[:4] = 0xAB
+        assert target.read(remote, 0, 4) == b"\xab" * 4
+        del mapped
+    finally:
+        target.free(remote)
 
 
 def test_target_reports_failures(target: BenchTarget) -> None:

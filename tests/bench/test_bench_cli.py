@@ -73,8 +73,8 @@ def quick_run(quick_dir: Path) -> tuple[dict[str, Any], str]:
 
 def test_json_has_every_expected_row(quick_run: tuple[dict[str, Any], str]) -> None:
     doc, _ = quick_run
-    transports = _measured(doc, ["cma", "tcp"])
-    assert "tcp" in transports  # TCP needs nothing special: it must always run
+    transports = _measured(doc, ["cma", "shm", "tcp"])
+    assert {"shm", "tcp"} <= set(transports)  # neither needs anything special: they must always run
     got = [(r["name"], r["transport"], r["op"], r["size"]) for r in doc["rows"]]
     assert len(got) == len(set(got)), "duplicate rows"
     assert set(got) == _expected_rows(transports)
@@ -105,6 +105,10 @@ def test_targets_are_attached_where_the_issue_sets_them(quick_run: tuple[dict[st
         assert targets[("bandwidth", "cma", "READ", 4 << 10)] is None
         assert targets[("batch", "cma", "WRITE", QUICK.batch_blocks * QUICK.batch_block_size)]["text"] == ">=0.85x"
         assert targets[("latency median", "cma", "READ", 8)]["text"] == "<=1.5x"
+    assert targets[("bandwidth", "shm", "WRITE", 1 << 20)]["text"] == ">=0.9x"
+    assert targets[("bandwidth", "shm", "READ", 64 << 10)] is None
+    assert targets[("batch", "shm", "READ", QUICK.batch_blocks * QUICK.batch_block_size)]["text"] == ">=0.85x"
+    assert targets[("latency median", "shm", "READ", 8)] is None  # the issue sets none
     assert targets[("idle cpu initiator", "tcp", "idle", None)]["text"] == "<1"
     assert targets[("rss growth target", "tcp", "READ+WRITE", QUICK.rss_size)]["text"] == "<16"
 
@@ -112,7 +116,7 @@ def test_targets_are_attached_where_the_issue_sets_them(quick_run: tuple[dict[st
 def test_table_is_printed(quick_run: tuple[dict[str, Any], str]) -> None:
     doc, text = quick_run
     assert text.startswith("SMOKE RUN (--quick): small sizes and few repeats check that everything works")
-    assert text.splitlines()[1].startswith("hixl bench: scenario engine; transports cma,tcp")
+    assert text.splitlines()[1].startswith("hixl bench: scenario engine; transports cma,shm,tcp")
     assert "figure" in text and "bandwidth" in text and "latency median" in text and "batch" in text
     assert "targets:" in text and "total" in text
     table_lines = [line for line in text.splitlines() if line.startswith(("bandwidth", "latency", "batch", "idle"))]
@@ -135,7 +139,7 @@ def test_quick_run_judges_only_size_independent_targets(quick_run: tuple[dict[st
 def test_docs_sample_matches_the_real_output(quick_run: tuple[dict[str, Any], str], docs_sample: Any) -> None:
     doc, text = quick_run
     sample = docs_sample.lines("tools.md", "hixl bench --quick")
-    if "cma" not in _measured(doc, ["cma", "tcp"]):  # where ptrace is refused, the real run has no cma rows
+    if "cma" not in _measured(doc, ["cma", "shm", "tcp"]):  # where ptrace is refused, the real run has no cma rows
         sample = [line for line in sample if "  cma  " not in line]
     assert docs_sample.missing(sample, text, chunks=3) == []
 
@@ -184,6 +188,32 @@ def test_check_sets_the_exit_status(
         assert main(["--scenario", "fake", "--no-progress", *args]) == status
     assert says in out.getvalue()
     assert len(_fail_cells(out.getvalue())) == (1 if status == 1 or not args else 0)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "args", "measured"),
+    [
+        ("engine", [], ("cma", "shm", "tcp")),  # shm: the engine scenario's target allocates pool memory
+        ("kv", [], ("cma", "tcp")),
+        ("soak", [], ("cma", "tcp")),
+        ("kv", ["--transport", "shm,tcp"], ("shm", "tcp")),  # asked for, measured (or skipped with a note)
+    ],
+)
+def test_each_scenario_measures_its_default_transports(
+    monkeypatch: pytest.MonkeyPatch, scenario: str, args: list[str], measured: tuple[str, ...]
+) -> None:
+    seen: list[tuple[str, ...]] = []
+
+    def record(config: BenchConfig, progress: Any) -> ScenarioResult:
+        seen.append(config.transports)
+        return ScenarioResult([], [])
+
+    monkeypatch.setitem(SCENARIOS, scenario, record)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--scenario", scenario, "--no-progress", *args]) == 0
+    assert seen == [measured]
+    assert f"transports {','.join(measured)}" in out.getvalue()
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path: Path) -> None:

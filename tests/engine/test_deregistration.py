@@ -177,7 +177,7 @@ def test_cancel_stops_a_tcp_read_mid_data() -> None:
         assert np.array_equal(buf[: 4 * MiB], seen), "bytes landed after cancel() returned"
 
 
-@pytest.mark.parametrize("transport", ["cma", "tcp"])
+@pytest.mark.parametrize("transport", ["cma", "shm", "tcp"])
 def test_nothing_of_a_cancelled_write_lands_after_cancel_returns(make_target: MakeTarget, transport: str) -> None:
     size = 128 * MiB
     target = make_target([size])

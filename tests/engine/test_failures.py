@@ -105,7 +105,7 @@ def test_peer_killed_while_a_tcp_transfer_waits(make_target: MakeTarget) -> None
 def test_killed_initiator_does_not_disturb_the_target(transport: str, make_target: MakeTarget) -> None:
     """Our engine is the target here; initiators in child processes come and go."""
     with Engine("127.0.0.1:0") as eng:
-        region = hixl.empty(MiB)
+        region = hixl.empty(MiB, shared=transport == "shm")
         eng.register_mem(region)
         dying = make_target([MiB], {"transport": transport})
         dying.call("connect", eng.local_engine)
@@ -152,7 +152,7 @@ def test_frozen_tcp_peer_times_out(make_target: MakeTarget) -> None:
         assert isinstance(req.error, TransferTimeout)
 
 
-@pytest.mark.parametrize("transport", ["cma", "tcp"])
+@pytest.mark.parametrize("transport", ["cma", "shm", "tcp"])
 def test_heartbeats_break_the_link_to_a_frozen_peer(transport: str, make_target: MakeTarget) -> None:
     target = make_target([MiB])
     eng, buf = _initiator(transport, **FAST_HEARTBEAT)
@@ -162,7 +162,7 @@ def test_heartbeats_break_the_link_to_a_frozen_peer(transport: str, make_target:
         descs = [(_addr(buf), target.addrs[0], 4096)]
         start = time.monotonic()
         while True:
-            # cma still copies from a frozen process, tcp times out; once the
+            # cma and shm still copy from a frozen process, tcp times out; once the
             # heartbeats give up, both refuse at once.
             try:
                 eng.transfer_sync(target.engine, Op.READ, descs, timeout=0.2)

@@ -79,7 +79,7 @@ def test_finalize_with_a_target_process_connected(transport: str, shared_target:
 def test_finalize_both_ends_in_one_process(transport: str, resources) -> None:  # type: ignore[no-untyped-def]
     threads, fds = resources.threads(), resources.fds()
     target = Engine("127.0.0.1:0")
-    region = hixl.empty(1 << 20)
+    region = hixl.empty(1 << 20, shared=transport == "shm")  # (pool memory: what shm moves)
     target.register_mem(region)
     initiator = Engine("127.0.0.1", {"transport": transport})
     initiator.connect(target.local_engine)
@@ -93,6 +93,7 @@ def test_finalize_both_ends_in_one_process(transport: str, resources) -> None:  
     with pytest.raises(PeerDisconnected):
         initiator.transfer_sync(target.local_engine, Op.READ, [(_addr(buf), _addr(region), 16)])
     initiator.finalize()
+    del region  # pool memory holds descriptors of its own until it is freed
     assert resources.threads() <= threads
     assert resources.fds() == fds
 

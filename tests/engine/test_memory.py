@@ -3,7 +3,10 @@ as_desc_array. Pure in-process unit tests (no peers)."""
 
 from __future__ import annotations
 
+import fcntl
+import gc
 import mmap
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -21,6 +24,7 @@ from hixl import (
     ParamInvalid,
     TransferOpDesc,
 )
+from hixl import _shm_pool
 from hixl._memory import RegionTable, Registry, as_desc_array, merge_adjacent
 
 U64_MAX = (1 << 64) - 1
@@ -33,13 +37,14 @@ def engine() -> Iterator[Engine]:
 
 
 # -- hixl.empty ------------------------------------------------------------------------
+@pytest.mark.parametrize("shared", [False, True], ids=["anonymous", "pool"])
 @pytest.mark.parametrize(
     ("shape", "dtype"),
     [(1, np.uint8), (4097, np.uint8), ((3, 5), np.float32), ([2, 3, 4], np.int64), ((7,), np.float16), (0, np.uint8)],
 )
-def test_empty_is_page_aligned_and_zeroed(shape, dtype) -> None:  # type: ignore[no-untyped-def]
+def test_empty_is_page_aligned_and_zeroed(shape, dtype, shared: bool) -> None:  # type: ignore[no-untyped-def]
     for _ in range(3):  # several allocations, not one lucky one
-        arr = hixl.empty(shape, dtype)
+        arr = hixl.empty(shape, dtype, shared=shared)
         assert arr.ctypes.data % PAGE_SIZE == 0
         assert arr.shape == ((shape,) if isinstance(shape, int) else tuple(shape))
         assert arr.dtype == np.dtype(dtype)
@@ -54,6 +59,56 @@ def test_empty_rejects_negative_sizes() -> None:
 
 def test_page_size() -> None:
     assert PAGE_SIZE == mmap.PAGESIZE
+
+
+def _mapping_of(addr: int) -> str:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= addr < end:
+                return line
+    raise AssertionError(f"{addr:#x} is not mapped")
+
+
+def test_shared_empty_is_a_sealed_memfd_released_with_the_array() -> None:
+    arr = hixl.empty(3 * PAGE_SIZE + 5, shared=True)
+    addr = int(arr.ctypes.data)
+    assert "/memfd:hixl-pool" in _mapping_of(addr) and "rw-s" in _mapping_of(addr)  # shared, not private
+    (entry,) = _shm_pool.overlapping(addr, 1)
+    assert (entry.addr, entry.length, entry.size) == (addr, 3 * PAGE_SIZE + 5, 4 * PAGE_SIZE)
+    seals = fcntl.fcntl(entry.fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW  # a peer holding it cannot resize it
+    view = arr[PAGE_SIZE:]
+    del arr
+    assert _shm_pool.overlapping(addr, 1) == [entry]  # a view keeps it
+    del view
+    gc.collect()
+    assert _shm_pool.overlapping(addr, 1) == []
+    with pytest.raises(OSError):
+        os.fstat(entry.fd)
+
+
+def test_a_torch_tensor_on_pool_memory_moves_over_shm() -> None:
+    """The documented recipe: ``torch.from_numpy(hixl.empty(..., shared=True))`` (and a byte array
+    viewed as a dtype numpy lacks) is pool memory, which a peer reaches over shm."""
+    torch = pytest.importorskip("torch")
+    keys = torch.from_numpy(hixl.empty((64, 32), np.float16, shared=True))
+    values = torch.from_numpy(hixl.empty(64 * 32 * 2, shared=True)).view(torch.bfloat16).reshape(64, 32)
+    keys[:] = 1.5
+    values[:] = -2.0
+    with Engine("127.0.0.1:0") as target, Engine("127.0.0.1", {"transport": "shm"}) as initiator:
+        for tensor in (keys, values):
+            target.register_mem(tensor)
+        local = torch.zeros(2, 64, 32, dtype=torch.float16)
+        initiator.register_mem(local)
+        initiator.connect(target.local_engine)
+        assert initiator.transport_of(target.local_engine) == "shm"
+        initiator.transfer_sync(
+            target.local_engine,
+            Op.READ,
+            [(local[0].data_ptr(), keys.data_ptr(), 4096), (local[1].data_ptr(), values.data_ptr(), 4096)],
+        )
+    assert (local[0] == 1.5).all() and (local[1].view(torch.bfloat16) == -2.0).all()
 
 
 # -- register_mem ------------------------------------------------------------------------
