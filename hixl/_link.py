@@ -59,6 +59,8 @@ __all__ = ["LinkState", "Pending", "PeerLink", "handshake"]
 log = logging.getLogger("hixl")
 
 _ARMED = select.EPOLLIN | select.EPOLLONESHOT
+_INPUT_CHECK = 0.001
+"""Seconds between two looks at the socket by a copying thread (see :meth:`PeerLink.poll_input`)."""
 
 
 class LinkState(enum.Enum):
@@ -121,6 +123,12 @@ class PeerLink:
         self.lease = threading.Lock()
         """Held by a same-host copy from its last check to the end of its syscall; a REVOKE
         is confirmed only under it, after the new regions are installed."""
+        self.revoke_pending = False
+        """Set while a REVOKE waits for the lease: copies step aside (:meth:`yield_to_revoke`)
+        rather than take it again — a lock is not fair, and a thread copying back to back would
+        otherwise keep a REVOKE waiting past the peer's patience."""
+        self._no_revoke = threading.Event()
+        self._no_revoke.set()
         self.revoke_hooks: list[Callable[[RemoteRegions], None]] = []
         """Called with a REVOKE's regions under the lease, before REVOKED goes out: a transport
         that mapped the peer's memory unmaps what was withdrawn there."""
@@ -129,6 +137,7 @@ class PeerLink:
         self._pending_lock = threading.Lock()
         self._closing = False
         self._end_error: PeerDisconnected | None = None
+        self._next_input_check = 0.0
         """Why the link ended (what every request pending on it fails with); None while CONNECTED."""
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe()
@@ -206,7 +215,7 @@ class PeerLink:
         try:
             self.expect(req_id, pending)
             with wire.conn_lock:
-                frame = make_frame(wire.conn)
+                frame = wire.frame_of(make_frame, wire.conn)
             self._send(req_id, lambda: wire.send_parts(frame, data, deadline))
             self._read_until(pending, deadline)
         finally:
@@ -227,6 +236,36 @@ class PeerLink:
         # Released before re-arming: whatever arrived meanwhile fires the re-armed socket at once.
         self.wire.read_lock.release()
         self._rearm()
+        if self.wire.conn.buffered and self.state is LinkState.CONNECTED:
+            # But frames that came in the same recv as our reply are in the buffer, not the socket,
+            # and no socket event will announce them (a REVOKE among them would wait for the next
+            # heartbeat, past the peer's patience): handle them now, if nobody else reads.
+            self._pump_buffered()
+
+    def poll_input(self) -> None:
+        """Handle what already arrived for this link, on this thread, if nobody else reads (at most
+        once a millisecond; non-blocking).
+
+        For a thread that copies back to back without touching the socket (shm): it keeps
+        dropping and retaking the GIL around short calls, and each such drop wakes the reader
+        thread only to lose the race again — for seconds, while a REVOKE waits unread (CPython's
+        convoy effect). Looking itself costs one ``recv`` a millisecond.
+        """
+        now = time.monotonic()
+        if now < self._next_input_check:
+            return
+        self._next_input_check = now + _INPUT_CHECK
+        self._pump_buffered()
+
+    def _pump_buffered(self) -> None:
+        if not self.wire.read_lock.acquire(blocking=False):
+            return  # whoever reads now parses them
+        try:
+            self._pump()
+        except HixlError as exc:
+            self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
+        finally:
+            self.wire.read_lock.release()
 
     def _read_until(self, pending: Pending, deadline: float | None) -> None:
         """Read (as the reader) until ``pending`` is answered, the link ends, or ``deadline``."""
@@ -346,12 +385,13 @@ class PeerLink:
             return
         if isinstance(message, proto.Revoke):
             table = RemoteRegions.from_rows(message.regions)
-            with self.lease:  # waits for a copy in flight: after this, none touches what was withdrawn
-                self.table = table
-                self.table_generation = message.generation
-                self._revokes += 1
-                for hook in self.revoke_hooks:
-                    hook(table)
+            self._no_revoke.clear()
+            self.revoke_pending = True
+            try:
+                self._apply_revoke(message, table)
+            finally:
+                self.revoke_pending = False
+                self._no_revoke.set()
             self.wire.send(proto.Revoked(message.generation))
             return
         if isinstance(message, proto.Ping):
@@ -381,6 +421,19 @@ class PeerLink:
                 raise
         elif pending is not None:
             pending.on_reply(message)
+
+    def _apply_revoke(self, message: proto.Revoke, table: RemoteRegions) -> None:
+        with self.lease:  # waits for a copy in flight: after this, none touches what was withdrawn
+            self.table = table
+            self.table_generation = message.generation
+            self._revokes += 1
+            for hook in self.revoke_hooks:
+                hook(table)
+
+    def yield_to_revoke(self, deadline: float | None) -> None:
+        """Before taking the lease: wait while a REVOKE waits for it (until ``deadline`` at most)."""
+        if self.revoke_pending:
+            self._no_revoke.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     # -- ending -----------------------------------------------------------------------------------
     def close(self, timeout: float = 1.0) -> None:

@@ -26,15 +26,20 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import numpy as np
 
 from . import _protocol as proto
 from ._exceptions import PeerDisconnected, ProtocolError, TransferTimeout
 from ._iov import IovCursor, bytes_cursor, readv, writev
 from ._memory import memory_view
-from ._protocol.connection import NEED_DATA, Connection, ConnectionClosed, Event
+from ._protocol.connection import NEED_DATA, Connection, ConnectionClosed, ConnState, Event
 
 __all__ = ["CHUNK", "READ_SIZE", "Wire"]
+
+T = TypeVar("T")
 
 READ_SIZE = 16 * 1024
 """Bytes asked of the socket per frame read."""
@@ -292,7 +297,7 @@ class Wire:
         self._acquire_send(deadline)
         try:
             with self.conn_lock:
-                frame = self.conn.send(message)
+                frame = self.frame_of(self.conn.send, message)
             if data is not None and data.count <= _SENDMSG_RANGES:
                 self._send_parts(frame, data.pending_ranges(), deadline)
                 return
@@ -309,10 +314,22 @@ class Wire:
         self._acquire_send(None)
         try:
             with self.conn_lock:
-                header, body = self.conn.send_split(message)
+                header, body = self.frame_of(self.conn.send_split, message)
             self._send_data(bytes_cursor(header, body), None)
         finally:
             self.send_lock.release()
+
+    def frame_of(self, make: Callable[..., T], *args: Any) -> T:
+        """``make(*args)``: a frame from the connection (caller holds ``conn_lock``). If the connection
+        has closed meanwhile (the peer's end of stream was just parsed, by another thread), that
+        is :class:`PeerDisconnected`, as it is for every other way a send finds the peer gone —
+        not the :class:`ProtocolError` the connection raises for sending on a closed connection."""
+        try:
+            return make(*args)
+        except ProtocolError as exc:
+            if self.conn.state is ConnState.CLOSED:
+                raise self._fail(self.conn.closed_reason or "the connection closed", exc) from exc
+            raise
 
     def _acquire_send(self, deadline: float | None) -> None:
         """Take ``send_lock``, waiting for it no later than ``deadline`` (a plain call, not a

@@ -152,6 +152,7 @@ class CmaChannel(Channel):
         try:
             link.ensure_alive()
             while not cursor.finished:
+                link.yield_to_revoke(req.deadline)
                 with req.io_lock:
                     if req.cancelled:
                         return
@@ -197,6 +198,8 @@ class CmaChannel(Channel):
             pack.pack_into(scratch.buf, _REMOTE_OFFSET, *[v for d in descs for v in (d[1], d[2])])
         call = process_vm_readv if op is Op.READ else process_vm_writev
         table = link.table.writable if op is Op.WRITE else link.table.readable
+        if link.revoke_pending:
+            return False  # the general path steps aside for it
         with link.lease:
             try:
                 if _GENERATION.unpack_from(self._generation)[0] != link.table_generation:

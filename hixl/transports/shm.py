@@ -342,6 +342,8 @@ class ShmChannel(Channel):
                     req.done()  # looking at it past its deadline makes it TIMEOUT
                     return
                 stale = unmapped = False
+                link.poll_input()
+                link.yield_to_revoke(req.deadline)
                 with req.io_lock:
                     if req.cancelled:
                         return
@@ -419,6 +421,9 @@ class ShmChannel(Channel):
         write = op is Op.WRITE
         find = memory.maps.find
         link = self.link
+        link.poll_input()  # a REVOKE must not wait for a reader thread this loop keeps from the GIL
+        if link.revoke_pending:
+            return False  # the general path steps aside for it
         with link.lease:
             if link.table is not memory.synced or link.state is not LinkState.CONNECTED or not memory.alive():
                 return False  # the general path catches up first (or reports what happened)
