@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import select
 import time
 
 import numpy as np
@@ -156,43 +155,6 @@ def readv(fd: int, cursor: IovCursor, limit: int, deadline: float | None = None)
 def writev(fd: int, cursor: IovCursor, limit: int) -> int:
     """One non-blocking ``writev`` of at most ``limit`` bytes from ``cursor``; 0 if the socket is full."""
     return cursor.vector_call(_writev, fd, limit)
-
-
-def _wait_ready(fd: int, events: int, timeout: float | None) -> bool:
-    poller = select.poll()
-    poller.register(fd, events)
-    return bool(poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
-
-
-def socket_vector_io(
-    fd: int, cursor: IovCursor, write: bool, timeout: float | None, limit: int | None = None
-) -> None:
-    """Move pending bytes of ``cursor`` through a (non-blocking) socket with readv/writev.
-
-    Stops when the cursor is finished or, with ``limit``, once at least that many
-    bytes moved in this call (so callers can work in chunks). ``timeout`` bounds
-    each wait for readiness, not the whole transfer: a peer that keeps making
-    progress is alive. Raises ``TimeoutError`` when it stalls, ``ConnectionError``
-    on EOF, ``OSError`` otherwise; the cursor then says how far it got.
-    """
-    call = _writev if write else _readv
-    events = select.POLLOUT if write else select.POLLIN
-    stop = cursor.total if limit is None else min(cursor.total, cursor.done + limit)
-    while cursor.done < stop:
-        ptrs, count, _ = cursor.window()
-        moved = call(fd, ptrs[0], count)
-        if moved > 0:
-            cursor.advance(moved)
-            continue
-        if moved == 0:
-            raise ConnectionError("peer closed the connection")
-        err = ctypes.get_errno()
-        if err == errno.EINTR:
-            continue
-        if err not in (errno.EAGAIN, errno.EWOULDBLOCK):
-            raise OSError(err, os.strerror(err))
-        if not _wait_ready(fd, events, timeout):
-            raise TimeoutError("socket made no progress within the timeout")
 
 
 def bytes_cursor(*chunks: bytes) -> IovCursor:

@@ -166,11 +166,6 @@ class PeerLink:
         with self._pending_lock:
             self._pending.pop(req_id, None)
 
-    @property
-    def in_flight(self) -> int:
-        """Requests sent on this link and not yet answered."""
-        return len(self._pending)
-
     # -- requests ---------------------------------------------------------------------------------
     def submit(
         self,

@@ -61,7 +61,7 @@ log = logging.getLogger("hixl")
 #: builds iovecs in plain Python: for small transfers numpy's per-call overhead
 #: would cost more than the copy itself.
 #: (Any size: up to IOV_MAX descriptors are one syscall on either path.)
-_SMALL_BATCH = 8
+_SMALL_BATCH = proto.frames.SMALL_DESCS
 
 #: Where a listening engine with a ``metadata_server`` publishes ``{address, incarnation, boot_id}``
 #: (JSON), under the key ``ENGINES_PREFIX + "ip:port"``, for as long as it lives.

@@ -68,6 +68,7 @@ from . import auth
 from .frames import (
     HEADER_SIZE,
     MIN_VERSION,
+    SMALL_DESCS,
     VERSION,
     Ack,
     Auth,
@@ -339,8 +340,8 @@ class Connection:
         """The bytes of a small READ or WRITE (the latency path): as :meth:`send` with a
         :class:`ReadRequest`/:class:`WriteRequest`, without building numpy arrays."""
         kind = _F.WRITE if write else _F.READ
-        if not 0 < len(pairs) <= 8:
-            raise ValueError(f"the latency path packs 1 to 8 descriptors, not {len(pairs)}")
+        if not 0 < len(pairs) <= SMALL_DESCS:
+            raise ValueError(f"the latency path packs 1 to {SMALL_DESCS} descriptors, not {len(pairs)}")
         if self.role is not Role.INITIATOR or self.state is not ConnState.OPEN:
             raise ProtocolError(f"a {self.role.value} may not send {kind.name} while {self.state.name}")
         if req_id == 0 or req_id in self._outstanding:

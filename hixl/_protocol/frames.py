@@ -59,6 +59,10 @@ _DEADLINE = struct.Struct("<q")
 _CLOCK = struct.Struct("<d")
 _GENERATION = struct.Struct("<Q")
 _WORD = np.dtype("<u8")
+SMALL_DESCS = 8
+"""Requests of up to this many descriptors take the latency path everywhere: packed and parsed in
+plain Python here, validated without numpy by the engine, copied in one call by cma, answered in
+one ``sendmsg`` by TCP — one constant, so the paths agree on what "small" is."""
 
 REGION_WRITABLE = 1
 """Flag bit of a region row: peers may WRITE into it (else READ only)."""
@@ -349,7 +353,7 @@ def _words(body: bytes | memoryview, width: int, what: str) -> np.ndarray:
     return np.frombuffer(body, dtype=_WORD).reshape(-1, width)
 
 
-_SMALL_BODIES = {_DEADLINE.size + 16 * n: struct.Struct(f"<q{2 * n}Q") for n in range(1, 9)}
+_SMALL_BODIES = {_DEADLINE.size + 16 * n: struct.Struct(f"<q{2 * n}Q") for n in range(1, SMALL_DESCS + 1)}
 
 
 def _request(header: Header, body: bytes | memoryview) -> tuple[np.ndarray, int]:
@@ -380,7 +384,7 @@ def _request(header: Header, body: bytes | memoryview) -> tuple[np.ndarray, int]
 
 
 def _small_request(header: Header, words: tuple[int, ...]) -> tuple[np.ndarray, int]:
-    """:func:`_request` for up to 8 descriptors, checked in plain Python (the latency path)."""
+    """:func:`_request` for up to :data:`SMALL_DESCS` descriptors, checked in plain Python (the latency path)."""
     deadline = words[0]
     name = header.type.name
     if deadline < 0:
@@ -513,7 +517,7 @@ def encode_header(kind: FrameType, req_id: int, body_len: int, data_len: int = 0
     return _HEADER.pack(MAGIC, kind, 0, 0, req_id, body_len, data_len)
 
 
-_SMALL_PACKERS = [struct.Struct(f"<4sBBHQIQq{2 * n}Q") for n in range(9)]
+_SMALL_PACKERS = [struct.Struct(f"<4sBBHQIQq{2 * n}Q") for n in range(SMALL_DESCS + 1)]
 
 
 def small_request(kind: FrameType, req_id: int, deadline: int, pairs: list[tuple[int, int]], data_len: int) -> bytes:

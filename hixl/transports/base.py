@@ -69,10 +69,6 @@ class Capabilities:
     """Only works when both engines share a kernel (the engine skips it for a peer whose boot id differs)."""
     mem_types: frozenset[MemType]
     """Memory kinds it can move."""
-    target_cpu_free: bool
-    """The target's CPU takes no part in moving the bytes (true one-sidedness)."""
-    zero_copy: bool
-    """Bytes go straight between the two registered buffers (no staging copy)."""
     serves: frozenset[FrameType] = field(default_factory=frozenset)
     """Frame types its target half answers (:meth:`Transport.serve`); none for one-sided ones."""
 

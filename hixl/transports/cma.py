@@ -45,6 +45,7 @@ import numpy as np
 from .._address import boot_id as _boot_id
 from .._exceptions import HixlError, PeerDisconnected, TransferError
 from .._link import LinkState
+from .._protocol.frames import SMALL_DESCS
 from .._types import MemType, Op
 from .._iov import IovCursor, iovecs, process_vm_readv, process_vm_writev
 from ._peerproc import PeerProcess, far_end_owner_error, map_peer_file
@@ -82,7 +83,7 @@ def _pid_namespace() -> str:
         return ""
 
 
-_SMALL_IOVECS = 8
+_SMALL_IOVECS = SMALL_DESCS
 _iov_pack = [struct.Struct(f"<{2 * n}Q") for n in range(_SMALL_IOVECS + 1)]
 _REMOTE_OFFSET = 16 * _SMALL_IOVECS
 _ONE_PAIR = struct.Struct(f"<2Q{_REMOTE_OFFSET - 16}x2Q")  # one local and one remote iovec
@@ -226,8 +227,6 @@ class CmaTransport(Transport):
         name="cma",
         same_host_only=True,
         mem_types=frozenset({MemType.HOST}),
-        target_cpu_free=True,
-        zero_copy=True,
     )
 
     def __init__(self) -> None:

@@ -134,8 +134,6 @@ class ShmTransport(Transport):
         name="shm",
         same_host_only=True,
         mem_types=frozenset({MemType.HOST}),
-        target_cpu_free=True,  # for pool memory; the rest is served as over TCP
-        zero_copy=True,
         serves=TcpTransport.capabilities.serves,
     )
 

@@ -216,8 +216,6 @@ class TcpTransport(Transport):
         name="tcp",
         same_host_only=False,
         mem_types=frozenset({MemType.HOST}),
-        target_cpu_free=False,
-        zero_copy=True,
         serves=frozenset({proto.FrameType.READ, proto.FrameType.WRITE}),
     )
 
@@ -255,7 +253,7 @@ class TcpTransport(Transport):
         if session.expired(message.deadline):
             wire.send(proto.Error(message.req_id, Status.TIMEOUT, "the READ arrived after its deadline"))
             return
-        if len(message.descs) <= _SMALL:
+        if len(message.descs) <= proto.frames.SMALL_DESCS:
             # The latency path: a few ranges checked with bisect, sent with the reply in one sendmsg.
             pairs = [(int(a), int(n)) for a, n in message.descs.tolist()]
             table = session.regions()
@@ -285,4 +283,3 @@ class TcpTransport(Transport):
             wire.send(proto.Error(message.req_id, Status.TIMEOUT, "the WRITE passed its deadline; the rest was dropped"))
 
 
-_SMALL = 8

@@ -405,7 +405,7 @@ def test_unsupported_when_no_transport_reaches_the_peer(shared_target: TargetPro
     class Unreachable(Transport):
         """A transport whose probe always fails (fault injection)."""
 
-        capabilities = Capabilities("never", False, frozenset({MemType.HOST}), False, False)
+        capabilities = Capabilities("never", False, frozenset({MemType.HOST}))
 
         def probe(self, link):  # type: ignore[no-untyped-def]
             return "this transport never reaches anyone"
