@@ -260,7 +260,10 @@ class PeerLink:
         except HixlError as exc:
             self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
         finally:
+            # As when giving back the read role: released, then re-armed — the reader thread, woken
+            # by data while we held the role, left the socket for us to re-arm.
             self.wire.read_lock.release()
+            self._rearm()
 
     def _read_until(self, pending: Pending, deadline: float | None) -> None:
         """Read (as the reader) until ``pending`` is answered, the link ends, or ``deadline``."""
