@@ -9,6 +9,13 @@ from ._exceptions import ParamInvalid
 __all__ = ["boot_id", "format_address", "parse_address"]
 
 
+def _instead(host: str, name: str) -> str:
+    """What to write instead of a host name (no lookup: a resolver may stall for seconds)."""
+    if host == "localhost":
+        return f"engines take addresses, not host names: write {name.replace(host, '127.0.0.1', 1)!r}"
+    return f"engines take addresses, not host names: resolve {host!r} first (socket.gethostbyname) and pass 'ip:port'"
+
+
 def parse_address(name: str, require_port: bool = False) -> tuple[str, int | None]:
     """Split an engine name into ``(host, port)``; ``port`` is ``None`` for ``"ip"`` alone.
 
@@ -31,7 +38,7 @@ def parse_address(name: str, require_port: bool = False) -> tuple[str, int | Non
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        raise ParamInvalid(f"{host!r} in {name!r} is not an IP address") from None
+        raise ParamInvalid(f"{host!r} in {name!r} is not an IP address: {_instead(host, name)}") from None
     port: int | None = None
     if port_text is not None:
         if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:

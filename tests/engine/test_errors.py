@@ -440,3 +440,10 @@ def test_calls_after_finalize(shared_target: TargetProcess) -> None:
     ):
         with pytest.raises(HixlError, match="finalized"):
             call()
+
+
+def test_a_host_name_is_refused_with_what_to_write_instead() -> None:
+    with pytest.raises(ParamInvalid, match=r"write '127\.0\.0\.1:5001'"):
+        Engine("localhost:5001")
+    with hixl.Engine("127.0.0.1") as eng, pytest.raises(ParamInvalid, match=r"resolve 'prefill-0' first .* 'ip:port'"):
+        eng.connect("prefill-0:5000")
