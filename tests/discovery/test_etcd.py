@@ -10,6 +10,7 @@ import queue
 import signal
 import socket
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ from hixl.datadist import (
     LLMRole,
     LLMStatusCode,
 )
-from hixl.discovery import StoreUnavailable, open_store
+from hixl.discovery import MetadataStore, StoreUnavailable, open_store
 from hixl.engine import ENGINES_PREFIX
 from hixl.testing.datadist_peer import DataDistProcess
 from hixl.testing.etcd import EtcdServer
@@ -44,6 +45,14 @@ _ids = itertools.count(int(time.time()) % 100_000 * 100)
 def fresh_id() -> int:
     """A cluster id or model id no other test (nor an earlier run against the same etcd) uses."""
     return next(_ids)
+
+
+@pytest.fixture
+def store(etcd: EtcdServer) -> Iterator[MetadataStore]:
+    """A client of the test's etcd, to look at what instances published."""
+    client = open_store(etcd.url)
+    yield client
+    client.close()
 
 
 def _prefill(etcd: EtcdServer, cluster_id: int) -> DataDistProcess:
@@ -63,15 +72,11 @@ def _closed_port() -> int:
 
 
 # -- the engine ------------------------------------------------------------------------------------
-def test_an_engine_publishes_itself_while_it_lives(etcd: EtcdServer) -> None:
-    store = open_store(etcd.url)
-    try:
-        with Engine("127.0.0.1:0", {"metadata_server": etcd.url}) as engine:
-            record = json.loads(store.get(ENGINES_PREFIX + engine.local_engine) or b"{}")
-            assert record["address"] == engine.local_engine and record["incarnation"] == engine.incarnation
-        assert store.get(ENGINES_PREFIX + engine.local_engine) is None  # finalize revokes the lease at once
-    finally:
-        store.close()
+def test_an_engine_publishes_itself_while_it_lives(etcd: EtcdServer, store: MetadataStore) -> None:
+    with Engine("127.0.0.1:0", {"metadata_server": etcd.url}) as engine:
+        record = json.loads(store.get(ENGINES_PREFIX + engine.local_engine) or b"{}")
+        assert record["address"] == engine.local_engine and record["incarnation"] == engine.incarnation
+    assert store.get(ENGINES_PREFIX + engine.local_engine) is None  # finalize revokes the lease at once
 
 
 def test_the_store_can_come_from_the_environment(etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,17 +132,13 @@ def test_a_cluster_is_linked_by_id_alone_and_pulled_from(etcd: EtcdServer) -> No
             decode.finalize()
 
 
-def test_the_record_names_role_and_caches(etcd: EtcdServer) -> None:
+def test_the_record_names_role_and_caches(etcd: EtcdServer, store: MetadataStore) -> None:
     cluster_id = fresh_id()
-    store = open_store(etcd.url)
-    try:
-        with _prefill(etcd, cluster_id) as prefill:
-            prefill.register_blocks_cache("kv", SMALL, BlocksCacheKey(0, fresh_id()))
-            record = json.loads(store.get(f"/hixl/clusters/{cluster_id}") or b"{}")
-            assert record["address"] == prefill.ip_info and record["role"] == "PROMPT"
-            assert [c["shape"] for c in record["caches"]] == [list(SMALL.shape)]
-    finally:
-        store.close()
+    with _prefill(etcd, cluster_id) as prefill:
+        prefill.register_blocks_cache("kv", SMALL, BlocksCacheKey(0, fresh_id()))
+        record = json.loads(store.get(f"/hixl/clusters/{cluster_id}") or b"{}")
+        assert record["address"] == prefill.ip_info and record["role"] == "PROMPT"
+        assert [c["shape"] for c in record["caches"]] == [list(SMALL.shape)]
 
 
 def test_a_second_live_instance_cannot_take_a_cluster_id(etcd: EtcdServer) -> None:
@@ -185,23 +186,15 @@ def test_a_killed_instance_vanishes_within_its_lease_and_comes_back_as_a_new_inc
         decode.finalize()
 
 
-def test_a_frozen_instance_past_its_lease_publishes_again_when_it_resumes(etcd: EtcdServer) -> None:
+def test_a_frozen_instance_past_its_lease_publishes_again_when_it_resumes(etcd: EtcdServer, store: MetadataStore) -> None:
     cluster_id = fresh_id()
-    store = open_store(etcd.url)
-    try:
-        with _prefill(etcd, cluster_id) as prefill:
-            prefill.stop(signal.SIGSTOP)
-            deadline = time.monotonic() + TTL + 5
-            while store.get(f"/hixl/clusters/{cluster_id}") is not None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert store.get(f"/hixl/clusters/{cluster_id}") is None
-            prefill.stop(signal.SIGCONT)
-            deadline = time.monotonic() + TTL + 5
-            while store.get(f"/hixl/clusters/{cluster_id}") is None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert json.loads(store.get(f"/hixl/clusters/{cluster_id}") or b"{}")["address"] == prefill.ip_info
-    finally:
-        store.close()
+    key = f"/hixl/clusters/{cluster_id}"
+    with _prefill(etcd, cluster_id) as prefill:
+        prefill.stop(signal.SIGSTOP)
+        assert _eventually(lambda: store.get(key) is None)
+        prefill.stop(signal.SIGCONT)
+        assert _eventually(lambda: store.get(key) is not None)
+        assert json.loads(store.get(key) or b"{}")["address"] == prefill.ip_info
 
 
 def test_linking_by_id_needs_a_store() -> None:
@@ -213,6 +206,14 @@ def test_linking_by_id_needs_a_store() -> None:
             dd.watch_clusters(lambda event: None)
     finally:
         dd.finalize()
+
+
+def _eventually(condition: Callable[[], bool], timeout: float = TTL + 5) -> bool:
+    """Whether ``condition()`` holds within ``timeout`` (polled every 0.1 s)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return condition()
 
 
 def _next_event(events: queue.Queue[ClusterEvent], cluster_id: int, timeout: float = 15.0) -> ClusterEvent:
