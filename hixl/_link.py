@@ -59,7 +59,7 @@ __all__ = ["LinkState", "Pending", "PeerLink", "handshake"]
 log = logging.getLogger("hixl")
 
 _ARMED = select.EPOLLIN | select.EPOLLONESHOT
-_INPUT_CHECK = 0.001
+INPUT_CHECK = 0.001
 """Seconds between two looks at the socket by a copying thread (see :meth:`PeerLink.poll_input`)."""
 
 
@@ -249,7 +249,7 @@ class PeerLink:
         now = time.monotonic()
         if now < self._next_input_check:
             return
-        self._next_input_check = now + _INPUT_CHECK
+        self._next_input_check = now + INPUT_CHECK
         self._pump_buffered()
 
     def _pump_buffered(self) -> None:

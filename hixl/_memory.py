@@ -144,7 +144,7 @@ class RegionTable:
     spans two adjacent registrations is accepted: the memory behind it is valid.
     """
 
-    __slots__ = ("_end_list", "_ends", "_start_list", "_starts", "regions")
+    __slots__ = ("_ends", "_starts", "intervals", "regions")
 
     def __init__(self, regions: Iterable[tuple[int, int]]) -> None:
         self.regions: tuple[MemDesc, ...] = tuple(MemDesc(int(a), int(n)) for a, n in regions)
@@ -158,17 +158,18 @@ class RegionTable:
                 ends.append(addr + nbytes)
         self._starts = np.array(starts, dtype=np.uint64)
         self._ends = np.array(ends, dtype=np.uint64)
-        # Plain lists too: for a handful of descriptors, bisect beats numpy's call overhead.
-        self._start_list = starts
-        self._end_list = ends
+        self.intervals = (starts, ends)
+        """The merged regions' starts and ends as plain lists: for a handful of descriptors, bisect
+        (or :func:`hixl._accel.check_small`) beats numpy's call overhead."""
 
     def __len__(self) -> int:
         return len(self.regions)
 
     def contains(self, addr: int, nbytes: int) -> bool:
         """Whether ``[addr, addr+nbytes)`` lies inside one merged region (scalar fast path)."""
-        slot = bisect.bisect_right(self._start_list, addr) - 1
-        return slot >= 0 and addr + nbytes <= self._end_list[slot]
+        starts, ends = self.intervals
+        slot = bisect.bisect_right(starts, addr) - 1
+        return slot >= 0 and addr + nbytes <= ends[slot]
 
     def outside(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Indices of the ranges ``[addrs[i], addrs[i]+lens[i])`` not inside one merged region."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __version__
+from . import __version__, _accel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hixl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--version", action="version", version=f"hixl {__version__}")
+    parser.add_argument("--version", action="version", version=f"hixl {__version__}; hot path: {_accel.IMPLEMENTATION}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from .bench.cli import add_parser as add_bench
 

@@ -16,18 +16,21 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(60)
 
 
-def _hixl(*args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m hixl ARGS`` from this checkout, as a newcomer would run ``hixl ARGS``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def _hixl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m hixl ARGS`` from this checkout, as a newcomer would run ``hixl ARGS`` (``env``:
+    extra environment variables)."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
         [sys.executable, "-m", "hixl", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=50
     )
 
 
-def test_version() -> None:
+def test_version_names_the_hot_path_in_use() -> None:
     proc = _hixl("--version")
     assert proc.returncode == 0
-    assert proc.stdout.strip() == f"hixl {hixl.__version__}"
+    assert proc.stdout.strip() == f"hixl {hixl.__version__}; hot path: {hixl._accel.IMPLEMENTATION}"
+    pure = _hixl("--version", env={"HIXL_PURE_PYTHON": "1"})
+    assert pure.stdout.strip() == f"hixl {hixl.__version__}; hot path: pure Python (HIXL_PURE_PYTHON=1)"
 
 
 @pytest.mark.parametrize("command", [[], ["bench"], ["demo"]], ids=["hixl", "bench", "demo"])

@@ -113,7 +113,9 @@ class SharedMappings:
 
     def __init__(self) -> None:
         self._items: tuple[Mapped, ...] = ()
-        self._starts: list[int] = []
+        self.index: tuple[list[int], list[int], list[int], list[bool]] = ([], [], [], [])
+        """The mappings as plain lists — the peer's starts and ends, where each is mapped here, and
+        whether writably — in the form :func:`hixl._accel.mapped_copy` takes."""
         self._there = np.empty(0, np.uint64)
         self._ends = np.empty(0, np.uint64)
         self._delta = np.empty(0, np.uint64)  # here - there, modulo 2**64
@@ -173,8 +175,9 @@ class SharedMappings:
         for m in {*self._items, *extra} - kept:
             unmap(m)
         self._items = tuple(keep)
-        self._starts = [m.there for m in keep]
-        self._there = np.array(self._starts, np.uint64)
+        starts = [m.there for m in keep]
+        self.index = (starts, [m.there + m.length for m in keep], [m.here for m in keep], [m.writable for m in keep])
+        self._there = np.array(starts, np.uint64)
         self._ends = np.array([m.there + m.length for m in keep], np.uint64)
         self._delta = np.array([(m.here - m.there) % (1 << 64) for m in keep], np.uint64)
         self._writable = np.array([m.writable for m in keep], bool)
@@ -182,7 +185,7 @@ class SharedMappings:
 
     def find(self, there: int, nbytes: int, write: bool) -> int:
         """Where the peer's ``[there, there + nbytes)`` is mapped here; -1 if it is not (or not writably)."""
-        i = bisect.bisect_right(self._starts, there) - 1
+        i = bisect.bisect_right(self.index[0], there) - 1
         if i < 0:
             return -1
         m = self._items[i]

@@ -49,15 +49,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import _copy, _shm_pool
+from .. import _accel, _shm_pool
 from .. import _protocol as proto
 from .._address import boot_id as _boot_id
 from .._exceptions import HixlError, PeerDisconnected, ProtocolError
-from .._link import LinkState
+from .._link import INPUT_CHECK, LinkState
 from .._memory import RemoteRegions
 from .._protocol import shm as shm_proto
 from .._types import MemType, Op
-from ._shm_peer import PeerMemory
+from ._shm_peer import RECHECK, PeerMemory
 from ._shm_socket import Credentials, GrantServer, Message
 from .base import Capabilities, Channel, Transport
 from .tcp import TcpChannel, TcpTransport
@@ -81,6 +81,11 @@ millisecond or two). Smaller chunks cost a batch of 16 KiB blocks a few percent 
 numpy call, or one Python loop, of its own)."""
 _WINDOW = 1024
 """Most descriptors one lease hold copies."""
+# (For the latency path: a module global is read ten times faster than an Enum member.)
+_WRITE, _CONNECTED = Op.WRITE, LinkState.CONNECTED
+_LOOK_EVERY = min(RECHECK, INPUT_CHECK)
+"""Seconds between two looks of the latency path at the socket and the target's liveness: as often
+as either would look anyway."""
 
 
 class _Session:
@@ -312,6 +317,7 @@ class ShmChannel(Channel):
         self._tcp = tcp
         self._over_tcp: list[TransferReq] = []  # started over TCP and maybe unfinished
         self._over_tcp_lock = threading.Lock()
+        self._next_look = 0.0  # when run_small next polls the socket and the target's liveness
 
     def start(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
         """Copy here if every range is mapped, else hand the request to TCP."""
@@ -327,10 +333,10 @@ class ShmChannel(Channel):
             link.ensure_alive()
             if not memory.in_step():
                 memory.sync(req.remaining())
-            pieces = _pieces(descs)
-            # An order in which blocks of a batch can go by numpy (see hixl._copy); the remote column
+            pieces = np.ascontiguousarray(_pieces(descs), dtype=np.uint64)  # (as copy_pieces takes them)
+            # An order in which blocks of a batch copy faster (see hixl._accel); the remote column
             # stands for where it is mapped here (the same order within one mapping).
-            order = _copy.block_order(*((pieces[:, 1], pieces[:, 0]) if write else (pieces[:, 0], pieces[:, 1])), pieces[:, 2])
+            order = _accel.batch_order(*((pieces[:, 1], pieces[:, 0]) if write else (pieces[:, 0], pieces[:, 1])), pieces[:, 2])
             if order is not None:
                 pieces = pieces[order]
             ends = np.cumsum(pieces[:, 2], dtype=np.uint64)
@@ -360,7 +366,7 @@ class ShmChannel(Channel):
                                 start = int(ends[done - 1]) if done else 0
                                 end = min(done + _WINDOW, int(np.searchsorted(ends, start + CHUNK, side="right")))
                                 end = max(end, done + 1)
-                                self._copy_pieces(pieces[done:end], plan[2][done - plan[1] : end - plan[1]], write)
+                                _accel.copy_pieces(pieces[done:end], plan[2][done - plan[1] : end - plan[1]], write)
                                 done = end
                                 continue
                 if stale:
@@ -378,14 +384,6 @@ class ShmChannel(Channel):
             req.fail(exc)
         else:
             req.complete()
-
-    @staticmethod
-    def _copy_pieces(pieces: np.ndarray, here: np.ndarray, write: bool) -> None:
-        local, lens = pieces[:, 0], pieces[:, 2]
-        if write:
-            _copy.copy_many(here, local, lens)
-        else:
-            _copy.copy_many(local, here, lens)
 
     def _over_tcp_start(self, req: TransferReq, op: Op, descs: np.ndarray, wait: bool) -> None:
         with self._over_tcp_lock:
@@ -411,31 +409,28 @@ class ShmChannel(Channel):
         """The latency path: a few ranges, all mapped, copied at once; none mapped: TCP's latency path.
 
         Every step is on the path of an 8-byte ``transfer_sync``, and at 1 MiB the Python around
-        the copy still shows (the two buffers just fit in a core's L2), hence the inlined checks.
+        the copy still shows (the two buffers just fit in a core's L2, and the copy leaves the
+        interpreter's own data cold), hence the inlined checks and one call for find-and-copy.
         """
         memory = self._memory
         if self._over_tcp and self._tcp_unfinished():
             return False  # the general path waits for those first
-        write = op is Op.WRITE
-        find = memory.maps.find
         link = self.link
-        link.poll_input()  # a REVOKE must not wait for a reader thread this loop keeps from the GIL
+        now = time.monotonic()
+        if now >= self._next_look:  # (both look at most once a millisecond themselves: one clock read)
+            self._next_look = now + _LOOK_EVERY
+            link.poll_input()  # a REVOKE must not wait for a reader thread this loop keeps from the GIL
+            if not memory.alive():
+                return False  # the general path reports it
         if link.revoke_pending:
             return False  # the general path steps aside for it
         with link.lease:
-            if link.table is not memory.synced or link.state is not LinkState.CONNECTED or not memory.alive():
+            if link.table is not memory.synced or link.state is not _CONNECTED:
                 return False  # the general path catches up first (or reports what happened)
-            mapped = [find(remote, length, write) for _, remote, length in descs]
-            if min(mapped) >= 0:
-                for (local, _, length), there in zip(descs, mapped):
-                    if write:
-                        _copy.copy(there, local, length)
-                    else:
-                        _copy.copy(local, there, length)
-                return True
-        if max(mapped) < 0:
+            copied = _accel.mapped_copy(descs, op is _WRITE, *memory.maps.index)
+        if copied == 0:
             return self._tcp.run_small(op, descs, nbytes, timeout)
-        return False  # some mapped, some not: the general path sends it all over TCP
+        return copied == 1  # (-1: some mapped, some not: the general path sends it all over TCP)
 
     def close(self) -> None:
         """Unmap the peer's memory."""

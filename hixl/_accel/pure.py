@@ -1,4 +1,8 @@
-"""Copies between address ranges of this process, as cheaply as Python can make them.
+"""hixl's hot path in pure Python: the twin of the C extension (see :mod:`hixl._accel`).
+
+Used when the extension is not built or cannot be loaded, or when
+``HIXL_PURE_PYTHON=1``; every function does exactly what its C twin does, and
+the tests run both.
 
 The shm transport copies block by block between its registered memory and a
 peer's mapped memory; a KV cache moves thousands of 16 KiB blocks, so what one
@@ -6,7 +10,7 @@ copy costs in Python matters as much as the copy itself. Three ways, cheapest
 first:
 
 - *Blocks of one length, one side back to back* (a cache pulled into, or pushed
-  from, consecutive blocks; :func:`block_order` sorts a batch so that this shows):
+  from, consecutive blocks; :func:`batch_order` sorts a batch so that this shows):
   one numpy ``take`` (destinations back to back) or one fancy assignment
   (sources back to back) over views of the two ranges — numpy's C loop, about
   a fifth faster than any Python loop over the blocks.
@@ -16,21 +20,24 @@ first:
 - A large block: ``ctypes.memmove``, which releases the GIL for the copy, so
   the engine's other threads (heartbeats, replies) run meanwhile.
 
-Nothing here checks an address: callers copy only ranges they checked against
-registrations and mappings first.
+Nothing here checks an address except :func:`check_small`: callers copy only
+ranges they checked against registrations and mappings first.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import sys
 
 import numpy as np
 
-__all__ = ["GIL_FREE_FROM", "block_order", "copy", "copy_many"]
+__all__ = ["GIL_FREE_FROM", "SMALL_MAX", "batch_order", "check_small", "copy", "copy_many", "copy_pieces", "mapped_copy"]
 
 GIL_FREE_FROM = 64 << 10
 """Blocks of at least this many bytes are copied with the GIL released."""
+SMALL_MAX = 64
+"""The most descriptors :func:`check_small` and :func:`mapped_copy` take."""
 _NUMPY_FROM = 16
 """Fewest blocks worth one numpy call (it costs a few microseconds to set up)."""
 
@@ -54,7 +61,7 @@ def copy(dst: int, src: int, nbytes: int) -> None:
         _ALL[dst : dst + nbytes] = _ALL[src : src + nbytes]
 
 
-def block_order(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> np.ndarray | None:
+def batch_order(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> np.ndarray | None:
     """An order to copy a batch in that lets :func:`copy_many` use numpy; None: keep it as it is.
 
     Only for blocks of one length whose destinations do not overlap (so the order
@@ -72,6 +79,81 @@ def block_order(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> np.ndar
         return by_dst
     by_src = np.argsort(srcs, kind="stable")
     return by_src if (np.diff(srcs[by_src]) == length).all() else None
+
+
+def _triples(descs: object) -> list[tuple[int, int, int]] | None:
+    """``descs`` as (local, remote, len) int triples if it is a small list of them with every
+    len > 0 and no range past 2**64; None otherwise."""
+    if type(descs) is not list or not 0 < len(descs) <= SMALL_MAX:
+        return None
+    triples = []
+    for desc in descs:
+        if not (isinstance(desc, tuple) or type(desc) is list) or len(desc) != 3:
+            return None
+        local, remote, nbytes = desc
+        if not (type(local) is int and type(remote) is int and type(nbytes) is int):
+            return None
+        if nbytes <= 0 or local < 0 or remote < 0 or max(local, remote) + nbytes >= 1 << 64:
+            return None
+        triples.append((local, remote, nbytes))
+    return triples
+
+
+def _interval(starts: list[int], ends: list[int], addr: int, nbytes: int) -> int:
+    """The index of the interval of sorted, disjoint ``starts``/``ends`` holding the range; -1: none."""
+    slot = bisect.bisect_right(starts, addr) - 1
+    return slot if slot >= 0 and addr + nbytes <= ends[slot] else -1
+
+
+def check_small(
+    descs: object, local_starts: list[int], local_ends: list[int], remote_starts: list[int], remote_ends: list[int]
+) -> int | None:
+    """The total length of ``descs`` if it is a small list of (local, remote, len) int triples,
+    every local range inside one local interval and every remote one inside one remote interval;
+    else None."""
+    triples = _triples(descs)
+    if triples is None:
+        return None
+    total = 0
+    for local, remote, nbytes in triples:
+        if _interval(local_starts, local_ends, local, nbytes) < 0 or _interval(remote_starts, remote_ends, remote, nbytes) < 0:
+            return None
+        total += nbytes
+    return total if total < 1 << 64 else None
+
+
+def mapped_copy(
+    descs: object, write: bool, starts: list[int], ends: list[int], heres: list[int], writable: list[bool]
+) -> int:
+    """Copy a small list of (local, remote, len) descriptors through the peer's memory mapped here
+    (mapping ``i`` covers the peer's ``[starts[i], ends[i])`` at ``heres[i]``, writable if
+    ``writable[i]``). 1: all were mapped (writably, for a write) and are copied; 0: none was,
+    nothing copied; -1: some were, or ``descs`` is not such a list, nothing copied."""
+    triples = _triples(descs)
+    if triples is None:
+        return -1
+    plan = []
+    for local, remote, nbytes in triples:
+        m = _interval(starts, ends, remote, nbytes)
+        if m >= 0 and (not write or writable[m] is True):
+            there = heres[m] + (remote - starts[m])
+            plan.append((there, local, nbytes) if write else (local, there, nbytes))
+    if len(plan) != len(triples):
+        return 0 if not plan else -1
+    for dst, src, nbytes in plan:
+        copy(dst, src, nbytes)
+    return 1
+
+
+def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool) -> None:
+    """For every row ``i`` of ``pieces`` ((n, 3) uint64: local, remote, len), copy ``len`` bytes
+    between the local address and ``heres[i]`` (where the remote range is mapped here): to
+    ``heres[i]`` if ``write``, from it otherwise; in row order."""
+    local, lens = pieces[:, 0], pieces[:, 2]
+    if write:
+        copy_many(heres, local, lens)
+    else:
+        copy_many(local, heres, lens)
 
 
 def copy_many(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> None:

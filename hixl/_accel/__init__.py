@@ -1,0 +1,66 @@
+"""hixl's hot path: the per-request steps between the Python that decides and the copy.
+
+A small request is mostly interpreter: for an 8-byte or a 1 MiB transfer
+through shared memory, checking a few descriptors against two tables and
+finding where each lies costs as much as (or, with the caches cold after a
+large copy, more than) the copy itself. These few steps exist twice, with one
+contract:
+
+- :mod:`hixl._accel._native`, a C extension that ``pip install .`` builds
+  (``setup.py``; a machine without a compiler installs without it);
+- :mod:`hixl._accel.pure`, the same in Python.
+
+The native one is used unless it cannot be loaded or ``HIXL_PURE_PYTHON=1``
+is set; :data:`IMPLEMENTATION` says which (``hixl --version`` prints it). The
+protocol, the locks and every rule about what may be copied stay in Python:
+these functions are handed the tables their callers checked and hold current.
+
+- :func:`check_small` — a small list of descriptors, each range inside the
+  given local and remote tables: its total length, else None.
+- :func:`mapped_copy` — copy a small list through a peer's memory mapped here.
+- :func:`copy_pieces` — copy a batch's rows between local and mapped addresses.
+- :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`
+  cheaper (only the pure one has a use for it: numpy's calls want one side back
+  to back; C copies in any order at the same speed).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import numpy as np
+
+from . import pure
+
+__all__ = ["IMPLEMENTATION", "NATIVE", "PURE_ENV", "batch_order", "check_small", "copy_pieces", "mapped_copy"]
+
+PURE_ENV = "HIXL_PURE_PYTHON"
+"""Set to 1 to use the pure-Python hot path even where the extension loads."""
+
+
+def _choose() -> tuple[ModuleType, str]:
+    if os.environ.get(PURE_ENV, "") not in ("", "0"):
+        return pure, f"pure Python ({PURE_ENV}=1)"
+    try:
+        from . import _native
+    except ImportError as exc:  # not built here (no compiler at install), or built for another Python
+        return pure, f"pure Python (the C extension is not available: {exc})"
+    return _native, "native (C extension)"
+
+
+_impl, IMPLEMENTATION = _choose()
+NATIVE = _impl is not pure
+"""Whether the C extension is in use."""
+
+check_small = _impl.check_small
+mapped_copy = _impl.mapped_copy
+copy_pieces = _impl.copy_pieces
+
+
+def _any_order(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> None:
+    """C copies a batch as fast in the order given: keep it."""
+    return None
+
+
+batch_order = pure.batch_order if not NATIVE else _any_order

@@ -1,0 +1,304 @@
+"""The hot path's two implementations (hixl._accel: the C extension and its pure-Python twin) land
+exactly the bytes asked for and nothing else, and agree on every input — the small-request check
+above all, which decides what the latency path may copy without the general path's checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hixl
+from hixl import _accel
+from hixl._accel import pure
+from hixl._types import TransferOpDesc
+
+BLOCK = 4096
+BLOCKS = 64
+U64 = 1 << 64
+REQUIRE_NATIVE = "HIXL_REQUIRE_NATIVE"
+"""Set (as CI sets it): the C extension must be built and loaded, not silently replaced."""
+
+
+def _native() -> ModuleType | None:
+    try:
+        from hixl._accel import _native
+    except ImportError:
+        return None
+    return _native
+
+
+def test_the_extension_is_used_where_it_is_built() -> None:
+    native = _native()
+    if native is None:
+        if os.environ.get(REQUIRE_NATIVE):
+            pytest.fail(f"{REQUIRE_NATIVE} is set but the C extension is not built: {_accel.IMPLEMENTATION}")
+        pytest.skip(f"the C extension is not built here: {_accel.IMPLEMENTATION}")
+    if os.environ.get(_accel.PURE_ENV):
+        assert not _accel.NATIVE and _accel.IMPLEMENTATION == "pure Python (HIXL_PURE_PYTHON=1)"
+    else:
+        assert _accel.NATIVE and _accel.check_small is native.check_small
+    assert native.GIL_FREE_FROM == pure.GIL_FREE_FROM and native.SMALL_MAX == pure.SMALL_MAX
+
+
+def test_hixl_pure_python_selects_the_twin() -> None:
+    code = "from hixl import _accel; print(_accel.NATIVE, _accel.check_small.__module__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, _accel.PURE_ENV: "1"}, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split() == ["False", "hixl._accel.pure"], out.stderr
+
+
+@pytest.fixture(params=["pure", "native"])
+def impl(request: pytest.FixtureRequest) -> ModuleType:
+    if request.param == "pure":
+        return pure
+    native = _native()
+    if native is None:
+        if os.environ.get(REQUIRE_NATIVE):
+            pytest.fail(f"{REQUIRE_NATIVE} is set but the C extension is not built")
+        pytest.skip("the C extension is not built here")
+    return native
+
+
+def _addrs(buf: np.ndarray, blocks: np.ndarray, length: int = BLOCK) -> np.ndarray:
+    return np.uint64(buf.ctypes.data) + blocks.astype(np.uint64) * np.uint64(length)
+
+
+@pytest.fixture
+def buffers() -> tuple[np.ndarray, np.ndarray]:
+    src = hixl.empty(BLOCKS * BLOCK)
+    src[:] = np.random.default_rng(3).integers(0, 256, src.size, dtype=np.uint8)
+    dst = hixl.empty(BLOCKS * BLOCK)
+    dst.fill(0xEE)
+    return src, dst
+
+
+def _expect(src: np.ndarray, dst_blocks: np.ndarray, src_blocks: np.ndarray) -> np.ndarray:
+    want = np.full(BLOCKS * BLOCK, 0xEE, np.uint8).reshape(BLOCKS, BLOCK)
+    for d, s in zip(dst_blocks.tolist(), src_blocks.tolist()):  # in order: the last writer wins
+        want[d] = src.reshape(BLOCKS, BLOCK)[s]
+    return want.reshape(-1)
+
+
+def _pieces(locals_: np.ndarray, remotes: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.stack([locals_, remotes, lens], axis=1).astype(np.uint64))
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["READ", "WRITE"])
+@pytest.mark.parametrize(
+    "layout",
+    ["destinations back to back", "sources back to back", "both scattered", "one destination twice", "off the grid"],
+)
+def test_copy_pieces_lands_exactly_the_blocks(
+    impl: ModuleType, buffers: tuple[np.ndarray, np.ndarray], layout: str, write: bool
+) -> None:
+    src, dst = buffers
+    rng = np.random.default_rng(7)
+    n = 40
+    if layout == "destinations back to back":
+        dst_blocks, src_blocks = np.arange(5, 5 + n), rng.permutation(BLOCKS)[:n]
+    elif layout == "sources back to back":
+        dst_blocks, src_blocks = rng.permutation(BLOCKS)[:n], np.arange(3, 3 + n)
+    elif layout == "both scattered":
+        dst_blocks, src_blocks = rng.permutation(BLOCKS)[:n], rng.permutation(BLOCKS)[:n]
+    elif layout == "one destination twice":
+        dst_blocks, src_blocks = rng.permutation(BLOCKS)[:n], np.arange(n)
+        dst_blocks[7] = dst_blocks[30]
+    else:
+        dst_blocks, src_blocks = np.arange(n), rng.permutation(BLOCKS - 1)[:n]
+    dsts, srcs = _addrs(dst, dst_blocks), _addrs(src, src_blocks)
+    if layout == "off the grid":
+        srcs = srcs + np.uint64(1)  # a byte off every source block: no numpy rows fit them
+    lens = np.full(n, BLOCK, np.uint64)
+    # A READ copies from the mapped (remote) side into local memory, a WRITE the other way.
+    if write:
+        impl.copy_pieces(_pieces(srcs, np.zeros(n, np.uint64), lens), dsts, True)
+    else:
+        impl.copy_pieces(_pieces(dsts, np.zeros(n, np.uint64), lens), srcs, False)
+    if layout == "off the grid":
+        want = np.full(BLOCKS * BLOCK, 0xEE, np.uint8)
+        for i, s in enumerate(src_blocks.tolist()):
+            want[i * BLOCK : (i + 1) * BLOCK] = src[s * BLOCK + 1 : (s + 1) * BLOCK + 1]
+        assert np.array_equal(dst, want)
+    else:
+        assert np.array_equal(dst, _expect(src, dst_blocks, src_blocks))
+
+
+def test_copy_pieces_of_mixed_and_large_blocks(impl: ModuleType, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+    src, dst = buffers
+    big, source = hixl.empty(1 << 20), hixl.empty(1 << 20)
+    big[:], source[:] = 9, 4
+    lens = np.array([3, 4096, 1 << 20, 17], np.uint64)
+    dsts = np.array([dst.ctypes.data, dst.ctypes.data + 8192, big.ctypes.data, dst.ctypes.data + 20000], np.uint64)
+    srcs = np.array([src.ctypes.data + 5, src.ctypes.data, source.ctypes.data, src.ctypes.data + 100], np.uint64)
+    impl.copy_pieces(_pieces(dsts, np.zeros(4, np.uint64), lens), srcs, False)
+    assert dst[:3].tobytes() == src[5:8].tobytes() and dst[3] == 0xEE
+    assert dst[8192 : 8192 + 4096].tobytes() == src[:4096].tobytes()
+    assert (big == 4).all()
+    assert dst[20000:20017].tobytes() == src[100:117].tobytes() and dst[20017] == 0xEE
+
+
+def test_the_extension_refuses_arrays_it_cannot_read_as_rows() -> None:
+    native = _native()
+    if native is None:
+        pytest.skip("the C extension is not built here")
+    rows = np.zeros((4, 3), np.uint64)
+    with pytest.raises(TypeError, match="uint64"):
+        native.copy_pieces(rows.astype(np.int32), np.zeros(4, np.uint64), False)
+    with pytest.raises(ValueError, match="C-contiguous"):  # (numpy refuses such a buffer itself)
+        native.copy_pieces(np.zeros((4, 4), np.uint64)[:, :3], np.zeros(4, np.uint64), False)
+    with pytest.raises(ValueError, match="as many rows"):
+        native.copy_pieces(rows, np.zeros(3, np.uint64), False)
+
+
+def test_batch_order_reorders_only_where_order_cannot_matter() -> None:
+    rng = np.random.default_rng(1)
+    n, base = 32, 1 << 30
+    perm = rng.permutation(n).astype(np.uint64)
+    lens = np.full(n, BLOCK, np.uint64)
+    scattered = np.uint64(base) + rng.permutation(4 * n)[:n].astype(np.uint64) * np.uint64(BLOCK)
+    back_to_back = np.uint64(base) + perm * np.uint64(BLOCK)
+    order = pure.batch_order(back_to_back, scattered, lens)
+    assert order is not None and (np.diff(back_to_back[order]) == BLOCK).all()  # by destination
+    order = pure.batch_order(scattered, back_to_back, lens)
+    assert order is not None and (np.diff(back_to_back[order]) == BLOCK).all()  # by source
+    assert pure.batch_order(scattered, scattered, lens) is None  # neither side back to back
+    twice = back_to_back.copy()
+    twice[3] = twice[9]
+    assert pure.batch_order(twice, scattered, lens) is None  # overlapping destinations: order matters
+    mixed = lens.copy()
+    mixed[0] = 8
+    assert pure.batch_order(back_to_back, scattered, mixed) is None
+    assert pure.batch_order(back_to_back[:4], scattered[:4], lens[:4]) is None  # too few for numpy
+
+
+# -- the small-request check -----------------------------------------------------------------------
+
+def _reference_total(descs: Any, local: tuple[list[int], list[int]], remote: tuple[list[int], list[int]]) -> int | None:
+    """What check_small must answer, written the slow, obvious way."""
+    if type(descs) is not list or not 0 < len(descs) <= pure.SMALL_MAX:
+        return None
+    total = 0
+    for desc in descs:
+        if not (isinstance(desc, tuple) or type(desc) is list) or len(desc) != 3:
+            return None
+        if any(type(v) is not int for v in desc):
+            return None
+        l_addr, r_addr, n = desc
+        if n <= 0 or l_addr < 0 or r_addr < 0 or l_addr + n >= U64 or r_addr + n >= U64:
+            return None
+        for addr, (starts, ends) in ((l_addr, local), (r_addr, remote)):
+            if not any(s <= addr and addr + n <= e for s, e in zip(starts, ends)):
+                return None
+        total += n
+    return total if total < U64 else None
+
+
+def _tables(raw: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Disjoint, sorted intervals from (start, length) pairs (overlaps dropped)."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for start, length in sorted(raw):
+        if (not ends or start > ends[-1]) and start + length < U64:
+            starts.append(start)
+            ends.append(start + length)
+    return starts, ends
+
+
+_values = st.one_of(
+    st.integers(0, 1 << 16),
+    st.integers(U64 - (1 << 16), U64 + 4),
+    st.integers(-4, 4),
+    st.sampled_from([True, False, 2.0, None, "1"]),
+)
+_desc = st.one_of(
+    st.tuples(_values, _values, _values),
+    st.lists(_values, min_size=2, max_size=4),
+    st.builds(TransferOpDesc, _values, _values, _values),
+)
+_intervals = st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(1, 1 << 12)), max_size=5)
+
+
+@settings(max_examples=400, deadline=None)
+@given(descs=st.lists(_desc, max_size=6), local=_intervals, remote=_intervals)
+def test_check_small_agrees_with_the_obvious_rule_in_both_implementations(
+    descs: list[Any], local: list[tuple[int, int]], remote: list[tuple[int, int]]
+) -> None:
+    local_t, remote_t = _tables(local), _tables(remote)
+    want = _reference_total(descs, local_t, remote_t)
+    assert pure.check_small(descs, *local_t, *remote_t) == want
+    native = _native()
+    if native is not None:
+        assert native.check_small(descs, *local_t, *remote_t) == want
+
+
+@pytest.mark.parametrize(
+    "descs",
+    [
+        [(10, 100, 0)],
+        [(U64 - 8, 100, 8)],  # a range that ends at 2**64 wraps in C: refused
+        [(10, 100, 1 << 64)],
+        [(10, 100, True)],
+        ((10, 100, 8),),  # not a list
+        [],
+        [(10, 100, 8)] * (pure.SMALL_MAX + 1),
+        [np.array([10, 100, 8])],
+    ],
+    ids=["empty range", "wraps", "huge length", "bool", "tuple of descs", "none", "too many", "array row"],
+)
+def test_check_small_declines_what_the_general_path_must_judge(impl: ModuleType, descs: Any) -> None:
+    everything = ([0], [U64 - 1])
+    assert impl.check_small(descs, *everything, *everything) is None
+
+
+def test_check_small_needs_one_interval_to_hold_each_range(impl: ModuleType) -> None:
+    local = ([0], [1 << 20])
+    remote = ([1000, 2000], [2000, 3000])  # touching intervals are one region only once merged
+    assert impl.check_small([(0, 1000, 1000), TransferOpDesc(5, 2000, 1000)], *local, *remote) == 2000
+    assert impl.check_small([[0, 1500, 1000]], *local, *remote) is None
+    assert impl.check_small([(0, 999, 2)], *local, *remote) is None
+
+
+# -- copies through a peer's mapped memory -----------------------------------------------------------
+
+@pytest.fixture
+def mapped() -> tuple[np.ndarray, np.ndarray, tuple[list[int], list[int], list[int], list[bool]]]:
+    """Local memory, and "the peer's" memory as mapped here: two mappings of 4 KiB at peer addresses
+    1 MiB (writable) and 2 MiB (read-only), both in one local array."""
+    local = hixl.empty(2 * BLOCK)
+    local[:] = 1
+    here = hixl.empty(2 * BLOCK)
+    here[:BLOCK], here[BLOCK:] = 2, 3
+    base = int(here.ctypes.data)
+    index = ([1 << 20, 2 << 20], [(1 << 20) + BLOCK, (2 << 20) + BLOCK], [base, base + BLOCK], [True, False])
+    return local, here, index
+
+
+def test_mapped_copy_reads_and_writes_through_the_mappings(impl: ModuleType, mapped: Any) -> None:
+    local, here, index = mapped
+    at = int(local.ctypes.data)
+    assert impl.mapped_copy([(at, (2 << 20) + 100, 50), (at + 60, (1 << 20), 4)], False, *index) == 1
+    assert (local[:50] == 3).all() and local[50] == 1 and (local[60:64] == 2).all()
+    assert impl.mapped_copy([(at + 1000, (1 << 20) + 8, 16)], True, *index) == 1
+    assert (here[8:24] == 1).all() and here[7] == 2 and here[24] == 2
+
+
+def test_mapped_copy_copies_nothing_unless_everything_is_mapped(impl: ModuleType, mapped: Any) -> None:
+    local, here, index = mapped
+    at = int(local.ctypes.data)
+    before_local, before_here = local.copy(), here.copy()
+    assert impl.mapped_copy([(at, 5 << 20, 8)], False, *index) == 0  # none mapped: TCP's to move
+    assert impl.mapped_copy([(at, 1 << 20, 8), (at, 5 << 20, 8)], False, *index) == -1  # some
+    assert impl.mapped_copy([(at, (1 << 20) + BLOCK - 4, 8)], False, *index) == 0  # runs past the end
+    assert impl.mapped_copy([(at, 2 << 20, 8)], True, *index) == 0  # mapped read-only: not for a WRITE
+    assert impl.mapped_copy([(at, 1 << 20, 8), (at, 2 << 20, 8)], True, *index) == -1
+    assert impl.mapped_copy("not descriptors", False, *index) == -1
+    assert np.array_equal(local, before_local) and np.array_equal(here, before_here)
