@@ -1,37 +1,85 @@
-"""The code in docs/ does what the docs say: snippets run against real peers, and every
-``# -> VALUE`` comment on an expression is checked against what the expression returned."""
+"""The code in docs/ and the README runs as written: every ```python block, in a fresh interpreter,
+against real engines on 127.0.0.1, and every ``# -> VALUE`` comment on an expression is checked
+against what the expression returned. A name a block uses and never defines fails it.
+
+A block runs alone unless its first line says otherwise:
+
+- ``# continues ...``: it runs after the block before it on its page, in the same interpreter;
+- ``# needs root: ...``: it runs where network namespaces can be made (``skip_unless_hosts``);
+- ``# not run by the tests: REASON``: it does not run, and the page says why, in the block itself;
+- ``# NAME.py ...`` (the README's quick start): a program, run as a file by ``tests/test_readme.py``.
+
+Run as a script, this module is the fresh interpreter: it reads ``[[name, code], ...]`` on stdin
+and runs the blocks one after another in one namespace.
+"""
 
 from __future__ import annotations
 
 import ast
-import asyncio
+import json
+import os
 import re
-import threading
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-import hixl
-from hixl.datadist import TransferDone
-from hixl.testing import TargetProcess
 from hixl.testing.hosts import skip_unless_hosts
 
-pytestmark = pytest.mark.timeout(60)
-
-DOCS = Path(__file__).resolve().parents[1] / "docs"
-
-
-def snippet(doc: str, containing: str) -> str:
-    """The one ```python block of ``docs/doc`` that contains ``containing``."""
-    blocks = re.findall(r"```python\n(.*?)```", (DOCS / doc).read_text(), re.S)
-    found = [block for block in blocks if containing in block]
-    assert len(found) == 1, f"{len(found)} python blocks of {doc} contain {containing!r}"
-    return found[0]
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = ["README.md", *sorted(str(page.relative_to(ROOT)) for page in (ROOT / "docs").glob("*.md"))]
+CONTINUES, NEEDS_HOSTS, NOT_RUN = "# continues ", "# needs root: ", "# not run by the tests: "
+PROGRAM = re.compile(r"# (\w+\.py)\b")
+#: Blocks that may stay unrun (vLLM, etcd): each is a cost, so the number is kept in sight.
+MAX_NOT_RUN = 2
+TIMEOUT = 60.0  # seconds a chain of blocks may take in its interpreter
 
 
-def run(code: str, namespace: dict[str, Any]) -> int:
+@dataclass(frozen=True)
+class Block:
+    """One ```python block of a page."""
+
+    page: str  # relative to the repository root
+    line: int  # of its opening fence, 1-based
+    code: str
+
+    @property
+    def name(self) -> str:
+        """``page:line``, as tracebacks and test ids show it."""
+        return f"{self.page}:{self.line}"
+
+    @property
+    def first_line(self) -> str:
+        """Where a block says how it is run (see the module docstring)."""
+        return self.code.split("\n", 1)[0]
+
+
+def blocks(page: str) -> list[Block]:
+    """The ```python blocks of ``page``, in order."""
+    text = (ROOT / page).read_text()
+    return [
+        Block(page, text.count("\n", 0, match.start()) + 1, match.group(1))
+        for match in re.finditer(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    ]
+
+
+def chains() -> list[list[Block]]:
+    """The blocks the tests run, each with the blocks that continue it."""
+    found: list[list[Block]] = []
+    for page in PAGES:
+        for block in blocks(page):
+            if block.first_line.startswith(CONTINUES):
+                assert found and found[-1][-1].page == page, f"{block.name} continues no block before it on its page"
+                found[-1].append(block)
+            elif not (block.first_line.startswith(NOT_RUN) or PROGRAM.match(block.first_line)):
+                found.append([block])
+    return found
+
+
+def run(code: str, namespace: dict[str, Any], name: str = "<doc>") -> int:
     """Run ``code`` statement by statement in ``namespace``; check each ``expr  # -> expected``.
 
     Returns how many values were checked.
@@ -41,72 +89,53 @@ def run(code: str, namespace: dict[str, Any]) -> int:
     for stmt in ast.parse(code).body:
         _, arrow, expected = lines[(stmt.end_lineno or stmt.lineno) - 1].partition("# -> ")
         if not arrow:
-            exec(compile(ast.Module([stmt], []), "<doc>", "exec"), namespace)
+            exec(compile(ast.Module([stmt], []), name, "exec"), namespace)
             continue
         assert isinstance(stmt, ast.Expr), f"a '# ->' comment on a statement that has no value: {lines[stmt.lineno - 1]}"
-        got = eval(compile(ast.Expression(stmt.value), "<doc>", "eval"), namespace)
+        got = eval(compile(ast.Expression(stmt.value), name, "eval"), namespace)
         assert got == eval(expected, namespace), f"{ast.get_source_segment(code, stmt)} returned {got!r}, the docs say {expected}"
         checked += 1
     return checked
 
 
-# -- docs/engine.md ----------------------------------------------------------------------
-def test_engine_wait_notifies(shared_target: TargetProcess) -> None:
-    with hixl.Engine("127.0.0.1:0") as engine:
-        shared_target.call("connect", engine.local_engine)
-        try:
-            notify = hixl.NotifyDesc("done", "read 1 MiB")
-            sender = threading.Timer(0.2, shared_target.call, ("send_notify", engine.local_engine, notify))
-            sender.start()
-            assert run(snippet("engine.md", "engine.wait_notifies("), {"hixl": hixl, "engine": engine}) == 2
-            sender.join()
-        finally:
-            shared_target.call("disconnect", engine.local_engine)
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("chain", chains(), ids=lambda chain: chain[0].name)
+def test_block_runs_as_written(chain: list[Block], tmp_path: Path) -> None:
+    if chain[0].first_line.startswith(NEEDS_HOSTS):
+        skip_unless_hosts()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        input=json.dumps([[block.name, block.code] for block in chain]),
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{' + '.join(block.name for block in chain)}:\n{proc.stderr}"
 
 
-def test_engine_asyncio(shared_target: TargetProcess) -> None:
-    assert run(snippet("engine.md", "async def read_pages"), {"target": shared_target.engine}) == 1
+def test_every_block_is_run_or_says_why_not() -> None:
+    ran = {block.name for chain in chains() for block in chain}
+    programs, not_run = [], []
+    for page in PAGES:
+        for block in blocks(page):
+            if (program := PROGRAM.match(block.first_line)) is not None:
+                programs.append((page, program.group(1)))
+            elif block.first_line.startswith(NOT_RUN):
+                assert block.first_line.removeprefix(NOT_RUN).strip(), f"{block.name} gives no reason"
+                not_run.append(block.name)
+            else:
+                assert block.name in ran
+    assert programs == [("README.md", "target.py"), ("README.md", "initiator.py")]  # what test_readme.py runs
+    assert len(not_run) <= MAX_NOT_RUN, not_run
 
 
-def test_engine_hosts() -> None:
-    skip_unless_hosts()
-    namespace: dict[str, Any] = {}
-    try:
-        assert run(snippet("engine.md", "from hixl.testing.hosts import Hosts"), namespace) == 2
-    finally:  # what a failing snippet left open (each close is idempotent)
-        for name, close in (("engine", "finalize"), ("target", "close"), ("hosts", "close")):
-            if name in namespace:
-                getattr(namespace[name], close)()
+def test_an_undefined_name_fails_the_block() -> None:
+    with pytest.raises(NameError, match="per_layer_tensors"):
+        run("from hixl.datadist import *\ncaches = per_layer_tensors\n", {})
+    with pytest.raises(AssertionError, match="returned 2, the docs say 3"):
+        run("1 + 1  # -> 3\n", {})
 
 
-# -- docs/datadist.md --------------------------------------------------------------------
-def test_datadist_opening_and_asyncio() -> None:
-    layers, shape = 2, (8, 4, 2, 8)
-    src_blocks, dst_blocks = [0, 3, 4], [5, 1, 7]
-    source = hixl.empty((2 * layers, *shape), np.float16)
-    source[:] = np.random.default_rng(1).integers(-100, 100, source.shape)
-    target = hixl.empty((2 * layers, *shape), np.float16)
-    namespace: dict[str, Any] = {
-        "layers": layers,
-        "num_blocks": shape[0],
-        "block_size": shape[1],
-        "kv_heads": shape[2],
-        "head_dim": shape[3],
-        "per_layer_tensors": list(source),
-        "its_tensors": list(target),
-        "src_blocks": src_blocks,
-        "dst_blocks": dst_blocks,
-    }
-    try:
-        assert run(snippet("datadist.md", "from hixl.datadist import *"), namespace) == 2
-        np.testing.assert_array_equal(target[:, dst_blocks], source[:, src_blocks])
-        target[:] = 0
-        run(snippet("datadist.md", "async def decode_step"), namespace)
-        step = namespace["decode_step"](namespace["decode"], namespace["BlocksCacheKey"](1), namespace["dst"], [1], [2])
-        asyncio.run(step)
-        np.testing.assert_array_equal(target[:, 2], source[:, 1])
-        assert namespace["prefill"].cache_manager.completed_requests() == [TransferDone(2, 8, "pull")]
-    finally:
-        for name in ("decode", "prefill"):
-            if name in namespace:
-                namespace[name].finalize()
+if __name__ == "__main__":  # one chain of blocks, in this fresh interpreter (see test_block_runs_as_written)
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    for name, code in json.load(sys.stdin):
+        run(code, namespace, name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import secrets
 import sys
 import time
@@ -126,7 +127,7 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] = _quiet) -> dict[
         workers = [prefill_w, decode_w] if push else [decode_w, prefill_w]
         try:
             prefill_info, decode_info = prefill_w.ready(), decode_w.ready()
-            progress(f"both ready after {time.monotonic() - began:.1f} s; timing the colocated reference (one process)")
+            progress(f"both ready {time.monotonic() - began:.1f} s after they were started; timing the colocated reference (one process)")
             # Timed only once both workers are idle: the machine is small.
             colocated = _colocated(cfg, spec_kwargs, prompt, num_blocks)
             rng = np.random.default_rng(cfg.seed)
@@ -156,10 +157,12 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] = _quiet) -> dict[
             )
             end = time.monotonic()
             notified = _await_completion(decode_w if push else prefill_w, req_id)
-            progress(f"done; closing the workers ({time.monotonic() - began:.1f} s in all)")
+            progress(f"done; closing the workers ({time.monotonic() - began:.1f} s since they were started)")
         finally:
+            closing = time.monotonic()
             for worker in workers:
                 worker.close()
+    shutdown = time.monotonic() - closing  # the workers' exit, and with hosts their removal too
     landed = pre["landed"] if push else dec["landed"]
     transfer_start = pre["start"] if push else dec["start"]
     kv_bytes = needed * cfg.block_size * spec.num_kv_heads * spec.head_dim * 4 * 2 * cfg.layers
@@ -172,6 +175,7 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] = _quiet) -> dict[
         "identical": dec["tokens"] == colocated["reference"],
         "colocated_matches_reference": colocated["tokens"] == colocated["reference"],
         "completion_notified": notified,
+        "shutdown": shutdown,
         "colocated": {k: colocated[k] for k in ("prefill", "ttft", "t2", "total")},
         "disaggregated": {
             "prefill": pre["computed"] - pre["start"],
@@ -275,7 +279,21 @@ def _progress(message: str) -> None:
     print(f"hixl demo: {message} ...", file=sys.stderr, flush=True)
 
 
+def _process_age() -> float:
+    """Seconds since this process started, by the kernel's record of its start.
+
+    Not by a clock read in this module: the interpreter's start and the imports before hixl's
+    first line ran belong to what the user waited for.
+    """
+    with open("/proc/self/stat") as stat:
+        # Field 22, starttime, in clock ticks after boot. Fields are counted after the command
+        # name's closing parenthesis: the name itself may hold spaces and parentheses.
+        start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _main(args: argparse.Namespace) -> int:
+    started = time.monotonic() - _process_age()  # the process's start, on the clock the phases use
     # Every check that needs no torch comes first: a mistake is reported at once, not after seconds of imports.
     for name in ("tokens", "prompt_len", "layers", "block_size"):
         if getattr(args, name) < 1:
@@ -300,11 +318,21 @@ def _main(args: argparse.Namespace) -> int:
     cfg = DemoConfig(
         args.tokens, args.prompt_len, args.layers, args.block_size, args.transport, args.mode, args.seed, args.hosts
     )
+    loaded = time.monotonic()
     result = run_demo(cfg, _progress)
+    closed = time.monotonic()
     print(format_report(result))
     if args.plot:
         from .plot import plot_timeline
 
         plot_timeline(result, args.plot)
-        print(f"plot written to {args.plot}")
+        print(f"plot written to {args.plot} ({time.monotonic() - closed:.1f} s)")
+    sys.stdout.flush()  # the report comes before the summary below, also when stdout is a pipe
+    print(
+        f"hixl demo: {time.monotonic() - started:.1f} s in all, from the command's start to its end: "
+        f"{loaded - started:.1f} s starting Python and loading torch and transformers, "
+        f"{closed - loaded - result['shutdown']:.1f} s running the demo, "
+        f"{result['shutdown']:.1f} s waiting for the workers to exit",
+        file=sys.stderr,
+    )
     return 0 if result["identical"] and result["completion_notified"] else 1

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,18 +74,28 @@ def _labels(text: str) -> list[str]:
 @pytest.mark.timeout(180)
 def test_cli_runs_and_exits_zero(tmp_path: Path, docs_sample: Any) -> None:
     plot = tmp_path / "timeline.png"
+    began = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "hixl", "demo", "--tokens", "3", "--prompt-len", "17", "--layers", "1",
          *(["--plot", str(plot)] if HAVE_MATPLOTLIB else [])],
         capture_output=True, text=True, timeout=170,
     )
+    waited = time.monotonic() - began
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "YES (3/3)" in proc.stdout
     # Progress, as it goes, on stderr: one line per stage, the table stays alone on stdout.
     progress = [line for line in proc.stderr.splitlines() if line.startswith("hixl demo: ")]  # not library warnings
     assert progress[0] == "hixl demo: loading torch and transformers ..."
     assert progress[1].startswith("hixl demo: starting the prefill and decode processes")
-    assert progress[-1].startswith("hixl demo: done;")
+    assert progress[-2].startswith("hixl demo: done;")
+    # The last line is the command's whole wall time, its start (the interpreter's, torch's import)
+    # and the workers' exit included: what the caller waited for, but for the interpreter's exit.
+    total, *phases = map(float, re.findall(r"(\d+\.\d) s", progress[-1]))
+    assert progress[-1].startswith(f"hixl demo: {total} s in all, from the command's start to its end: ")
+    assert waited - 2.0 < total <= waited + 0.1, (total, waited)
+    assert len(phases) == 3 and phases[0] > 0, progress[-1]  # the imports are counted
+    plotting = re.findall(r"^plot written to .* \((\d+\.\d) s\)$", proc.stdout, re.MULTILINE)
+    assert abs(sum(phases) + sum(map(float, plotting)) - total) < 0.3, progress[-1]  # they account for all of it
     assert "hixl demo: " not in proc.stdout.split("\n", 1)[1]
     assert docs_sample.missing(docs_sample.lines("tools.md", "hixl demo, on stderr"), proc.stderr, chunks=0) == []
     labels = _labels(proc.stdout)
