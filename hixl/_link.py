@@ -132,6 +132,13 @@ class PeerLink:
         self.revoke_hooks: list[Callable[[RemoteRegions], None]] = []
         """Called with a REVOKE's regions under the lease, before REVOKED goes out: a transport
         that mapped the peer's memory unmaps what was withdrawn there."""
+        self.on_event: Callable[[Any], None] | None = None
+        """Fault injection (:class:`hixl.testing.faults.FaultyTransport` sets it): called on the reading
+        thread with each event read, before the link handles it; one that sleeps delays it, as a slow
+        network would."""
+        self.on_send_failed: Callable[[int], None] | None = None
+        """Fault injection (as ``on_event``): called on the sending thread with the id of a request whose
+        send failed, before the link forgets it; one that waits lets another thread act on the failure first."""
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
         self._pending_lock = threading.Lock()
@@ -285,6 +292,8 @@ class PeerLink:
         try:
             send()
         except HixlError:
+            if self.on_send_failed is not None:
+                self.on_send_failed(req_id)
             self.forget(req_id)
             with self.wire.conn_lock:
                 self.wire.conn.forget_request(req_id)
@@ -376,6 +385,8 @@ class PeerLink:
             pass  # closed meanwhile
 
     def _dispatch(self, message: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(message)
         if isinstance(message, ConnectionClosed):
             raise PeerDisconnected(f"{self.remote_engine} closed the connection")
         if isinstance(message, RegionsPushed):

@@ -398,6 +398,10 @@ class _ServedConnection:
         cap = time.monotonic() + self.server.limits.request_time_cap
         return min(cap, deadline_us / 1e6) if deadline_us else cap
 
+    def is_open(self) -> bool:
+        """Whether the connection is open and not cut off (its wire not marked dead)."""
+        return self.conn.state is proto.ConnState.OPEN and not self.wire.dead_reason
+
     # -- serving ----------------------------------------------------------------------------------
     def push_regions(self) -> None:
         """Tell the initiator about changed registrations, without waiting on a busy socket."""

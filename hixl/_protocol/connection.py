@@ -219,8 +219,9 @@ class Connection:
     """One side of one hixl connection; see the module docstring.
 
     ``secret`` is the shared secret (``None``: no authentication).
-    ``clock`` is the monotonic clock and ``nonce_source`` makes this side's nonce
-    (default :func:`~hixl._protocol.auth.fresh_nonce`); both injectable for tests.
+    ``clock`` is the monotonic clock, ``nonce_source`` makes this side's nonce
+    (default :func:`~hixl._protocol.auth.fresh_nonce`) and ``versions`` is the range of
+    protocol versions this side speaks (default: this hixl's); all injectable for tests.
     """
 
     def __init__(
@@ -230,8 +231,10 @@ class Connection:
         *,
         clock: Callable[[], float] = time.monotonic,
         nonce_source: Callable[[], str] | None = None,
+        versions: tuple[int, int] = (MIN_VERSION, VERSION),
     ) -> None:
         self.role = role
+        self._low, self._high = versions
         self.state = ConnState.HANDSHAKE
         self.version = 0
         """The negotiated protocol version (0 until the handshake chose one)."""
@@ -259,7 +262,7 @@ class Connection:
     # -- handshake ------------------------------------------------------------------------------
     def initiate(self) -> bytes:
         """Initiator: the HELLO that opens the handshake."""
-        info = {"versions": [MIN_VERSION, VERSION], "nonce": self._nonce, "clock": self._clock()}
+        info = {"versions": [self._low, self._high], "nonce": self._nonce, "clock": self._clock()}
         return self.send(Hello(info))
 
     def challenge(self) -> bytes:
@@ -530,19 +533,19 @@ class Connection:
         versions = info.get("versions")
         if not (isinstance(versions, list) and len(versions) == 2 and all(type(v) is int for v in versions)):
             raise ProtocolError(f"HELLO offers no version range (hixl before protocol {MIN_VERSION}?)")
-        low, high = max(versions[0], MIN_VERSION), min(versions[1], VERSION)
+        low, high = max(versions[0], self._low), min(versions[1], self._high)
         if low > high:
             raise ProtocolError(
                 f"no common protocol version: the initiator speaks {versions[0]}..{versions[1]}, "
-                f"this engine {MIN_VERSION}..{VERSION}"
+                f"this engine {self._low}..{self._high}"
             )
         self.version = high
         self._peer_nonce = _nonce(info, "HELLO")
 
     def _on_challenge(self, info: dict[str, Any]) -> None:
         version = info.get("version")
-        if type(version) is not int or not MIN_VERSION <= version <= VERSION:
-            raise ProtocolError(f"the target chose protocol version {version!r}; this engine speaks {MIN_VERSION}..{VERSION}")
+        if type(version) is not int or not self._low <= version <= self._high:
+            raise ProtocolError(f"the target chose protocol version {version!r}; this engine speaks {self._low}..{self._high}")
         self.version = version
         self._peer_nonce = _nonce(info, "CHALLENGE")
         expected = auth.proof(self._key, "target", self._peer_nonce, self._nonce, version)

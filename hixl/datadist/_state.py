@@ -24,7 +24,7 @@ one is gone (the announcer retries within its link timeout, which covers an
 unlink followed at once by a link, before the close has been seen here). A
 completion (:data:`DONE_NOTIFY`) is accepted only from the connection bound to
 the cluster it names, and while that cluster has fewer than
-:data:`MAX_PENDING_DONE` completions not yet taken; anything else is refused
+:attr:`LLMConfig.max_pending_done` completions not yet taken; anything else is refused
 (the sender is told, this side logs it) and never reaches ``take_done``.
 """
 
@@ -50,14 +50,12 @@ from ._discovery import ClusterRecord
 from ._errors import LLMException, LLMStatusCode, translate_errors
 from ._types import Cache, CacheDesc, LLMConfig, LLMRole, TransferDone
 
-__all__ = ["DONE_NOTIFY", "HELLO_NOTIFY", "MAX_PENDING_DONE", "DataDistState", "Link"]
+__all__ = ["DONE_NOTIFY", "HELLO_NOTIFY", "DataDistState", "Link"]
 
 log = logging.getLogger("hixl.datadist")
 
 DONE_NOTIFY = "hixl.datadist.done"
 HELLO_NOTIFY = "hixl.datadist.hello"
-MAX_PENDING_DONE = 65536
-"""Most completions of one cluster held until ``completed_requests()`` takes them; more are refused."""
 _PROBE_WORDS = 256
 T = TypeVar("T")
 
@@ -357,7 +355,7 @@ class DataDistState:
             if self._senders.get(cluster) != notify.sender:
                 log.warning("refusing a completion claiming cluster %d from a connection that does not speak for it", cluster)
                 raise AccessDenied(f"this connection does not speak for cluster {cluster}")
-            if self._pending[cluster] >= MAX_PENDING_DONE:
+            if self._pending[cluster] >= self.config.max_pending_done:
                 raise ResourceExhausted(
                     f"cluster {cluster} has {self._pending[cluster]} completions not yet taken by completed_requests()"
                 )

@@ -89,6 +89,8 @@ class LLMConfig:
     (default: the engine's ``metadata_server`` option, ``$HIXL_METADATA_SERVER``); ``None``: peer to peer."""
     lease_ttl: float | None = None
     """Seconds this instance's record outlives it if it dies (default: the engine's ``lease_ttl``, 10 s)."""
+    max_pending_done: int = 65536
+    """Most completions of one cluster held until ``completed_requests()`` takes them; more are refused."""
 
 
 @dataclass(frozen=True)

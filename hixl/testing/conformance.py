@@ -26,7 +26,6 @@ Importing this module needs pytest; :mod:`hixl.testing` itself does not.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,8 +44,8 @@ from .. import (
     TransferStatus,
     empty,
 )
-from .._protocol import RegionsPushed
-from .._link import PeerLink
+from ..transports.base import Transport
+from .faults import FaultyTransport
 from .peer import TargetProcess, load_transport
 
 __all__ = ["TransportConformance"]
@@ -120,9 +119,15 @@ class TransportConformance:
     # Classmethods, like the class-scoped fixtures that call them: those run once per
     # class, before (and apart from) any test instance.
     @classmethod
-    def make_initiator(cls, options: dict[str, Any] | None = None) -> Engine:
-        """A client-only initiator engine with only the transport under test."""
-        transports = [load_transport(cls.transport_class)()]
+    def make_transport(cls) -> Transport:
+        """A fresh instance of the transport under test."""
+        return load_transport(cls.transport_class)()
+
+    @classmethod
+    def make_initiator(cls, options: dict[str, Any] | None = None, transport: Transport | None = None) -> Engine:
+        """A client-only initiator engine with only the transport under test: ``transport`` (one
+        wrapped in a :class:`~hixl.testing.faults.FaultyTransport`, say), else a fresh one."""
+        transports = [transport or cls.make_transport()]
         return Engine("127.0.0.1", {"transport": cls.transport, **(options or {})}, transports=transports)
 
     @classmethod
@@ -376,47 +381,34 @@ class TransportConformance:
 
     @pytest.mark.parametrize("op", [Op.WRITE, Op.READ], ids=["WRITE", "READ"])
     @pytest.mark.parametrize("form", ["tuples", "array"])
-    def test_deregistered_range_is_refused(
-        self,
-        engine: Engine,
-        target: TargetProcess,
-        src: np.ndarray,
-        dst: np.ndarray,
-        op: Op,
-        form: str,
-        monkeypatch: pytest.MonkeyPatch,
-    ) -> None:
+    def test_deregistered_range_is_refused(self, target: TargetProcess, op: Op, form: str) -> None:
         """A transfer started after the target's deregister_mem returned is refused, and moves nothing.
 
-        Fault injection: the target's REGIONS update reaches the initiator late
-        (as over a slow network), so the refusal can't lean on it having arrived.
+        Fault injection: the target's REGIONS updates reach the initiator late (as over a slow
+        network; :attr:`FaultyTransport.late_regions`), so the refusal can't lean on them having arrived.
         """
-        late = threading.Event()
-        dispatch = PeerLink._dispatch
-
-        def late_updates(link: PeerLink, message: Any) -> None:
-            if late.is_set() and isinstance(message, RegionsPushed):
-                time.sleep(0.1)
-            dispatch(link, message)
-
-        monkeypatch.setattr(PeerLink, "_dispatch", late_updates)
         size = 4096
-        for round_ in range(3):
-            addr = target.add_buffer(size)
-            index = len(target.addrs) - 1
-            target.write(index, 0, bytes([round_]) * size)
-            engine.transfer_sync(target.engine, Op.READ, [(_addr(dst), addr, size)])  # usable before
-            dst.fill(_SENTINEL)
-            local = _addr(src) if op is Op.WRITE else _addr(dst)
-            descs: Any = [(local, addr, size)] if form == "tuples" else np.array([[local, addr, size]], dtype=np.uint64)
-            late.set()
-            target.deregister(index)
-            with pytest.raises(MemoryRangeError):
-                engine.transfer_sync(target.engine, op, descs)
-            late.clear()
-            assert target.read(index, 0, size) == bytes([round_]) * size  # the target's memory is unchanged
-            assert (dst[:size] == _SENTINEL).all()  # and nothing landed here
-            assert MemDesc(addr, size) not in engine.remote_mems(target.engine)
+        local = empty(size)  # a WRITE's source and a READ's destination: the sentinel shows what moved
+        faulty = FaultyTransport(self.make_transport())
+        with self.make_initiator(transport=faulty) as eng:
+            eng.register_mem(local)
+            eng.connect(target.engine)
+            for round_ in range(3):
+                addr = target.add_buffer(size)
+                index = len(target.addrs) - 1
+                target.write(index, 0, bytes([round_]) * size)
+                eng.transfer_sync(target.engine, Op.READ, [(_addr(local), addr, size)])  # usable before
+                local.fill(_SENTINEL)
+                pair = (_addr(local), addr, size)
+                descs: Any = [pair] if form == "tuples" else np.array([pair], dtype=np.uint64)
+                faulty.late_regions = 0.1
+                target.deregister(index)
+                with pytest.raises(MemoryRangeError):
+                    eng.transfer_sync(target.engine, op, descs)
+                faulty.late_regions = 0.0
+                assert target.read(index, 0, size) == bytes([round_]) * size  # the target's memory is unchanged
+                assert (local == _SENTINEL).all()  # and nothing landed here
+                assert MemDesc(addr, size) not in eng.remote_mems(target.engine)
 
     # -- ranges outside registered memory ---------------------------------------------
     @staticmethod

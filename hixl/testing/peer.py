@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
@@ -21,13 +22,14 @@ def _serve(conn: Connection) -> None:
     from .. import Engine, empty  # imported in the child only
 
     address, options, sizes, transport_paths, shared = conn.recv()
-    transports = [load_transport(path)() for path in transport_paths] if transport_paths else None
-    engine = Engine(address, options, transports=transports)
+    transports = [load_transport(path)() for path in transport_paths or []]
+    engine = Engine(address, options, transports=transports or None)
     buffers = [empty(size, shared=shared) for size in sizes]
     handles = [engine.register_mem(buf) for buf in buffers]
     conn.send((engine.local_engine, [int(b.ctypes.data) for b in buffers], os.getpid()))
+    commands: dict[str, Callable[..., Any]] = {**_COMMANDS, "transport_call": functools.partial(_transport_call, transports)}
     try:
-        serve_commands(conn, lambda command, args: _COMMANDS[command](engine, buffers, handles, *args), _picklable)
+        serve_commands(conn, lambda command, args: commands[command](engine, buffers, handles, *args), _picklable)
     finally:
         engine.finalize()
 
@@ -113,6 +115,13 @@ def _call(engine: Any, buffers: list[np.ndarray], handles: list[Any], method: st
     return getattr(engine, method)(*args)
 
 
+def _transport_call(
+    transports: list[Any], engine: Any, buffers: list[np.ndarray], handles: list[Any], name: str, method: str, args: tuple
+) -> Any:
+    (transport,) = [t for t in transports if t.capabilities.name == name]
+    return getattr(transport, method)(*args)
+
+
 _COMMANDS: dict[str, Callable[..., Any]] = {
     "fill": _fill,
     "read": _read,
@@ -152,7 +161,7 @@ class TargetProcess:
     (the child's ``"ip:port"``), ``addrs`` (buffer addresses in the child),
     ``pid``. Methods run in the child: :meth:`fill`, :meth:`read`,
     :meth:`write`, :meth:`add_buffer`, :meth:`deregister`, :meth:`notifies`,
-    :meth:`wait_notifies`, :meth:`call` (any Engine method); an exception raised
+    :meth:`wait_notifies`, :meth:`call` (any Engine method), :meth:`transport_call`; an exception raised
     in the child is raised again by the method. :meth:`kill` simulates a crash.
     ``transports`` names the transport classes the child's engine uses
     (``"package.module:Class"``, most preferred first; default: the built-in ones).
@@ -230,6 +239,11 @@ class TargetProcess:
     def call(self, method: str, *args: Any) -> Any:
         """Call ``Engine.method(*args)`` in the child and return its (picklable) result."""
         return self._do("call", method, args)
+
+    def transport_call(self, name: str, method: str, *args: Any) -> Any:
+        """Call ``method(*args)`` of the child's transport called ``name`` (one of those named in
+        ``transports``, e.g. a test's own that counts what it serves) and return its result."""
+        return self._do("transport_call", name, method, args)
 
     @staticmethod
     def expected(size: int, seed: int) -> np.ndarray:

@@ -58,6 +58,11 @@ class ServedSession(Protocol):
     def local_deadline(self, deadline_us: int) -> float:
         """A carried deadline as ``time.monotonic()`` seconds, capped by this engine's limit."""
 
+    def is_open(self) -> bool:
+        """Whether the connection is still open. A transport that serves on a channel of its own
+        serves a request only while it is, and looks again between chunks: this engine ends a
+        connection whose request outlasts a deregistration, and that must stop the request."""
+
 
 @dataclass(frozen=True)
 class Capabilities:

@@ -224,12 +224,11 @@ def test_a_notification_flood_never_refuses_a_completion(transport, remote, make
         remote.datadist("get_notifies")
 
 
-def test_completions_are_bounded_per_cluster(transport, monkeypatch):
+def test_completions_are_bounded_per_cluster(transport):
     """A cluster whose completions are not taken is refused past its bound, and only it; one connection
     speaks for one cluster, so it cannot spread a flood over made-up cluster ids."""
-    monkeypatch.setattr(hixl.datadist._state, "MAX_PENDING_DONE", 4)
     prefill = LLMDataDist(LLMRole.PROMPT, fresh_id())
-    prefill.init(listen_config(transport))
+    prefill.init(listen_config(transport, max_pending_done=4))
     try:
         with _Forger(transport, prefill.local_ip_info) as busy, _Forger(transport, prefill.local_ip_info) as quiet:
             first, second, other = fresh_id(), fresh_id(), fresh_id()

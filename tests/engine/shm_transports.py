@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hixl.transports import ShmTransport
+from hixl.transports.base import ServedSession
 
 ALLOWED_UID = 4242
 
@@ -12,3 +15,20 @@ class OnlyUid4242(ShmTransport):
 
     def __init__(self) -> None:
         super().__init__(allowed_uids=[ALLOWED_UID])
+
+
+class CountingShm(ShmTransport):
+    """shm counting the READ and WRITE frames its target half serves: what went over TCP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._served = 0
+
+    def serve(self, session: ServedSession, message: Any) -> None:
+        """Count, then serve as shm does."""
+        self._served += 1
+        super().serve(session, message)
+
+    def served(self) -> int:
+        """Frames served so far (read with ``TargetProcess.transport_call("shm", "served")``)."""
+        return self._served

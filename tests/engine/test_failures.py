@@ -23,8 +23,9 @@ from hixl import (
     TransferStatus,
     TransferTimeout,
 )
-from hixl._link import PeerLink
 from hixl.testing import TargetProcess
+from hixl.testing.faults import FaultyTransport
+from hixl.transports import TcpTransport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -244,27 +245,45 @@ def test_tcp_write_timing_out_mid_frame(make_target: MakeTarget) -> None:
         assert target.read(1, 0, MiB) == bytes([7]) * MiB
 
 
-def test_write_timing_out_mid_frame_is_a_timeout_whoever_reports_it(
-    make_target: MakeTarget, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _link_alive(eng: Engine, remote: str) -> bool:
+    try:
+        eng.transport_of(remote)  # raises once the link has ended; sends nothing
+    except PeerDisconnected:
+        return False
+    return True
+
+
+def test_write_timing_out_mid_frame_is_a_timeout_whoever_reports_it(make_target: MakeTarget) -> None:
     """The send that runs out of time mid-frame kills the link, and the link's reader fails
-    what was pending on it. Fault injection lets the reader go first, deterministically:
-    the request is still reported as timed out, not as a disconnect."""
-    forget = PeerLink.forget
-
-    def slow_forget(link: PeerLink, req_id: int) -> None:
-        time.sleep(0.3)
-        forget(link, req_id)
-
-    monkeypatch.setattr(PeerLink, "forget", slow_forget)
-    target = make_target([64 * MiB])
-    eng, buf = _initiator("tcp")
-    with eng:
+    what was pending on it. Fault injection (``FaultyTransport.failed_sends_wait``) lets the
+    reader go first, deterministically: the request is still reported as timed out, not as a
+    disconnect. Then the caller's own thread: transfer_sync reads its reply itself, so it is
+    the one whose send runs out of time, and it reports the timeout."""
+    target = make_target([64 * MiB, 64 * MiB])
+    faulty = FaultyTransport(TcpTransport())
+    faulty.failed_sends_wait = 2.0
+    with Engine("127.0.0.1", transports=[faulty]) as eng:
+        buf = hixl.empty(64 * MiB)
+        eng.register_mem(buf)
         eng.connect(target.engine)
         target.stop()
-        # transfer_sync: the caller's own thread is the one whose send runs out of time.
+        # transfer_async: the engine's worker sends, the link's reader thread reads.
+        req = eng.transfer_async(target.engine, Op.WRITE, [(_addr(buf), target.addrs[0], 64 * MiB)], timeout=1)
+        # Not a look at the request before the link is dead: a look past its deadline would
+        # make it TIMEOUT by itself, whatever the reader then reported.
+        deadline = time.monotonic() + 10
+        while _link_alive(eng, target.engine):
+            assert time.monotonic() < deadline, "the link did not die of the stalled send"
+            time.sleep(0.01)
         with pytest.raises(TransferTimeout):
-            eng.transfer_sync(target.engine, Op.WRITE, [(_addr(buf), target.addrs[0], 64 * MiB)], timeout=1)
+            req.wait(10)
+        target.stop(signal.SIGCONT)
+        eng.disconnect(target.engine)
+        eng.connect(target.engine)
+        target.stop()
+        faulty.failed_sends_wait = 0.0  # nobody else reads: nobody else could go first
+        with pytest.raises(TransferTimeout):
+            eng.transfer_sync(target.engine, Op.WRITE, [(_addr(buf), target.addrs[1], 64 * MiB)], timeout=1)
 
 
 def test_errors_stay_hixl_errors(transport: str, make_target: MakeTarget) -> None:

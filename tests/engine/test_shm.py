@@ -27,7 +27,6 @@ from hixl import AccessDenied, Engine, MemoryRangeError, Op, TransferStatus, Uns
 from hixl.testing import ScriptedPeer, TargetProcess
 from hixl.transports import ShmTransport, TcpTransport
 from hixl.transports._shm_socket import fetch
-from hixl.transports.tcp import TcpChannel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,28 +80,8 @@ def _pool_mappings(size: int) -> list[str]:
     return found
 
 
-class _TcpSpy:
-    """Counts the requests the TCP channel sends (the shm channel hands it what is not mapped)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.sent = 0
-        send, small = TcpChannel._send, TcpChannel.run_small
-
-        def counted_send(channel: TcpChannel, *args: object, **kwargs: object) -> None:
-            self.sent += 1
-            send(channel, *args, **kwargs)  # type: ignore[arg-type]
-
-        def counted_small(channel: TcpChannel, *args: object) -> bool:
-            self.sent += 1
-            return small(channel, *args)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(TcpChannel, "_send", counted_send)
-        monkeypatch.setattr(TcpChannel, "run_small", counted_small)
-
-
-@pytest.fixture
-def tcp_spy(monkeypatch: pytest.MonkeyPatch) -> _TcpSpy:
-    return _TcpSpy(monkeypatch)
+COUNTED = ["hixl.transports.cma:CmaTransport", "tests.engine.shm_transports:CountingShm", "hixl.transports.tcp:TcpTransport"]
+"""A target's transports, shm counting what its target half serves over TCP."""
 
 
 @pytest.fixture
@@ -127,12 +106,12 @@ def _round_trips(eng: Engine, buf: np.ndarray, target: TargetProcess, index: int
 
 # -- selection ---------------------------------------------------------------------------------------
 def test_a_target_in_another_pid_namespace_is_reached_over_shm(
-    initiator: tuple[Engine, np.ndarray], tcp_spy: _TcpSpy, caplog: pytest.LogCaptureFixture
+    initiator: tuple[Engine, np.ndarray], caplog: pytest.LogCaptureFixture
 ) -> None:
     """cma is refused (the pid the target names, 1 in its namespace, holds no socket of ours), so the
     engine picks shm by itself; pool memory moves without TCP, other memory of the target over it."""
     eng, buf = initiator
-    with TargetProcess([MiB, MiB], shared=True, prefix=_pid_namespace()) as target:
+    with TargetProcess([MiB, MiB], shared=True, prefix=_pid_namespace(), transports=COUNTED) as target:
         assert target.pid == 1
         with caplog.at_level(logging.INFO, logger="hixl"):
             eng.connect(target.engine)
@@ -140,10 +119,11 @@ def test_a_target_in_another_pid_namespace_is_reached_over_shm(
         assert "cma unusable" in caplog.text and "uses shm" in caplog.text
         for index in (0, 1):
             _round_trips(eng, buf, target, index, MiB, seed=index)
-        assert tcp_spy.sent == 0
+        assert target.transport_call("shm", "served") == 0
         plain = target.add_buffer(64 << 10, shared=False)  # not pool memory: TCP moves it
         _round_trips(eng, buf, target, 2, 64 << 10, seed=5)
-        assert plain in [m.addr for m in eng.remote_mems(target.engine)] and tcp_spy.sent == 2
+        assert plain in [m.addr for m in eng.remote_mems(target.engine)]
+        assert target.transport_call("shm", "served") == 2  # the READ and the WRITE
 
 
 def test_engines_of_two_other_users_pick_shm() -> None:

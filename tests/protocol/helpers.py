@@ -197,11 +197,17 @@ def handshake(
     clock_i: Any = None,
     clock_t: Any = None,
     until: str = "open",
+    versions: tuple[int, int] = (F.MIN_VERSION, F.VERSION),
+    nonces: tuple[str, str] | None = None,
 ) -> Pair:
-    """Run the handshake between fresh ends up to ``until`` (a stage of the initiator)."""
-    kw_i = {"clock": clock_i} if clock_i else {}
-    kw_t = {"clock": clock_t} if clock_t else {}
-    i, t = Connection(Role.INITIATOR, secret_i, **kw_i), Connection(Role.TARGET, secret_t, **kw_t)
+    """Run the handshake between fresh ends up to ``until`` (a stage of the initiator); both ends
+    speak ``versions``, and ``nonces`` (initiator's, target's) replaces fresh ones."""
+    kw_i: dict[str, Any] = {"clock": clock_i} if clock_i else {}
+    kw_t: dict[str, Any] = {"clock": clock_t} if clock_t else {}
+    if nonces is not None:
+        kw_i["nonce_source"], kw_t["nonce_source"] = (lambda: nonces[0]), (lambda: nonces[1])
+    i = Connection(Role.INITIATOR, secret_i, versions=versions, **kw_i)
+    t = Connection(Role.TARGET, secret_t, versions=versions, **kw_t)
     pair = Pair(i, t, [], [])
     if until == "start":
         return pair

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from hixl import AuthenticationFailed, ProtocolError
 from hixl._protocol import NEED_DATA, ConnState, Connection, ConnectionClosed, FrameType, PeerFatal, RegionsPushed, Role
 from hixl._protocol import auth
-from hixl._protocol import connection as connection_module
 from hixl._protocol import frames as F
 
 from .helpers import (
@@ -263,20 +262,16 @@ def _hello(versions: object) -> bytes:
 @pytest.mark.parametrize(
     ("offered", "chosen"), [([1, 3], 3), ([3, 9], 4), ([2, 2], 2), ([0, 4], 4), ([4, 4], 4), ([2, 1 << 70], 4)]
 )
-def test_version_negotiation_picks_the_highest_common(monkeypatch: pytest.MonkeyPatch, offered: list, chosen: int) -> None:
-    monkeypatch.setattr(connection_module, "MIN_VERSION", 2)
-    monkeypatch.setattr(connection_module, "VERSION", 4)
-    t = Connection(Role.TARGET)
+def test_version_negotiation_picks_the_highest_common(offered: list, chosen: int) -> None:
+    t = Connection(Role.TARGET, versions=(2, 4))
     assert isinstance(one_event(t, _hello(offered)), F.Hello)
     assert t.version == chosen
     assert _body(t.challenge())["version"] == chosen
 
 
 @pytest.mark.parametrize("offered", [[5, 9], [0, 1], [4, 2], [-5, -1]])
-def test_disjoint_versions_are_refused(monkeypatch: pytest.MonkeyPatch, offered: list) -> None:
-    monkeypatch.setattr(connection_module, "MIN_VERSION", 2)
-    monkeypatch.setattr(connection_module, "VERSION", 4)
-    _refuses(Connection(Role.TARGET), _hello(offered), ProtocolError, "no common protocol version")
+def test_disjoint_versions_are_refused(offered: list) -> None:
+    _refuses(Connection(Role.TARGET, versions=(2, 4)), _hello(offered), ProtocolError, "no common protocol version")
 
 
 @pytest.mark.parametrize("offered", [None, 2, [2], [2, 2, 2], ["2", "2"], [2.0, 2], [True, 2], {"a": 2}], ids=repr)
@@ -302,10 +297,9 @@ def test_the_initiator_refuses_a_version_it_does_not_speak(version: object) -> N
     _refuses(pair.initiator, F.encode(F.Challenge(challenge)), ProtocolError, "version")
 
 
-def test_a_downgraded_version_fails_the_proof(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_downgraded_version_fails_the_proof() -> None:
     """The chosen version is inside the proof: a man in the middle cannot lower it."""
-    monkeypatch.setattr(connection_module, "VERSION", 3)
-    pair = handshake(SECRET, SECRET, until="hello")
+    pair = handshake(SECRET, SECRET, until="hello", versions=(2, 3))
     challenge = _body(pair.to_initiator[0])
     assert challenge["version"] == 3
     _refuses(pair.initiator, F.encode(F.Challenge(challenge | {"version": 2})), AuthenticationFailed, "could not prove")
@@ -736,11 +730,10 @@ def test_binding_is_shared_by_both_ends_and_by_no_other_connection(secret: auth.
         handshake(secret, secret, until="hello").initiator.binding("cma")
 
 
-def test_binding_depends_on_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_binding_depends_on_the_secret() -> None:
     """Same nonces, different secrets: different bindings (the secret is in the session key)."""
-    nonces = iter(["11" * 32, "22" * 32, "11" * 32, "22" * 32, "11" * 32, "22" * 32])
-    monkeypatch.setattr(auth, "fresh_nonce", lambda: next(nonces))
-    a, b, c = handshake(SECRET, SECRET), handshake(OTHER, OTHER), handshake(SECRET, SECRET)
+    nonces = ("11" * 32, "22" * 32)
+    a, b, c = (handshake(secret, secret, nonces=nonces) for secret in (SECRET, OTHER, SECRET))
     assert a.initiator.binding("cma") == c.initiator.binding("cma")  # the nonces were the only other input
     assert a.initiator.binding("cma") != b.initiator.binding("cma")
     assert b.initiator.binding("cma") == b.target.binding("cma")
