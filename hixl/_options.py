@@ -31,8 +31,9 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "max_registrations": 65536,
     "max_handshakes": 64,
     "max_handshakes_per_source": 8,
-    "max_connections": 128,
-    "max_connections_per_peer": 16,
+    "max_connections": 4096,
+    "max_connections_per_peer": 64,
+    "serve_threads": 4,
     "max_inflight": 4096,
     "auth_secret": None,
     "allow_unauthenticated": False,
@@ -65,7 +66,12 @@ DEFAULT_OPTIONS: dict[str, Any] = {
   address; more are refused at once with RESOURCE_EXHAUSTED.
 - ``max_connections`` / ``max_connections_per_peer`` (target): authenticated connections served at
   once, in all and from one peer address (handshakes do not count); a peer that would exceed them
-  is refused with RESOURCE_EXHAUSTED once its handshake passed.
+  is refused with RESOURCE_EXHAUSTED once its handshake passed. A listening engine makes sure the
+  process may open that many files (raising its soft limit up to the hard one), or refuses to
+  start with ResourceExhausted, saying what to raise.
+- ``serve_threads`` (target): threads that serve requests moving data (READ replies, WRITE data),
+  however many peers; a connection whose request waits for one is served in its turn. Control
+  frames, handshakes and heartbeats are served by one I/O thread besides.
 - ``max_inflight``: async requests per peer not yet finished; more raise ResourceExhausted.
 - ``auth_secret``: shared secret (str or bytes; default ``$HIXL_AUTH_SECRET``) both ends must know.
 - ``allow_unauthenticated``: listen on a non-loopback address without a secret (refused otherwise).
@@ -94,6 +100,7 @@ _POSITIVE_COUNTS = (
     "max_handshakes_per_source",
     "max_connections",
     "max_connections_per_peer",
+    "serve_threads",
     "max_inflight",
 )
 # At least 4096, so that the largest notification (two 1 KiB strings) always fits.

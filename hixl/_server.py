@@ -1,4 +1,4 @@
-"""The target's side: a listener, limits, and one I/O thread per connection.
+"""The target's side: a listener, limits, one I/O loop for every connection, and a few workers.
 
 Every accepted socket is checked against the allow-list of peer networks and
 the handshake slots (see :mod:`hixl._admission`: handshakes are counted apart
@@ -10,22 +10,38 @@ anything else; a refusal is one ERROR frame, then close. The handshake (see
 and learns nothing about this engine. One that passes takes an authenticated
 slot just before its WELCOME, or is refused if there is none. Then each
 :class:`_ServedConnection` serves frames in arrival order: the data frames
-(READ, WRITE) go to the transport that declares it serves them; NOTIFY,
-QUERY_REGIONS, QUERY_META and PING are answered here. Because a connection is
-served strictly in order, a notification sent after a transfer is seen after
-that transfer's data. A bad request gets an ERROR reply and the connection
-stays usable; a malformed frame, or a frame that does not complete within
-``frame_timeout``, ends only that connection. The accept loop survives running
-out of file descriptors: it logs, backs off and keeps accepting.
+(READ, WRITE) go to the transport that declares it serves them, on a worker;
+NOTIFY, QUERY_REGIONS, QUERY_META and PING are answered on the loop. Because a
+connection is served strictly in order, a notification sent after a transfer
+is seen after that transfer's data. A bad request gets an ERROR reply and the
+connection stays usable; a malformed frame, or a frame that does not complete
+within ``frame_timeout``, ends only that connection. Accepting survives running
+out of file descriptors: it logs, pauses and goes on.
+
+Threads. However many peers: one I/O loop (:class:`_Loop`: a selector over the
+listener and every socket, timers as one sweep, every send through a
+connection's non-blocking :class:`~hixl._outbox.Outbox`), and at most
+``serve_threads`` workers (:class:`~hixl._pool.WorkerPool`) for requests that
+move data, which may wait on a slow peer up to their deadlines. Nothing another
+thread wants sent waits on a socket: a registration change is one word to the
+loop, which sends the newest table to every peer (encoded once); a
+deregistration has the loop queue every peer's REVOKE at once and waits for the
+confirmations, so it takes one round trip plus the slowest peer, bounded by
+``deregister_timeout``.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import enum
 import errno
 import ipaddress
 import itertools
 import logging
+import os
+import resource
+import selectors
 import socket
 import threading
 import time
@@ -37,20 +53,28 @@ import numpy as np
 
 from . import _protocol as proto
 from ._admission import Admission
-from ._exceptions import AuthenticationFailed, HixlError, ProtocolError, TransferTimeout
+from ._exceptions import AuthenticationFailed, HixlError, ProtocolError, ResourceExhausted, TransferTimeout
 from ._memory import Registry, RemoteRegions
+from ._outbox import Outbox
+from ._pool import WorkerPool
 from ._protocol.auth import Secret
-from ._protocol.connection import Connection, ConnectionClosed, Role
+from ._protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
 from ._types import NotifyDesc, Status
 from ._wire import Wire
 from .transports.base import Transport
 
-__all__ = ["ServerLimits", "TargetServer"]
+__all__ = ["ServerLimits", "TargetServer", "check_fd_limit"]
 
 log = logging.getLogger("hixl")
 
 _serials = itertools.count(1)
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_SPARE_FDS = 256
+"""Descriptors kept free beyond one per connection: the listener, the loop's, the transports', files."""
+_OUTBOX_READ_LIMIT = 4 << 20
+"""A connection with this many bytes of answers unsent is not read until it takes them."""
+_FRAMES_PER_ROUND = 32
+"""Most frames of one connection served before the loop turns to the others."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +91,7 @@ class ServerLimits:
     max_handshakes_per_source: int
     max_connections: int
     max_connections_per_peer: int
+    serve_threads: int
     allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
 
 
@@ -143,15 +168,18 @@ class TargetServer:
         port: int,
         registry: Registry,
         on_notify: Callable[[NotifyDesc], None],
+        handles_notifies: Callable[[str], bool],
         transports: Sequence[Transport],
         limits: ServerLimits,
         secret: Secret | None,
         identity: dict[str, Any],
     ) -> None:
         self.identity = identity
-        self.metadata: dict[str, bytes] = {}
+        self._metadata: dict[str, bytes] = {}
         self.registry = registry
         self.on_notify = on_notify
+        self.handles_notifies = handles_notifies
+        """Whether the application handles notifications of a name itself (they are served on a worker)."""
         self.transports = transports
         self.limits = limits
         self.secret = secret
@@ -159,65 +187,128 @@ class TargetServer:
         for transport in transports:
             for kind in transport.capabilities.serves:
                 self.servers_of.setdefault(kind, transport)
+        check_fd_limit(limits.max_connections + limits.max_handshakes)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._listener.bind((host, port))
+            self._listener.listen(min(4096, limits.max_handshakes * 4))
+            self._listener.setblocking(False)
         except OSError:
             self._listener.close()
             raise
-        self._listener.listen(128)
         bound_port = self._listener.getsockname()[1]
         self.address = f"[{host}]:{bound_port}" if family == socket.AF_INET6 else f"{host}:{bound_port}"
         self._lock = threading.Lock()
         self._connections: set[_ServedConnection] = set()
-        """Every connection whose thread runs (evicted ones still ending included): close() joins them."""
+        """Every connection not yet ended (the loop's and the workers'); guarded by ``_lock``."""
         self._admission: Admission[_ServedConnection] = Admission(
             limits.max_handshakes, limits.max_handshakes_per_source, limits.max_connections, limits.max_connections_per_peer
         )
         self._closed = False
         self.holds = _Holds()
         self._acks = threading.Condition()
-        registry.listeners.append(self._push_regions)
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"hixl-accept-{self.address}", daemon=True)
-        self._acceptor.start()
+        self.loop = _Loop(self)
+        self.workers = WorkerPool(limits.serve_threads, f"hixl-serve-{self.address}")
+        registry.listeners.append(self._regions_changed)
+        self.loop.start()
 
+    # -- what other threads ask -----------------------------------------------------------------------
     def publish(self, key: str, value: bytes) -> None:
         """Publish ``value`` under ``key`` for connected peers' QUERY_META (replacing what was there)."""
-        self.metadata[key] = value
+        self._metadata[key] = value
+
+    def metadata(self, key: str) -> bytes | None:
+        """What is published under ``key`` (None: nothing)."""
+        return self._metadata.get(key)
 
     def open_connections(self) -> dict[str, str]:
         """Authenticated connections being served: id (as in ``NotifyDesc.sender``) -> the peer's address."""
         with self._lock:
             return {c.id: c.wire.peer for c in self._connections if c.id}
 
-    def _accept_loop(self) -> None:
-        backoff = 0.05
-        while True:
+    def _regions_changed(self, table: RemoteRegions, generation: int) -> None:
+        # On the registering thread, under the registry's lock: no I/O here, only a word to the loop,
+        # which sends the newest table to every peer (one encoding shared by all).
+        self.loop.call_soon(self.loop.push_regions)
+
+    def revoke(self, generation: int, removed: list[tuple[int, int]], timeout: float) -> None:
+        """Make sure no peer touches ``removed`` any more; return once that is certain.
+
+        Every open connection is sent REVOKE with the registrations of ``generation``
+        (or newer), all at once by the I/O loop, and must answer REVOKED within
+        ``timeout`` (its same-host copies, which this engine cannot see, have
+        stopped); one that does not is disconnected. Requests this engine serves
+        itself (TCP) that touch ``removed`` are waited for, and cut off (their
+        connection closed) if they outlast ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        asked: list[_ServedConnection] = []
+        decided = threading.Event()
+
+        def ask_all() -> None:
+            # On the loop: a connection whose WELCOME is made already is asked; one still in its
+            # handshake will be welcomed with the new table (the loop makes WELCOMEs too).
+            try:
+                asked.extend(c for c in self.loop.connections() if c.want_revoke(generation, deadline))
+            finally:
+                decided.set()
+
+        if self.loop.call_soon(ask_all):
+            decided.wait(max(0.0, deadline - time.monotonic()))
+        with self._acks:
+            self._acks.wait_for(
+                lambda: all(c.acked >= generation or c.ended for c in asked), max(0.0, deadline - time.monotonic())
+            )
+        for conn in asked:
+            if conn.acked < generation and not conn.ended:
+                log.warning("hixl: %s did not confirm a deregistration within %.1f s: disconnected", conn.wire.peer, timeout)
+                conn.wire.mark_dead("did not confirm a deregistration in time")
+        for conn in self.holds.wait_clear(removed, deadline):
+            log.warning("hixl: cutting off %s: its request outlasted a deregistration of its memory", conn.wire.peer)
+            conn.wire.mark_dead("its request touched memory being deregistered")
+        # A cut-off request fails at its next chunk: the socket is shut down.
+        self.holds.wait_clear(removed, time.monotonic() + timeout)
+
+    def confirmed(self) -> None:
+        """Called (on the loop) when a connection received REVOKED, or ended."""
+        with self._acks:
+            self._acks.notify_all()
+
+    # -- what the loop asks ---------------------------------------------------------------------------
+    def accept(self) -> list[_ServedConnection]:
+        """Accept what is waiting (at most a batch: the loop serves others in between); the admitted."""
+        admitted = []
+        for _ in range(64):
             try:
                 sock, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                break
             except OSError as exc:
-                if self._closed:
-                    return  # the listener was shut down by close()
                 if exc.errno in _OUT_OF_RESOURCES:
-                    log.warning("hixl: %s cannot accept (%s); retrying in %.2f s", self.address, exc.strerror, backoff)
-                    time.sleep(backoff)
-                    backoff = min(1.0, backoff * 2)
-                    continue
-                log.warning("hixl: %s: accept failed: %s", self.address, exc)
-                time.sleep(backoff)
-                continue
-            backoff = 0.05
-            self._admit(sock, peer[0], f"{peer[0]}:{peer[1]}")
+                    log.warning("hixl: %s cannot accept (%s); retrying shortly", self.address, exc.strerror)
+                    self.loop.pause_accepting(0.05)
+                else:
+                    log.warning("hixl: %s: accept failed: %s", self.address, exc)
+                break
+            conn = self._admit(sock, peer[0], f"{peer[0]}:{peer[1]}")
+            if conn is not None:
+                admitted.append(conn)
+        return admitted
 
-    def _admit(self, sock: socket.socket, host: str, name: str) -> None:
+    @property
+    def listener(self) -> socket.socket:
+        """The listening socket (the loop polls it)."""
+        return self._listener
+
+    def _admit(self, sock: socket.socket, host: str, name: str) -> _ServedConnection | None:
         reason = self._network_refusal(host)
-        victim, evictions = None, 0
+        victim, evictions, conn = None, 0, None
         with self._lock:
             if self._closed:
                 sock.close()
-                return
+                return None
             if reason is None:
                 reason = self._admission.refusal(host)
             if reason is None:
@@ -225,19 +316,17 @@ class TargetServer:
                 self._connections.add(conn)
                 victim = self._admission.admit(conn, host)
                 evictions = self._admission.evictions
-        if reason is not None:
+        if conn is None:
             log.warning("hixl: %s refused a connection from %s: %s", self.address, name, reason)
-            _refuse_now(sock, Status.RESOURCE_EXHAUSTED if "limit" in reason else Status.AUTH_FAILED, reason)
-            return
+            _refuse_now(sock, Status.RESOURCE_EXHAUSTED if "limit" in (reason or "") else Status.AUTH_FAILED, reason or "")
+            return None
         if victim is not None:
             log.debug(
                 "hixl: %s evicted the handshake of %s (%.2f s old) for %s; %d evictions so far",
                 self.address, victim.wire.peer, time.monotonic() - victim.accepted_at, name, evictions,
             )
-            # A shutdown, not a close: the victim's thread is in poll on that socket, wakes, and
-            # closes it itself (closing it here could hand its descriptor number to another socket).
-            victim.wire.mark_dead("evicted: the handshake slots are full")
-        conn.thread.start()
+            victim.end("evicted: the handshake slots are full")
+        return conn
 
     def _network_refusal(self, host: str) -> str | None:
         networks = self.limits.allowed_networks
@@ -253,16 +342,11 @@ class TargetServer:
             return self._admission.promote(conn)
 
     def forget(self, conn: _ServedConnection) -> None:
-        """Called by a connection thread when it ends."""
+        """Called when a connection ended."""
         with self._lock:
             self._connections.discard(conn)
             self._admission.forget(conn)
-
-    def _push_regions(self, table: RemoteRegions, generation: int) -> None:
-        with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            conn.push_regions()
+        self.confirmed()  # a revoke waiting for it need not
 
     def welcome_info(self, session: _ServedConnection) -> dict[str, Any]:
         """What an authenticated initiator learns about this engine."""
@@ -274,63 +358,223 @@ class TargetServer:
             "transports": {t.capabilities.name: t.advertise(session) for t in self.transports},
         }
 
-    def revoke(self, generation: int, removed: list[tuple[int, int]], timeout: float) -> None:
-        """Make sure no peer touches ``removed`` any more; return once that is certain.
-
-        Every open connection is sent REVOKE with the registrations of ``generation``
-        and must answer REVOKED within ``timeout`` (its same-host copies, which this
-        engine cannot see, have stopped); one that does not is disconnected. Requests
-        this engine serves itself (TCP) that touch ``removed`` are waited for, and cut
-        off (their connection closed) if they outlast ``timeout``.
-        """
-        deadline = time.monotonic() + timeout
-        table = self.registry.table
-        with self._lock:
-            connections = list(self._connections)
-        peers = [conn for conn in connections if conn.send_revoke(generation, table, deadline)]
-        with self._acks:
-            self._acks.wait_for(
-                lambda: all(c.acked >= generation or c.wire.dead_reason for c in peers),
-                max(0.0, deadline - time.monotonic()),
-            )
-        for conn in peers:
-            if conn.acked < generation and not conn.wire.dead_reason:
-                log.warning("hixl: %s did not confirm a deregistration within %.1f s: disconnected", conn.wire.peer, timeout)
-                conn.wire.mark_dead("did not confirm a deregistration in time")
-        for conn in self.holds.wait_clear(removed, deadline):
-            log.warning("hixl: cutting off %s: its request outlasted a deregistration of its memory", conn.wire.peer)
-            conn.wire.mark_dead("its request touched memory being deregistered")
-        # A cut-off request fails at its next chunk: the socket is shut down.
-        self.holds.wait_clear(removed, time.monotonic() + timeout)
-
-    def confirmed(self) -> None:
-        """Called by a connection that received REVOKED."""
-        with self._acks:
-            self._acks.notify_all()
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
 
     def close(self, timeout: float = 2.0) -> None:
-        """Stop accepting, end every connection and join every thread; idempotent."""
+        """Stop accepting, end every connection (BYE), stop the loop and the workers; idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             connections = list(self._connections)
-        self.registry.listeners.remove(self._push_regions)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self.registry.listeners.remove(self._regions_changed)
+        for conn in connections:
+            if conn.busy:
+                conn.wire.mark_dead("target finalized")  # its worker's next syscall fails; it ends it
+        self.loop.stop(timeout)
+        self.workers.close(timeout)
         self._listener.close()
-        self._acceptor.join(timeout)
-        for conn in connections:
-            conn.wire.try_send(proto.Bye(0, "target finalized"))
-            conn.wire.mark_dead("target finalized")
-        for conn in connections:
-            conn.thread.join(timeout)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else repr(self._admission)
         return f"<TargetServer {self.address} {state}>"
+
+
+def check_fd_limit(connections: int) -> None:
+    """Make sure this process may hold a descriptor per connection (and some to spare): raise the
+    soft limit up to the hard one if needed; :class:`ResourceExhausted` if even that is too low."""
+    needed = connections + _SPARE_FDS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+        log.info("hixl: raised this process's open-file limit from %d to %d (for max_connections)", soft, needed)
+        return
+    raise ResourceExhausted(
+        f"max_connections + max_handshakes ({connections}) need about {needed} open files, but this process may "
+        f"open at most {hard} (ulimit -Hn): raise that limit or lower max_connections"
+    )
+
+
+class _Loop:
+    """The target's one I/O thread: accept, handshakes, control frames, heartbeats, outboxes.
+
+    Every socket is non-blocking and watched by one selector; timers are a sweep
+    (handshake deadlines, partial frames, liveness and PINGs) at least every
+    :attr:`tick` seconds. Other threads talk to it only through :meth:`call_soon`.
+    A connection whose request went to a worker is not watched until it comes back.
+    """
+
+    def __init__(self, server: TargetServer) -> None:
+        self.server = server
+        limits = server.limits
+        self.tick = max(0.01, min(0.25, limits.heartbeat_interval / 2, limits.hello_timeout / 4, limits.frame_timeout / 4))
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._selector.register(server.listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._calls_lock = threading.Lock()
+        self._stopped = False
+        """The thread has ended: calls are refused (guarded by ``_calls_lock``)."""
+        self._woken = False
+        self._ready: collections.deque[_ServedConnection] = collections.deque()
+        """Connections with complete frames buffered (the selector cannot see those)."""
+        self._conns: set[_ServedConnection] = set()
+        self._accept_paused_until = 0.0
+        self._stopping = False
+        self._next_sweep = 0.0
+        self._regions_frame: tuple[int, proto.Regions, bytes] | None = None
+        self.thread = threading.Thread(target=self._run, name=f"hixl-loop-{server.address}", daemon=True)
+
+    def start(self) -> None:
+        """Start the loop's thread."""
+        self.thread.start()
+
+    # -- from any thread ------------------------------------------------------------------------------
+    def call_soon(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` on the loop's thread soon; False if the loop has stopped (it will not run)."""
+        with self._calls_lock:
+            if self._stopped:
+                return False
+            self._calls.append(fn)
+        if not self._woken:
+            self._woken = True
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass  # closed: the loop has stopped
+        return True
+
+    def stop(self, timeout: float) -> None:
+        """End every connection (BYE first), stop and join the thread."""
+        if self.thread.is_alive() and self.call_soon(self._begin_stop):
+            self.thread.join(timeout)
+        self._selector.close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+    # -- on the loop's thread -------------------------------------------------------------------------
+    def connections(self) -> list[_ServedConnection]:
+        """The connections the loop serves now (busy ones included)."""
+        return list(self._conns)
+
+    def watch(self, conn: _ServedConnection) -> None:
+        """Serve ``conn``: a new one, or one back from a worker."""
+        if conn.ended:
+            return  # (evicted by a newer one accepted in the same batch)
+        self._conns.add(conn)
+        self.update(conn)
+        if conn.wire.conn.buffered:
+            self._ready.append(conn)
+
+    def update(self, conn: _ServedConnection) -> None:
+        """Watch ``conn``'s socket for what it waits for now (nothing while a worker has it)."""
+        events = conn.interest()
+        key = self._selector.get_map().get(conn.wire.fd)
+        if key is not None and key.data is not conn:
+            self._selector.unregister(conn.wire.fd)  # (a descriptor number reused since: not ours)
+            key = None
+        if events and key is None:
+            self._selector.register(conn.wire.fd, events, conn)
+        elif events and key is not None and key.events != events:
+            self._selector.modify(conn.wire.fd, events, conn)
+        elif not events and key is not None:
+            self._selector.unregister(conn.wire.fd)
+
+    def ended(self, conn: _ServedConnection) -> None:
+        """``conn`` is over: stop watching it (before its socket closes)."""
+        self._conns.discard(conn)
+        key = self._selector.get_map().get(conn.wire.fd)
+        if key is not None and key.data is conn:
+            self._selector.unregister(conn.wire.fd)
+
+    def pause_accepting(self, seconds: float) -> None:
+        """Out of descriptors: stop accepting for a while (the sweep resumes it)."""
+        self._accept_paused_until = time.monotonic() + seconds
+        self._selector.unregister(self.server.listener)
+
+    def push_regions(self) -> None:
+        """Send the newest registrations to every open connection (one REGIONS frame for all)."""
+        for conn in self._conns:
+            conn.regions_dirty = True
+            conn.flush()
+
+    def regions_frame(self) -> tuple[proto.Regions, bytes]:
+        """The pushed REGIONS of the newest registrations, and its frame (encoded once for all)."""
+        registry = self.server.registry
+        generation, table = registry.generation, registry.table
+        if self._regions_frame is None or self._regions_frame[0] != generation:
+            message = proto.Regions(table.rows)
+            self._regions_frame = (generation, message, proto.encode(message))
+        return self._regions_frame[1], self._regions_frame[2]
+
+    def _run(self) -> None:
+        try:
+            while not (self._stopping and not self._conns):
+                self._once()
+        except Exception:
+            log.exception("hixl: the I/O loop of %s crashed", self.server.address)
+        finally:
+            with self._calls_lock:
+                self._stopped = True
+                calls = list(self._calls)
+            for fn in calls:  # (workers handing connections back, revokes asking: they are owed an answer)
+                fn()
+            for conn in list(self._conns):
+                conn.end("target finalized")
+
+    def _once(self) -> None:
+        timeout = 0.0 if self._ready or self._calls else max(0.0, self._next_sweep - time.monotonic())
+        for key, mask in self._selector.select(timeout):
+            conn = key.data
+            if conn is not None:
+                conn.on_ready(mask)
+            elif key.fileobj is self.server.listener:
+                for new in self.server.accept():
+                    self.watch(new)
+            else:
+                self._drain_wakes()
+        for _ in range(len(self._ready)):
+            self._ready.popleft().on_ready(selectors.EVENT_READ)
+        while self._calls:
+            self._calls.popleft()()
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.tick
+            self._sweep(now)
+
+    def again(self, conn: _ServedConnection) -> None:
+        """``conn`` stopped with complete frames still buffered (its share of this round): later."""
+        self._ready.append(conn)
+
+    def _drain_wakes(self) -> None:
+        self._woken = False
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _sweep(self, now: float) -> None:
+        if self._accept_paused_until and now >= self._accept_paused_until and not self._stopping:
+            self._accept_paused_until = 0.0
+            self._selector.register(self.server.listener, selectors.EVENT_READ, None)
+        for conn in list(self._conns):
+            conn.on_timer(now)
+
+    def _begin_stop(self) -> None:
+        self._stopping = True
+        if not self._accept_paused_until:
+            self._selector.unregister(self.server.listener)
+        for conn in list(self._conns):
+            if not conn.busy:
+                conn.say_bye("target finalized")
+                conn.end("target finalized")
 
 
 def _refuse_now(sock: socket.socket, status: int, reason: str) -> None:
@@ -343,8 +587,25 @@ def _refuse_now(sock: socket.socket, status: int, reason: str) -> None:
     sock.close()
 
 
+class _Phase(enum.Enum):
+    HELLO = "waiting for HELLO"
+    AUTH = "waiting for AUTH"
+    OPEN = "open"
+    ENDED = "ended"
+
+
 class _ServedConnection:
-    """One initiator's connection, served on its own thread (a :class:`ServedSession`)."""
+    """One initiator's connection (a :class:`ServedSession`), driven by the server's I/O loop.
+
+    The loop owns it — reads its frames, answers control frames through its
+    :class:`~hixl._outbox.Outbox`, checks its timers — except while a worker
+    serves one of its requests (``busy``): then the worker alone uses its socket,
+    and the loop neither reads it nor sends on it until the worker hands it back.
+    Frames are therefore served strictly in order (a notification sent after a
+    transfer is seen after that transfer's data), and nothing another thread
+    wants sent (a REGIONS update, a REVOKE) ever waits on a socket: it is a flag
+    the loop turns into a frame when the socket is free.
+    """
 
     def __init__(self, server: TargetServer, sock: socket.socket, peer: str) -> None:
         self.server = server
@@ -358,11 +619,23 @@ class _ServedConnection:
         """This connection's identity once open: the peer's engine id and a serial."""
         self.acked = 0
         """The newest registration generation the peer confirmed (REVOKED)."""
-        self._regions_gate = threading.Lock()
-        # Held while this engine's registrations are read and sent to the peer (WELCOME, REGIONS,
-        # REVOKE): on the wire, whatever follows a REVOKE was read after the change it announces.
-        self.thread = threading.Thread(target=self._run, name=f"hixl-serve-{peer}", daemon=True)
-        self._regions_dirty = False
+        self.phase = _Phase.HELLO
+        self.busy = False
+        """A worker serves one of its requests now (see the class docstring)."""
+        self.regions_dirty = False
+        """The peer is to be sent the newest registrations (set by the loop; sent when the socket is free)."""
+        self._revoke_wanted = 0
+        self._revoke_deadline = 0.0
+        self._outbox = Outbox()
+        self._close_after_flush = ""
+        self._last_ping = 0.0
+        self._pending_job: Callable[[], None] | None = None
+        """A request for a worker, waiting for the outbox to empty first (frames must not interleave)."""
+
+    @property
+    def ended(self) -> bool:
+        """Whether the connection is over."""
+        return self.phase is _Phase.ENDED
 
     # -- the ServedSession protocol ----------------------------------------------------------------
     def regions(self) -> RemoteRegions:
@@ -377,22 +650,6 @@ class _ServedConnection:
         """Hold ``descs`` ((N, 2): addr, len) of this engine's memory while a request uses them."""
         return self.server.holds.hold(self, descs)
 
-    def send_revoke(self, generation: int, table: RemoteRegions, deadline: float) -> bool:
-        """Tell an open peer the registrations of ``generation``; False if it is not open yet
-        (its WELCOME, still to come, names them). A peer we cannot tell is cut off."""
-        with self._regions_gate:
-            if not self.id:
-                return False
-            with self.wire.conn_lock:
-                covered = generation <= self.conn.newest_revoke
-            if covered:
-                return True  # a REVOKE sent meanwhile by a concurrent deregistration lists what is left
-            try:
-                self.wire.send(proto.Revoke(generation, table.rows), deadline=deadline)
-            except (HixlError, OSError) as exc:
-                self.wire.mark_dead(f"could not be told of a deregistration: {exc}")
-        return True
-
     def local_deadline(self, deadline_us: int) -> float:
         """A carried deadline in ``time.monotonic()`` seconds, capped by ``request_time_cap``."""
         cap = time.monotonic() + self.server.limits.request_time_cap
@@ -402,131 +659,322 @@ class _ServedConnection:
         """Whether the connection is open and not cut off (its wire not marked dead)."""
         return self.conn.state is proto.ConnState.OPEN and not self.wire.dead_reason
 
-    # -- serving ----------------------------------------------------------------------------------
-    def push_regions(self) -> None:
-        """Tell the initiator about changed registrations, without waiting on a busy socket."""
-        if not self._regions_gate.acquire(blocking=False):
-            self._regions_dirty = True  # sent by the serving thread after its current reply
-            return
-        try:
-            table = self.server.registry.table
-            if self.conn.state is not proto.ConnState.OPEN or not self.wire.try_send(proto.Regions(table.rows)):
-                self._regions_dirty = True
-        finally:
-            self._regions_gate.release()
-
-    def _run(self) -> None:
-        wire = self.wire
-        try:
-            if not self._handshake():
-                return
-            frame_timeout = self.server.limits.frame_timeout
-            while self._serve(wire.next_event(frame_timeout=frame_timeout)):
-                if self._regions_dirty:
-                    self._regions_dirty = False
-                    self.push_regions()
-        except ProtocolError as exc:
-            log.warning("hixl: dropping connection from %s: %s", wire.peer, exc)
-            _send_fatal(wire, Status.FAILED, f"protocol error: {exc}")
-        except TransferTimeout as exc:
-            log.warning("hixl: dropping connection from %s: %s", wire.peer, exc)
-        except HixlError:
-            pass  # the peer went away; nothing to tell anyone
-        except Exception:
-            log.exception("hixl: serving %s crashed", wire.peer)
-        finally:
-            wire.close()
-            self.server.forget(self)
-
-    def _handshake(self) -> bool:
-        """Run the target's side of the handshake; False if the peer was refused."""
-        wire, conn, limits = self.wire, self.conn, self.server.limits
-        deadline = self.accepted_at + limits.handshake_timeout
-        try:
-            try:
-                hello = wire.next_event(self.accepted_at + limits.hello_timeout)
-            except TransferTimeout:
-                log.warning("hixl: dropped %s: no HELLO within %.1f s", wire.peer, limits.hello_timeout)
-                return False
-            if not isinstance(hello, proto.Hello):
-                return False
-            wire.send_raw(conn.challenge(), deadline)
-            try:
-                if not isinstance(wire.next_event(deadline), proto.Auth):
-                    log.warning(
-                        "hixl: refused %s: it hung up after our challenge (it did not accept our proof: "
-                        "a different shared secret?)",
-                        wire.peer,
-                    )
-                    return False
-            except AuthenticationFailed as exc:
-                log.warning("hixl: refused %s: %s", wire.peer, exc)
-                _send_fatal(wire, Status.AUTH_FAILED, "authentication failed")
-                return False
-            refusal = self.server.promote(self)
-            if refusal is not None:
-                if not wire.dead_reason:  # an evicted handshake is gone already
-                    log.warning("hixl: refused %s after its handshake: %s", wire.peer, refusal)
-                    with wire.conn_lock:
-                        frame = conn.refuse(Status.RESOURCE_EXHAUSTED, refusal)
-                    wire.send_raw(frame, deadline)
-                return False
-            # Under the gate: a deregistration either comes before the WELCOME is made (which
-            # then lists what is left) or waits for it to be sent, and sends its REVOKE after.
-            with self._regions_gate:
-                with wire.conn_lock:
-                    frame = conn.welcome(self.server.welcome_info(self))
-                wire.send_raw(frame, deadline)
-                self.id = f"{conn.peer_info.get('engine_id', '?')}/{next(_serials)}"
-        except TransferTimeout:
-            log.warning("hixl: dropped %s: no complete handshake within %.1f s", wire.peer, limits.handshake_timeout)
+    # -- asked of it on the loop ------------------------------------------------------------------------
+    def want_revoke(self, generation: int, deadline: float) -> bool:
+        """Tell an open peer the registrations of ``generation`` (or newer) as soon as its socket is
+        free, by ``deadline``; False if it is not open (its WELCOME, still to come, names them)."""
+        if self.phase is not _Phase.OPEN:
             return False
-        except ProtocolError as exc:
-            if wire.dead_reason:  # evicted (its socket was shut down mid-frame), or the server is closing
-                return False
-            log.warning("hixl: refused %s: %s", wire.peer, exc)
-            _send_fatal(wire, Status.UNSUPPORTED if "version" in str(exc) else Status.FAILED, f"protocol error: {exc}")
-            return False
+        if generation > self._revoke_wanted:
+            self._revoke_wanted, self._revoke_deadline = generation, deadline
+        self.flush()
         return True
 
-    def _serve(self, message: Any) -> bool:
+    def interest(self) -> int:
+        """What the loop should watch this socket for now."""
+        if self.busy or self.phase is _Phase.ENDED:
+            return 0
+        events = selectors.EVENT_WRITE if self._outbox else 0
+        if self._pending_job is not None:
+            return events  # nothing more is read before that request is served
+        if self._outbox.nbytes < _OUTBOX_READ_LIMIT and not self._close_after_flush:
+            events |= selectors.EVENT_READ  # (a peer that does not read its answers is not read either)
+        return events
+
+    def on_ready(self, mask: int) -> None:
+        """The socket is ready (or frames are buffered): send what waits, serve what arrived."""
+        if self.phase is _Phase.ENDED or self.busy:
+            return
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self.flush()
+            if mask & selectors.EVENT_READ:
+                self._serve_arrived()
+        except AuthenticationFailed as exc:
+            log.warning("hixl: refused %s: %s", self.wire.peer, exc)
+            self._fatal(Status.AUTH_FAILED, "authentication failed")
+        except ProtocolError as exc:
+            if self.phase is _Phase.OPEN:
+                log.warning("hixl: dropping connection from %s: %s", self.wire.peer, exc)
+                self._fatal(Status.FAILED, f"protocol error: {exc}")
+            else:
+                log.warning("hixl: refused %s: %s", self.wire.peer, exc)
+                self._fatal(Status.UNSUPPORTED if "version" in str(exc) else Status.FAILED, f"protocol error: {exc}")
+        except HixlError as exc:
+            self.end(str(exc))  # the peer went away; nothing to tell anyone
+        except Exception:
+            log.exception("hixl: serving %s crashed", self.wire.peer)
+            self.end("crashed")
+        else:
+            if self.phase is not _Phase.ENDED:
+                self.server.loop.update(self)
+
+    def _serve_arrived(self) -> None:
+        """Serve the frames that arrived, up to a fair share (the rest in the loop's next round)."""
         wire = self.wire
+        for _ in range(_FRAMES_PER_ROUND):
+            if self.busy or self.phase is _Phase.ENDED or self._close_after_flush or self._pending_job is not None:
+                return
+            if self._outbox.nbytes >= _OUTBOX_READ_LIMIT:
+                return  # it reads its answers first
+            event = wire.next_event(block=False, frame_timeout=self.server.limits.frame_timeout)
+            if event is NEED_DATA:
+                return
+            if self.phase is _Phase.OPEN:
+                self._serve(event)
+            else:
+                self._handshake_step(event)
+        self.server.loop.again(self)  # its share is used up: the rest (buffered, maybe) in the next round
+
+    def on_timer(self, now: float) -> None:
+        """The sweep: handshake deadlines, a frame arriving too slowly, liveness, PING, outbox deadline."""
+        if self.busy or self.phase is _Phase.ENDED:
+            return  # a worker's waits keep the heartbeat while it has the socket
+        limits = self.server.limits
+        wire = self.wire
+        if self.phase is not _Phase.OPEN:
+            if self.phase is _Phase.HELLO and now >= self.accepted_at + limits.hello_timeout:
+                log.warning("hixl: dropped %s: no HELLO within %.1f s", wire.peer, limits.hello_timeout)
+                self.end("no HELLO in time")
+            elif now >= self.accepted_at + limits.handshake_timeout:
+                log.warning("hixl: dropped %s: no complete handshake within %.1f s", wire.peer, limits.handshake_timeout)
+                self.end("no complete handshake in time")
+            return
+        if wire.frame_overdue(now, limits.frame_timeout):
+            log.warning("hixl: dropping connection from %s: a frame took over %.1f s to arrive", wire.peer, limits.frame_timeout)
+            self.end("a frame arrived too slowly")
+            return
+        silent = now - wire.last_alive
+        if silent > wire.interval * wire.misses:
+            self.end(f"no sign of life for {silent:.1f} s")
+            return
+        if self._outbox.overdue(now):
+            log.warning("hixl: dropping connection from %s: it has not read what it was sent", wire.peer)
+            self.end("a send passed its deadline")
+            return
+        if silent >= wire.interval and now - self._last_ping >= wire.interval:
+            self._last_ping = now
+            self._put(proto.Ping())
+            self.flush()
+            self.server.loop.update(self)
+
+    # -- handshake -----------------------------------------------------------------------------------
+    def _handshake_step(self, event: Any) -> None:
+        wire, conn, limits = self.wire, self.conn, self.server.limits
+        if self.phase is _Phase.HELLO:
+            if not isinstance(event, proto.Hello):
+                self.end("no HELLO")
+                return
+            self._send_raw(conn.challenge(), self.accepted_at + limits.handshake_timeout)
+            self.phase = _Phase.AUTH
+            return
+        if not isinstance(event, proto.Auth):
+            log.warning(
+                "hixl: refused %s: it hung up after our challenge (it did not accept our proof: a different shared secret?)",
+                wire.peer,
+            )
+            self.end("refused")
+            return
+        refusal = self.server.promote(self)
+        if refusal is not None:
+            log.warning("hixl: refused %s after its handshake: %s", wire.peer, refusal)
+            with wire.conn_lock:
+                frame = conn.refuse(Status.RESOURCE_EXHAUSTED, refusal)
+            self._send_raw(frame, self.accepted_at + limits.handshake_timeout)
+            self._close_after_flush = "refused"
+            self.flush()
+            return
+        # Made on the loop, as REVOKEs are decided: a deregistration either comes before this
+        # WELCOME is made (which then lists what is left) or after (and its REVOKE follows it).
+        with wire.conn_lock:
+            frame = conn.welcome(self.server.welcome_info(self))
+        self._send_raw(frame, self.accepted_at + limits.handshake_timeout)
+        self.id = f"{conn.peer_info.get('engine_id', '?')}/{next(_serials)}"
+        self.phase = _Phase.OPEN
+
+    # -- serving ---------------------------------------------------------------------------------------
+    def _serve(self, message: Any) -> None:
         kind = proto.kind_of(message) if not isinstance(message, ConnectionClosed) else None
         if kind is None or kind is proto.FrameType.BYE:
-            return False
+            self.end("closed by the peer")
+            return
         transport = self.server.servers_of.get(kind)
         if transport is not None:
-            transport.serve(self, message)
+            self._to_worker(lambda: transport.serve(self, message))
         elif kind in (proto.FrameType.READ, proto.FrameType.WRITE):
-            wire.drain()
-            wire.send(proto.Error(message.req_id, Status.UNSUPPORTED, f"this engine serves no {kind.name}"))
+            def refuse() -> None:
+                self.wire.drain()
+                self.wire.send(proto.Error(message.req_id, Status.UNSUPPORTED, f"this engine serves no {kind.name}"))
+
+            self._to_worker(refuse)
         elif kind is proto.FrameType.NOTIFY:
-            self._serve_notify(message)
-        elif kind is proto.FrameType.QUERY_REGIONS:
-            with self._regions_gate:
-                wire.send(proto.Regions(self.server.registry.table.rows, message.req_id))
-        elif kind is proto.FrameType.QUERY_META:
-            value = self.server.metadata.get(message.key)
-            if value is None:
-                wire.send(proto.Error(message.req_id, Status.PARAM_INVALID, f"no metadata {message.key!r}"))
+            if self.server.handles_notifies(message.name):
+                # The application's handler: on a worker, so that a slow one holds up its own
+                # connection (and a worker), never the loop that serves everyone.
+                self._to_worker(lambda: self._serve_notify(message, lambda m: self.wire.send(m, deadline=self._send_deadline())))
             else:
-                # Sent from the stored value, one answer at a time: a peer asking again and again
-                # while it reads slowly costs this engine no memory (see Wire.send_split).
-                wire.send_split(proto.Meta(message.req_id, value))
+                self._serve_notify(message, self._put)
+        elif kind is proto.FrameType.QUERY_REGIONS:
+            self._put(proto.Regions(self.server.registry.table.rows, message.req_id))
+        elif kind is proto.FrameType.QUERY_META:
+            value = self.server.metadata(message.key)
+            if value is None:
+                self._put(proto.Error(message.req_id, Status.PARAM_INVALID, f"no metadata {message.key!r}"))
+            else:
+                # Queued as the stored value itself, behind a header: a peer asking again and
+                # again while it reads slowly costs this engine no copies (and is not read
+                # further while its answers pile up).
+                with self.wire.conn_lock:
+                    header, body = self.wire.frame_of(self.conn.send_split, proto.Meta(message.req_id, value))
+                self._outbox.put([header, body], self._send_deadline())
         elif kind is proto.FrameType.PING:
-            wire.send(proto.Pong(message.req_id, time.monotonic()))
+            self._put(proto.Pong(message.req_id, time.monotonic()))
         elif kind is proto.FrameType.REVOKED:
             self.acked = max(self.acked, message.generation)
             self.server.confirmed()
-        return True
+        self.flush()
 
-    def _serve_notify(self, message: proto.Notify) -> None:
+    def _serve_notify(self, message: proto.Notify, reply: Callable[[proto.Message], None]) -> None:
         try:
             self.server.on_notify(NotifyDesc(message.name, message.msg, self.id))
         except HixlError as exc:  # refused (a full queue, a handler's verdict): the sender is told why
-            self.wire.send(proto.Error(message.req_id, exc.status, str(exc)))
+            reply(proto.Error(message.req_id, exc.status, str(exc)))
             return
-        self.wire.send(proto.Ack(message.req_id))
+        reply(proto.Ack(message.req_id))
+
+    def _to_worker(self, job: Callable[[], None]) -> None:
+        """Serve one request on a worker (it may block, within its deadlines); the loop gets the
+        connection back when it is done. Waits until what the loop queued has gone out."""
+        if self._outbox:
+            self.flush()
+            if self._outbox:
+                # Frames must not interleave: the worker sends on this socket directly.
+                self._pending_job = job
+                return
+        self.busy = True
+        self.server.loop.update(self)
+        self.server.workers.submit(lambda: self._work(job))
+
+    def _work(self, job: Callable[[], None]) -> None:
+        """On a worker: the request, then the connection back to the loop (or its end)."""
+        wire = self.wire
+        ending = ""
+        try:
+            job()
+        except ProtocolError as exc:
+            log.warning("hixl: dropping connection from %s: %s", wire.peer, exc)
+            _send_fatal(wire, Status.FAILED, f"protocol error: {exc}")
+            ending = f"protocol error: {exc}"
+        except TransferTimeout as exc:
+            log.warning("hixl: dropping connection from %s: %s", wire.peer, exc)
+            ending = str(exc)
+        except HixlError as exc:
+            ending = str(exc) or "the peer went away"
+        except Exception:
+            log.exception("hixl: serving %s crashed", wire.peer)
+            ending = "crashed"
+        if not self.server.loop.call_soon(lambda: self._back(ending or wire.dead_reason)):
+            self._finish(ending or "target finalized")
+
+    def _back(self, ending: str) -> None:
+        """On the loop: the worker is done with this connection."""
+        self.busy = False
+        if ending or self.server.closed:
+            self.end(ending or "target finalized")
+            return
+        self.server.loop.watch(self)
+        self.flush()
+        self.server.loop.update(self)
+
+    # -- sending ----------------------------------------------------------------------------------------
+    def _send_deadline(self) -> float:
+        wire = self.wire
+        return time.monotonic() + wire.interval * wire.misses
+
+    def _put(self, message: proto.Message) -> None:
+        with self.wire.conn_lock:
+            frame = self.wire.frame_of(self.conn.send, message)
+        self._outbox.put([frame], self._send_deadline())
+
+    def _send_raw(self, frame: bytes, deadline: float) -> None:
+        self._outbox.put([frame], deadline)
+        self.flush()
+
+    def flush(self) -> None:
+        """On the loop: turn what is wanted into frames and send what the socket takes now."""
+        if self.busy or self.phase is _Phase.ENDED:
+            return
+        if self.phase is _Phase.OPEN:
+            self._add_region_frames()
+        try:
+            self._outbox.flush(self.wire.sock)
+        except OSError as exc:
+            self.end(f"socket error: {exc}")
+            return
+        if not self._outbox:
+            if self._close_after_flush:
+                self.end(self._close_after_flush)
+                return
+            job = self._pending_job
+            if job is not None:
+                self._pending_job = None
+                self._to_worker(job)
+
+    def _add_region_frames(self) -> None:
+        """A REVOKE if one is wanted (it carries the table too), else a REGIONS if the table changed."""
+        if self._revoke_wanted > self.conn.newest_revoke:
+            registry = self.server.registry
+            generation, table = registry.generation, registry.table
+            with self.wire.conn_lock:
+                # The newest generation: it covers the one asked for, and everything before it.
+                frame = self.wire.frame_of(self.conn.send, proto.Revoke(max(generation, self._revoke_wanted), table.rows))
+            self._outbox.put([frame], self._revoke_deadline)
+            self.regions_dirty = False
+        elif self.regions_dirty:
+            self.regions_dirty = False
+            message, shared = self.server.loop.regions_frame()
+            with self.wire.conn_lock:
+                frame = self.wire.frame_of(self.conn.send_encoded, message, shared)
+            self._outbox.put([frame], self._send_deadline())
+
+    # -- ending ----------------------------------------------------------------------------------------
+    def _fatal(self, status: int, message: str) -> None:
+        """A last ERROR (request id 0), as far as the socket takes it at once, then the end."""
+        try:
+            self.wire.sock.send(proto.encode(proto.Error(0, status, message)))
+        except OSError:
+            pass
+        self.end(message)
+
+    def say_bye(self, reason: str) -> None:
+        """BYE, if the socket takes it at once (the connection ends right after)."""
+        if self.phase is _Phase.OPEN:
+            try:
+                with self.wire.conn_lock:
+                    frame = self.conn.send(proto.Bye(0, reason))
+                self.wire.sock.send(frame)
+            except (OSError, ProtocolError):
+                pass
+
+    def end(self, reason: str) -> None:
+        """On the loop: the connection is over (a busy one ends when its worker hands it back)."""
+        if self.phase is _Phase.ENDED:
+            return
+        if self.busy:
+            self.wire.mark_dead(reason)  # the worker's next syscall fails; it hands the connection back
+            return
+        self.server.loop.ended(self)
+        self._finish(reason)
+
+    def _finish(self, reason: str) -> None:
+        self.phase = _Phase.ENDED
+        self._outbox.clear()
+        self.wire.mark_dead(reason)
+        self.wire.close()
+        self.server.forget(self)
+
+    def __repr__(self) -> str:
+        return f"<_ServedConnection {self.wire.peer} {self.phase.value}{' busy' if self.busy else ''}>"
 
 
 def _send_fatal(wire: Wire, status: int, message: str) -> None:

@@ -169,6 +169,11 @@ class Wire:
             if not self._fill(limit, block):
                 return NEED_DATA
 
+    def frame_overdue(self, now: float, frame_timeout: float) -> bool:
+        """Whether a frame has been arriving for ``frame_timeout`` seconds without completing (as
+        :meth:`next_event` with ``frame_timeout`` judges it; for a caller that reads with ``block=False``)."""
+        return self._frame_started is not None and now >= self._frame_started + frame_timeout
+
     def _fill(self, deadline: float | None, block: bool) -> bool:
         """One ``recv`` into the connection (end of stream included); False if none was possible
         without blocking and ``block`` is false."""

@@ -202,12 +202,13 @@ class Engine:
                 max_handshakes_per_source=o["max_handshakes_per_source"],
                 max_connections=o["max_connections"],
                 max_connections_per_peer=o["max_connections_per_peer"],
+                serve_threads=o["serve_threads"],
                 allowed_networks=parsed.networks,
             )
             identity = {"engine_id": self._id, "boot_id": _boot_id()}
             try:
                 self._server = TargetServer(
-                    host, port, self._registry, self._accept_notify, self._transports, limits, self._secret, identity
+                    host, port, self._registry, self._accept_notify, self._handlers.__contains__, self._transports, limits, self._secret, identity
                 )
             except OSError as exc:
                 for transport in self._transports:
@@ -589,14 +590,14 @@ class Engine:
     def handle_notifies(self, name: str, handler: Callable[[NotifyDesc], None]) -> None:
         """Give the notifications named ``name`` to ``handler`` as they arrive, instead of queuing them.
 
-        ``handler(notify)`` runs on the thread that serves the sender's connection,
-        in that connection's order (so after the data of the transfers it started
-        before), with no engine lock held. Returning accepts the notification: the
+        ``handler(notify)`` runs on one of the engine's serve threads (the
+        ``serve_threads`` option), in the sender's connection's order (so after the
+        data of the transfers it started before), with no engine lock held. Returning accepts the notification: the
         sender's :meth:`send_notify` returns. Raising a :class:`HixlError` refuses it:
         the sender's ``send_notify`` raises the same kind of error, with its message.
         Anything else it raises is logged and refused as a plain ``HixlError``. Until
-        it returns, nothing else from that connection is served: it must be quick and
-        must not block. Handled notifications never enter the :meth:`get_notifies`
+        it returns, nothing else from that connection is served and it holds one of
+        those threads: it must be quick and must not block. Handled notifications never enter the :meth:`get_notifies`
         queue, so they are neither counted against its limits nor refused by them.
         A second handler for ``name`` replaces the first.
         """

@@ -306,6 +306,12 @@ class Connection:
         self._sending(message)
         return encode(message)
 
+    def send_encoded(self, message: Message, frame: bytes) -> bytes:
+        """:meth:`send` for a ``message`` encoded once (``frame``) for many connections — the same
+        REGIONS pushed to every peer: checked and recorded here as usual, not encoded again."""
+        self._sending(message)
+        return frame
+
     def send_split(self, message: Message) -> tuple[bytes, bytes]:
         """:meth:`send`, as (header, body) for a META (see :func:`~.frames.encode_split`): its value,
         up to 16 MiB, then goes to the socket from where it is stored, not copied behind the header."""

@@ -58,9 +58,15 @@ def test_finalize_with_a_target_process_connected(transport: str, shared_target:
     eng = Engine("127.0.0.1:0", {"transport": transport})
     eng.connect(shared_target.engine)
     _exercise(eng, shared_target.engine, shared_target.addrs[1])
-    # The target process is also connected to us, so we serve a connection too.
+    # The target process is also connected to us, so we serve a connection too, and a READ of ours
+    # on a worker (a TCP one: cma and shm are one-sided).
     shared_target.call("connect", eng.local_engine)
-    assert len(resources.threads() - threads) >= 4  # acceptor, served connection, link reader, async worker
+    with Engine("127.0.0.1", {"transport": "tcp"}) as reader:
+        reader.connect(eng.local_engine)
+        scratch = hixl.empty(4096)
+        reader.register_mem(scratch)
+        reader.transfer_sync(eng.local_engine, Op.READ, [(int(scratch.ctypes.data), eng.local_mems()[0].addr, 8)])
+    assert len(resources.threads() - threads) >= 4  # I/O loop, a worker, link reader, async worker
     eng.finalize()
     assert resources.threads() <= threads, "hixl threads left after finalize"
     assert resources.fds() == fds, "descriptors left open after finalize"
