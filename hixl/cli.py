@@ -2,7 +2,7 @@
 
   hixl demo    prefill/decode-disaggregated generation on a small real transformer
   hixl bench   the engine measured against the raw calls it is built on
-  hixl proxy   an OpenAI-compatible front door for a vLLM prefill and decode pair
+  hixl proxy   an OpenAI-compatible front door for vLLM prefill and decode instances
 
 Run "hixl COMMAND --help" for a command's options ("python3 -m hixl" works too).
 """

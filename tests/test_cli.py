@@ -33,7 +33,7 @@ def test_version_names_the_hot_path_in_use() -> None:
     assert pure.stdout.strip() == f"hixl {hixl.__version__}; hot path: pure Python (HIXL_PURE_PYTHON=1)"
 
 
-@pytest.mark.parametrize("command", [[], ["bench"], ["demo"]], ids=["hixl", "bench", "demo"])
+@pytest.mark.parametrize("command", [[], ["bench"], ["demo"], ["proxy"]], ids=["hixl", "bench", "demo", "proxy"])
 def test_help_is_plain_text_with_a_description(command: list[str]) -> None:
     proc = _hixl(*command, "--help")
     assert proc.returncode == 0, proc.stderr

@@ -4,6 +4,9 @@ Each completion or chat-completion request goes first to a prefill instance
 with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``;
 the ``kv_transfer_params`` that comes back is sent with the original request
 to a decode instance, whose answer (streamed or not) is the client's answer.
+Several of each are load-balanced (fewest outstanding requests), health-checked
+and retried around (see ``app``); ``GET /metrics`` reports it in Prometheus's
+text format.
 Needs ``aiohttp`` (installed with vLLM, or ``pip install 'hixl[vllm]'``).
 """
 

@@ -1,19 +1,48 @@
 """The proxy's aiohttp application: two upstream hops per request, the second one streamed through.
 
-Several prefill or decode URLs are used in turn (round robin). An upstream
-that answers with an error has that answer passed to the client unchanged;
-one that cannot be reached gives a 502 in OpenAI's error shape.
+How a request is routed, and what happens when an upstream fails:
+
+- Each hop goes to the upstream of its role with the fewest outstanding
+  requests, skipping those marked down (``upstreams.Pool``); background health
+  checks mark them down and up again (``health``). No upstream of a role up:
+  a 503 at once.
+- An *attempt* is a prefill hop, then a decode hop. When either fails before
+  any byte reached the client (unreachable, timed out, a 5xx, a broken
+  answer), the failing upstream is marked down and the request is attempted
+  again **from prefill**, avoiding the upstreams that failed it: at most
+  ``retries`` more attempts.
+- A failed decode is never given the same ``kv_transfer_params`` again. They
+  name blocks prefill holds for one pull: the failed decode may have pulled
+  them before failing, after which prefill frees them and vLLM reuses them,
+  so a second pull would read some other request's KV with no error at all.
+  A fresh prefill costs one more prompt computation; the first prefill's
+  blocks are freed by the failed decode's pull or after prefill's
+  ``release_timeout``.
+- After the first byte of decode's answer went to the client nothing is
+  retried (the client has part of an answer): an upstream failure then ends
+  the stream with an OpenAI-shaped error event and no ``[DONE]``.
+- A 4xx is the request's fault: passed through as is, not retried. After the
+  last attempt a 5xx is passed through as is; an unreachable upstream gives a
+  502. Every hop has a timeout, so the client never waits without end.
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, TCPConnector, web
+
+from .health import watch
+from .metrics import CONTENT_TYPE, Outcome, ProxyMetrics
+from .options import ProxyOptions
+from .upstreams import Pool, Role, Upstream, describe
 
 __all__ = ["create_app"]
 
@@ -22,69 +51,226 @@ log = logging.getLogger("hixl.proxy")
 #: What prefill is asked to do with a request: compute the prompt's KV, keep it for decode.
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 _FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
-_SESSION: web.AppKey[ClientSession] = web.AppKey("session", ClientSession)
 
 
-def create_app(prefill: Sequence[str], decode: Sequence[str], timeout: float = 600.0) -> web.Application:
+def create_app(prefill: Sequence[str], decode: Sequence[str], options: ProxyOptions | None = None) -> web.Application:
     """The proxy for these prefill and decode base URLs (e.g. ``http://127.0.0.1:8100``)."""
-    if not prefill or not decode:
-        raise ValueError("the proxy needs at least one prefill and one decode URL")
-    prefills, decodes = _cycle(prefill), _cycle(decode)
+    proxy = _Proxy(Pool(Role.PREFILL, prefill), Pool(Role.DECODE, decode), options or ProxyOptions())
+    app = web.Application()
+    app.cleanup_ctx.append(proxy.lifetime)
+    app.router.add_post("/v1/completions", proxy.disaggregated)
+    app.router.add_post("/v1/chat/completions", proxy.disaggregated)
+    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/metrics", proxy.metrics_text)
+    return app
 
-    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
-        # No total limit for the decode hop: a long generation streams for as long as it takes.
-        app[_SESSION] = ClientSession(timeout=ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout))
+
+class _Failed(Exception):
+    """A hop failed in a way another upstream may not: unreachable, too slow, a 5xx, a broken answer."""
+
+    def __init__(self, upstream: Upstream, reason: str, answer: web.Response | None = None) -> None:
+        super().__init__(f"{upstream.role.value} {upstream.url}: {reason}")
+        self.upstream, self.reason, self.answer = upstream, reason, answer  # answer: the 5xx, to pass on
+
+
+class _NoneUp(Exception):
+    """No upstream of ``role`` may take the request."""
+
+    def __init__(self, role: Role) -> None:
+        super().__init__(role.value)
+        self.role = role
+
+
+@dataclass
+class _Hop:
+    """One request to one upstream; its outcome is an error unless the code relaying it says otherwise."""
+
+    upstream: Upstream
+    outcome: Outcome = Outcome.ERROR
+
+
+class _Proxy:
+    """The handlers and what they share: the pools, the options, the metrics, the HTTP client session."""
+
+    _session: ClientSession  # from lifetime()'s start to its end
+
+    def __init__(self, prefills: Pool, decodes: Pool, options: ProxyOptions) -> None:
+        self.prefills, self.decodes, self.options = prefills, decodes, options
+        self.metrics = ProxyMetrics([*prefills.upstreams, *decodes.upstreams])
+        # For hops that end with one answer; decode's streams get the session's per-read limit only.
+        self._bounded = ClientTimeout(total=options.timeout, connect=options.connect_timeout)
+
+    async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
+        """The client session and the health checks, from the app's start to its cleanup."""
+        o = self.options
+        # No connection limit: a request queued inside the pool would wait with no timeout of
+        # its own and still count as outstanding, so only the routing decides who waits.
+        self._session = ClientSession(
+            connector=TCPConnector(limit=0),
+            timeout=ClientTimeout(total=None, connect=o.connect_timeout, sock_read=o.timeout),
+        )
+        upstreams = [*self.prefills.upstreams, *self.decodes.upstreams]
+        checks = asyncio.create_task(watch(self._session, upstreams, o.health_interval, o.health_timeout, o.down_after))
         yield
-        await app[_SESSION].close()
+        checks.cancel()
+        with suppress(asyncio.CancelledError):
+            await checks
+        await self._session.close()
 
-    async def disaggregated(request: web.Request) -> web.StreamResponse:
+    async def disaggregated(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions`` and ``/v1/chat/completions``: prefill, then decode, retried as the module says."""
         try:
             body = await request.json()
         except json.JSONDecodeError:
             return _error(400, "the request body is not JSON")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
-        session, headers = request.app[_SESSION], _forwarded(request)
-        try:
-            async with session.post(next(prefills) + request.path, json=_prefill_body(body), headers=headers) as resp:
-                payload = await resp.read()
-                if resp.status != 200:
-                    return web.Response(body=payload, status=resp.status, content_type=resp.content_type)
-                kv_params = json.loads(payload).get("kv_transfer_params")
-            if kv_params is None:
-                log.warning("prefill returned no kv_transfer_params: decode computes the prompt itself")
-            async with session.post(
-                next(decodes) + request.path, json={**body, "kv_transfer_params": kv_params}, headers=headers
-            ) as resp:
-                if not body.get("stream") or resp.status != 200:
-                    return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
-                out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
-                await out.prepare(request)
-                async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
-        except (ClientError, TimeoutError) as exc:
-            log.warning("upstream failed: %r", exc)
-            return _error(502, f"upstream failed: {exc!r}")
+        failed: set[Upstream] = set()
+        last: _Failed | None = None
+        attempts = self.options.retries + 1
+        for attempt in range(1, attempts + 1):
+            if last is not None:
+                self.metrics.retries.inc(last.upstream.role.value)
+            try:
+                return await self._attempt(request, body, failed)
+            except _Failed as exc:
+                log.warning("attempt %d of %d failed: %s", attempt, attempts, exc)
+                exc.upstream.request_failed(exc.reason)
+                failed.add(exc.upstream)
+                last = exc
+            except _NoneUp as exc:
+                self.metrics.unavailable.inc(exc.role.value)
+                after = f"; this request failed on {last}" if last else ""
+                return _error(503, f"no {exc.role.value} instance is up{after}")
+        assert last is not None  # the loop returns unless an attempt failed
+        if last.answer is not None:
+            return last.answer
+        return _error(502, f"{last} (attempt {attempts} of {attempts})")
 
-    async def models(request: web.Request) -> web.StreamResponse:
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/models``: a decode instance's answer."""
+        up = self.decodes.pick()
+        if up is None:
+            self.metrics.unavailable.inc(Role.DECODE.value)
+            return _error(503, "no decode instance is up")
         try:
-            async with request.app[_SESSION].get(next(decodes) + "/v1/models", headers=_forwarded(request)) as resp:
-                return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
-        except (ClientError, TimeoutError) as exc:
-            return _error(502, f"upstream failed: {exc!r}")
+            async with self._session.get(up.url + "/v1/models", headers=_forwarded(request), timeout=self._bounded) as resp:
+                return _relay(resp, await resp.read())
+        except (ClientError, asyncio.TimeoutError) as exc:
+            reason = describe(exc, self.options.timeout)
+            up.request_failed(reason)
+            return _error(502, f"decode {up.url}: {reason}")
 
-    async def health(request: web.Request) -> web.StreamResponse:
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        """``GET /health``: 200 while some prefill and some decode are up, 503 (saying which is not) otherwise."""
+        missing = [pool.role.value for pool in (self.prefills, self.decodes) if not pool.any_up]
+        if missing:
+            return _error(503, f"no {' and no '.join(missing)} instance is up")
         return web.json_response({"status": "ok"})
 
-    app = web.Application()
-    app.cleanup_ctx.append(session_ctx)
-    app.router.add_post("/v1/completions", disaggregated)
-    app.router.add_post("/v1/chat/completions", disaggregated)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    return app
+    async def metrics_text(self, request: web.Request) -> web.StreamResponse:
+        """``GET /metrics``: Prometheus's text format."""
+        return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _attempt(self, request: web.Request, body: dict[str, Any], failed: set[Upstream]) -> web.StreamResponse:
+        headers = _forwarded(request)
+        with self._hop(self._pick(self.prefills, failed)) as hop:
+            answer = await self._prefill(hop, request.path, body, headers)
+        if isinstance(answer, web.Response):
+            return answer
+        kv_params = answer.get("kv_transfer_params")
+        if kv_params is None:
+            log.warning("prefill returned no kv_transfer_params: decode computes the prompt itself")
+        with self._hop(self._pick(self.decodes, failed)) as hop:
+            return await self._decode(hop, request, {**body, "kv_transfer_params": kv_params}, headers)
+
+    @staticmethod
+    def _pick(pool: Pool, failed: set[Upstream]) -> Upstream:
+        up = pool.pick(exclude=failed)
+        if up is None:
+            raise _NoneUp(pool.role)
+        return up
+
+    @contextmanager
+    def _hop(self, up: Upstream) -> Iterator[_Hop]:
+        """Lease ``up`` for one request (taken before any ``await``: see ``Pool.pick``), time it, count its outcome."""
+        hop = _Hop(up)
+        started = time.monotonic()
+        with up.lease():
+            try:
+                yield hop
+            except asyncio.CancelledError:
+                hop.outcome = Outcome.CANCELLED
+                raise
+            finally:
+                self.metrics.hop(up, hop.outcome, time.monotonic() - started)
+
+    async def _prefill(self, hop: _Hop, path: str, body: dict[str, Any], headers: dict[str, str]) -> web.Response | dict[str, Any]:
+        """Prefill's JSON answer, or a non-200 answer to give the client; raises :class:`_Failed`."""
+        up = hop.upstream
+        try:
+            async with self._session.post(up.url + path, json=_prefill_body(body), headers=headers, timeout=self._bounded) as resp:
+                payload = await resp.read()
+        except (ClientError, asyncio.TimeoutError) as exc:
+            raise _Failed(up, describe(exc, self.options.timeout)) from exc
+        answer = _relay(resp, payload)
+        if resp.status >= 500:
+            raise _Failed(up, f"answered {resp.status}", answer)
+        if resp.status != 200:
+            hop.outcome = _outcome(resp.status)
+            return answer
+        try:
+            parsed = json.loads(payload)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise _Failed(up, "answered 200 with a body that is not a JSON object")
+        hop.outcome = Outcome.OK
+        return parsed
+
+    async def _decode(self, hop: _Hop, request: web.Request, body: dict[str, Any], headers: dict[str, str]) -> web.StreamResponse:
+        """Decode's answer for the client; raises :class:`_Failed` while nothing was sent yet."""
+        up = hop.upstream
+        try:
+            async with self._session.post(up.url + request.path, json=body, headers=headers) as resp:
+                if resp.status >= 500:
+                    raise _Failed(up, f"answered {resp.status}", _relay(resp, await resp.read()))
+                if resp.status != 200 or not body.get("stream"):
+                    answer = _relay(resp, await resp.read())  # read whole: a failure while reading can still be retried
+                    hop.outcome = _outcome(resp.status)
+                    return answer
+                # The client's headers wait for decode's first bytes, so that a decode that
+                # fails before it generates anything can still be retried.
+                first = await resp.content.readany()
+                if not first:
+                    raise _Failed(up, "ended its stream before the first byte")
+                return await self._stream(hop, request, resp, first)
+        except (ClientError, asyncio.TimeoutError) as exc:
+            raise _Failed(up, describe(exc, self.options.timeout)) from exc
+
+    async def _stream(self, hop: _Hop, request: web.Request, resp: ClientResponse, first: bytes) -> web.StreamResponse:
+        """Relay decode's stream from its first chunk on; no failure from here is retried, none escapes."""
+        out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
+        chunk = first
+        try:
+            await out.prepare(request)
+            while chunk:
+                await out.write(chunk)
+                try:
+                    chunk = await resp.content.readany()
+                except (ClientError, asyncio.TimeoutError) as exc:
+                    reason = describe(exc, self.options.timeout)
+                    log.warning("decode %s failed mid-stream, the client's stream ends: %s", hop.upstream.url, reason)
+                    hop.upstream.request_failed(reason)
+                    await out.write(b"data: " + json.dumps(_error_body(502, f"decode failed mid-stream: {reason}")).encode() + b"\n\n")
+                    break
+            else:  # the stream ended as decode meant it to
+                hop.outcome = Outcome.OK
+            await out.write_eof()
+        except ConnectionResetError:  # the client went away (aiohttp's own reset errors are these too)
+            hop.outcome = Outcome.CANCELLED
+        return out
 
 
 def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -96,13 +282,23 @@ def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _cycle(urls: Sequence[str]) -> Iterator[str]:
-    return itertools.cycle([u.rstrip("/") for u in urls])
+def _outcome(status: int) -> Outcome:
+    """The outcome of an answer relayed with this (non-5xx) status."""
+    return Outcome.CLIENT_ERROR if 400 <= status < 500 else Outcome.OK
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:
     return {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
 
 
+def _relay(resp: ClientResponse, payload: bytes) -> web.Response:
+    """An upstream's whole answer, as the client gets it."""
+    return web.Response(body=payload, status=resp.status, content_type=resp.content_type)
+
+
+def _error_body(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "proxy_error", "code": status}}
+
+
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}}, status=status)
+    return web.json_response(_error_body(status, message), status=status)

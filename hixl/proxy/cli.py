@@ -4,21 +4,47 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import fields
 from typing import Any
 
+from .options import ProxyOptions
+
 __all__ = ["add_parser"]
+
+DESCRIPTION = """\
+An OpenAI-compatible front door for prefill/decode-disaggregated vLLM (the hixl connector): each
+completion or chat request goes to a prefill instance, then to a decode instance. With several of
+each, every request goes to the one serving the fewest requests; instances are health-checked,
+one that fails is skipped and the request retried, and GET /metrics reports it all."""
 
 
 def add_parser(subparsers: Any) -> None:
     """Register ``hixl proxy``."""
+    d = ProxyOptions()
     parser = subparsers.add_parser(
-        "proxy", help="OpenAI-compatible front door for a prefill and a decode vLLM instance (hixl connector)"
+        "proxy",
+        help="OpenAI-compatible front door for prefill and decode vLLM instances (hixl connector)",
+        description=DESCRIPTION,
     )
     parser.add_argument("--prefill", action="append", required=True, metavar="URL", help="prefill instance base URL (repeatable)")
     parser.add_argument("--decode", action="append", required=True, metavar="URL", help="decode instance base URL (repeatable)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on an upstream (default %(default)s)")
+    parser.add_argument(
+        "--timeout", type=float, default=d.timeout, metavar="S",
+        help="longest wait on an upstream: a whole prefill, decode's first byte, each gap in its stream (default %(default)s)",
+    )
+    parser.add_argument("--connect-timeout", type=float, default=d.connect_timeout, metavar="S", help="seconds to connect to an upstream (default %(default)s)")
+    parser.add_argument(
+        "--retries", type=int, default=d.retries, metavar="N",
+        help="attempts a request may make after an upstream failed it before any byte reached the client (default %(default)s)",
+    )
+    parser.add_argument("--health-interval", type=float, default=d.health_interval, metavar="S", help="seconds between health checks (default %(default)s)")
+    parser.add_argument("--health-timeout", type=float, default=d.health_timeout, metavar="S", help="seconds a health check may take (default %(default)s)")
+    parser.add_argument(
+        "--down-after", type=int, default=d.down_after, metavar="N",
+        help="consecutive failed health checks that mark an upstream down (default %(default)s)",
+    )
     parser.set_defaults(run=_main)
 
 
@@ -31,6 +57,20 @@ def _main(args: argparse.Namespace) -> int:
     from .app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = create_app(args.prefill, args.decode, args.timeout)
-    web.run_app(app, host=args.host, port=args.port, print=lambda _: print(f"hixl proxy on http://{args.host}:{args.port}", flush=True))
+    try:
+        # Each option's dest is the field's name.
+        options = ProxyOptions(**{f.name: getattr(args, f.name) for f in fields(ProxyOptions)})
+    except ValueError as exc:
+        print(f"hixl proxy: {exc}")
+        return 2
+    app = create_app(args.prefill, args.decode, options)
+    web.run_app(
+        app,
+        host=args.host,
+        port=args.port,
+        # A client that goes away cancels its request at once, so that its upstream hop ends
+        # (vLLM aborts a request whose connection closes) instead of running on for nobody.
+        handler_cancellation=True,
+        print=lambda _: print(f"hixl proxy on http://{args.host}:{args.port}", flush=True),
+    )
     return 0
