@@ -236,10 +236,12 @@ class TargetServer:
     def revoke(self, generation: int, removed: list[tuple[int, int]], timeout: float) -> None:
         """Make sure no peer touches ``removed`` any more; return once that is certain.
 
-        Every open connection is sent REVOKE with the registrations of ``generation``
-        (or newer), all at once by the I/O loop, and must answer REVOKED within
-        ``timeout`` (its same-host copies, which this engine cannot see, have
-        stopped); one that does not is disconnected. Requests this engine serves
+        Every open connection that may reach this memory one-sidedly (cma, shm) is
+        sent REVOKE with the registrations of ``generation`` (or newer), all at
+        once by the I/O loop, and must answer REVOKED within ``timeout`` (its
+        same-host copies, which this engine cannot see, have stopped); one that
+        does not is disconnected. The others (TCP: this engine checks and serves
+        each of their requests) are sent the new registrations and not waited for. Requests this engine serves
         itself (TCP) that touch ``removed`` are waited for, and cut off (their
         connection closed) if they outlast ``timeout``.
         """
@@ -412,7 +414,11 @@ class _Loop:
     def __init__(self, server: TargetServer) -> None:
         self.server = server
         limits = server.limits
-        self.tick = max(0.01, min(0.25, limits.heartbeat_interval / 2, limits.hello_timeout / 4, limits.frame_timeout / 4))
+        # Handshakes are timed to a quarter of their timeouts; open connections' liveness, partial
+        # frames and outboxes to half an interval (a peer is dead only after several).
+        self.tick = max(0.01, min(0.25, limits.hello_timeout / 4, limits.handshake_timeout / 4))
+        self.open_tick = max(self.tick, min(limits.heartbeat_interval / 2, limits.frame_timeout / 4))
+        self._next_open_sweep = 0.0
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(server.listener, selectors.EVENT_READ, None)
@@ -429,6 +435,7 @@ class _Loop:
         self._stopping = False
         self._next_sweep = 0.0
         self._regions_frame: tuple[int, proto.Regions, bytes] | None = None
+        self._revoke_frame: tuple[int, proto.Revoke, bytes] | None = None
         self.thread = threading.Thread(target=self._run, name=f"hixl-loop-{server.address}", daemon=True)
 
     def start(self) -> None:
@@ -513,6 +520,15 @@ class _Loop:
             self._regions_frame = (generation, message, proto.encode(message))
         return self._regions_frame[1], self._regions_frame[2]
 
+    def revoke_frame(self) -> tuple[proto.Revoke, bytes]:
+        """A REVOKE of the newest registrations, and its frame (encoded once for all)."""
+        registry = self.server.registry
+        generation, table = registry.generation, registry.table
+        if self._revoke_frame is None or self._revoke_frame[0] != generation:
+            message = proto.Revoke(generation, table.rows)
+            self._revoke_frame = (generation, message, proto.encode(message))
+        return self._revoke_frame[1], self._revoke_frame[2]
+
     def _run(self) -> None:
         try:
             while not (self._stopping and not self._conns):
@@ -564,8 +580,11 @@ class _Loop:
         if self._accept_paused_until and now >= self._accept_paused_until and not self._stopping:
             self._accept_paused_until = 0.0
             self._selector.register(self.server.listener, selectors.EVENT_READ, None)
+        full = now >= self._next_open_sweep
+        if full:
+            self._next_open_sweep = now + self.open_tick
         for conn in list(self._conns):
-            conn.on_timer(now)
+            conn.on_timer(now, full)
 
     def _begin_stop(self) -> None:
         self._stopping = True
@@ -628,7 +647,7 @@ class _ServedConnection:
         self._revoke_deadline = 0.0
         self._outbox = Outbox()
         self._close_after_flush = ""
-        self._last_ping = 0.0
+        self._marked_one_sided = False
         self._pending_job: Callable[[], None] | None = None
         """A request for a worker, waiting for the outbox to empty first (frames must not interleave)."""
 
@@ -655,15 +674,31 @@ class _ServedConnection:
         cap = time.monotonic() + self.server.limits.request_time_cap
         return min(cap, deadline_us / 1e6) if deadline_us else cap
 
+    def mark_one_sided(self) -> None:
+        """The peer reaches this engine's memory one-sidedly from now on (see :meth:`one_sided`)."""
+        self._marked_one_sided = True
+
+    def one_sided(self) -> bool:
+        """Whether the peer may touch this engine's memory without this engine serving the request
+        (so a deregistration waits for it to confirm): unless it said at the handshake that none of
+        its transports does, or runs under another kernel — and was not handed a way to since."""
+        if self._marked_one_sided:
+            return True
+        info = self.conn.peer_info
+        ours = self.server.identity.get("boot_id")
+        elsewhere = bool(ours) and isinstance(info.get("boot_id"), str) and info["boot_id"] != ours
+        return info.get("one_sided") is not False and not elsewhere
+
     def is_open(self) -> bool:
         """Whether the connection is open and not cut off (its wire not marked dead)."""
         return self.conn.state is proto.ConnState.OPEN and not self.wire.dead_reason
 
     # -- asked of it on the loop ------------------------------------------------------------------------
     def want_revoke(self, generation: int, deadline: float) -> bool:
-        """Tell an open peer the registrations of ``generation`` (or newer) as soon as its socket is
-        free, by ``deadline``; False if it is not open (its WELCOME, still to come, names them)."""
-        if self.phase is not _Phase.OPEN:
+        """Tell an open peer that reaches our memory one-sidedly the registrations of ``generation``
+        (or newer) as soon as its socket is free, by ``deadline``; False if it is not open (its
+        WELCOME, still to come, names them) or serves nothing itself (the REGIONS push tells it)."""
+        if self.phase is not _Phase.OPEN or not self.one_sided():
             return False
         if generation > self._revoke_wanted:
             self._revoke_wanted, self._revoke_deadline = generation, deadline
@@ -726,10 +761,11 @@ class _ServedConnection:
                 self._handshake_step(event)
         self.server.loop.again(self)  # its share is used up: the rest (buffered, maybe) in the next round
 
-    def on_timer(self, now: float) -> None:
-        """The sweep: handshake deadlines, a frame arriving too slowly, liveness, PING, outbox deadline."""
-        if self.busy or self.phase is _Phase.ENDED:
-            return  # a worker's waits keep the heartbeat while it has the socket
+    def on_timer(self, now: float, full: bool) -> None:
+        """The sweep: handshake deadlines; with ``full``, an open connection's too: a frame arriving
+        too slowly, liveness, PING, the outbox's deadline."""
+        if self.busy or self.phase is _Phase.ENDED or (self.phase is _Phase.OPEN and not full):
+            return  # (a worker's waits keep the heartbeat while it has the socket)
         limits = self.server.limits
         wire = self.wire
         if self.phase is not _Phase.OPEN:
@@ -752,8 +788,8 @@ class _ServedConnection:
             log.warning("hixl: dropping connection from %s: it has not read what it was sent", wire.peer)
             self.end("a send passed its deadline")
             return
-        if silent >= wire.interval and now - self._last_ping >= wire.interval:
-            self._last_ping = now
+        if wire.ping_due(now):
+            wire.pinged(now)
             self._put(proto.Ping())
             self.flush()
             self.server.loop.update(self)
@@ -923,11 +959,10 @@ class _ServedConnection:
     def _add_region_frames(self) -> None:
         """A REVOKE if one is wanted (it carries the table too), else a REGIONS if the table changed."""
         if self._revoke_wanted > self.conn.newest_revoke:
-            registry = self.server.registry
-            generation, table = registry.generation, registry.table
+            # The newest generation: it covers the one asked for, and everything before it.
+            message, shared = self.server.loop.revoke_frame()
             with self.wire.conn_lock:
-                # The newest generation: it covers the one asked for, and everything before it.
-                frame = self.wire.frame_of(self.conn.send, proto.Revoke(max(generation, self._revoke_wanted), table.rows))
+                frame = self.wire.frame_of(self.conn.send_encoded, message, shared)
             self._outbox.put([frame], self._revoke_deadline)
             self.regions_dirty = False
         elif self.regions_dirty:

@@ -359,7 +359,7 @@ class Engine:
         interval, misses = float(self.options["heartbeat_interval"]), int(self.options["heartbeat_misses"])
         wire = Wire(sock, Connection(Role.INITIATOR, self._secret), name, interval, misses)
         try:
-            handshake(wire, {"engine": self.local_engine, "engine_id": self._id}, deadline)
+            handshake(wire, self._hello_info(), deadline)
             if wire.conn.peer_info.get("engine_id") == self._id:
                 raise ParamInvalid(f"an engine cannot connect to itself ({name})")
         except BaseException:
@@ -373,6 +373,13 @@ class Engine:
             link.close()
             raise
         return _Peer(link, channel, transport, int(self.options["max_inflight"]))
+
+    def _hello_info(self) -> dict[str, Any]:
+        """What this initiator tells a target about itself once proven: who it is, its host, and
+        whether it may reach the target's memory one-sidedly (so must confirm deregistrations)."""
+        wanted = self.options["transport"]
+        one_sided = any(t.capabilities.one_sided for t in self._transports if wanted in ("auto", t.capabilities.name))
+        return {"engine": self.local_engine, "engine_id": self._id, "boot_id": _boot_id(), "one_sided": one_sided}
 
     def _choose_transport(self, link: PeerLink) -> Transport:
         """The first transport, in order of preference, whose declared capabilities fit and whose probe passes."""

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import pure
 
-__all__ = ["IMPLEMENTATION", "NATIVE", "PURE_ENV", "batch_order", "check_small", "copy_pieces", "mapped_copy"]
+__all__ = ["GIL_FREE_FROM", "IMPLEMENTATION", "NATIVE", "PURE_ENV", "batch_order", "check_small", "copy_pieces", "mapped_copy"]
 
 PURE_ENV = "HIXL_PURE_PYTHON"
 """Set to 1 to use the pure-Python hot path even where the extension loads."""
@@ -48,6 +48,9 @@ def _choose() -> tuple[ModuleType, str]:
         return pure, f"pure Python (the C extension is not available: {exc})"
     return _native, "native (C extension)"
 
+
+GIL_FREE_FROM = pure.GIL_FREE_FROM
+"""Copies of at least this many bytes (in all, per call) release the GIL, in both implementations."""
 
 _impl, IMPLEMENTATION = _choose()
 NATIVE = _impl is not pure

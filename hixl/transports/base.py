@@ -58,6 +58,10 @@ class ServedSession(Protocol):
     def local_deadline(self, deadline_us: int) -> float:
         """A carried deadline as ``time.monotonic()`` seconds, capped by this engine's limit."""
 
+    def mark_one_sided(self) -> None:
+        """The peer reaches this engine's memory one-sidedly from now on (it was handed a way to:
+        shm's memory files), whatever it said at the handshake: it confirms deregistrations."""
+
     def is_open(self) -> bool:
         """Whether the connection is still open. A transport that serves on a channel of its own
         serves a request only while it is, and looks again between chunks: this engine ends a
@@ -76,6 +80,11 @@ class Capabilities:
     """Memory kinds it can move."""
     serves: frozenset[FrameType] = field(default_factory=frozenset)
     """Frame types its target half answers (:meth:`Transport.serve`); none for one-sided ones."""
+    one_sided: bool = True
+    """Whether its initiator half may touch the target's memory without the target serving the
+    request (cma, shm). A target waits for such peers to confirm a deregistration (REVOKE); a peer
+    whose every transport declares False (TCP: the target checks and serves each request itself)
+    says so at the handshake and is only told of the change."""
 
 
 class Channel(abc.ABC):

@@ -83,6 +83,8 @@ _WINDOW = 1024
 """Most descriptors one lease hold copies."""
 # (For the latency path: a module global is read ten times faster than an Enum member.)
 _WRITE, _CONNECTED = Op.WRITE, LinkState.CONNECTED
+_YIELD = 50e-6
+"""Seconds the latency path sleeps per look when its copies hold the GIL (see ShmChannel.run_small)."""
 _LOOK_EVERY = min(RECHECK, INPUT_CHECK)
 """Seconds between two looks of the latency path at the socket and the target's liveness: as often
 as either would look anyway."""
@@ -210,6 +212,7 @@ class ShmTransport(Transport):
         session = token.session() if token is not None else None
         if session is None or session.conn.state is not proto.ConnState.OPEN or session.wire.dead_reason:
             return self._refuse(who, "no open authenticated connection has this binding")
+        session.mark_one_sided()  # whatever it said at the handshake: from now on it maps our memory
         grants: list[shm_proto.Grant] = []
         fds: list[int] = []
         try:
@@ -422,6 +425,12 @@ class ShmChannel(Channel):
             link.poll_input()  # a REVOKE must not wait for a reader thread this loop keeps from the GIL
             if not memory.alive():
                 return False  # the general path reports it
+            if nbytes < _accel.GIL_FREE_FROM:
+                # A loop of small copies never blocks, and CPython hands the GIL to a thread that
+                # waits for it only every 5 ms: one that needs it a few times (the link's reader
+                # with a REVOKE, the application's other threads) would wait seconds. Asleep a
+                # moment every millisecond, this one lets them run.
+                time.sleep(_YIELD)
         if link.revoke_pending:
             return False  # the general path steps aside for it
         with link.lease:

@@ -217,6 +217,7 @@ class TcpTransport(Transport):
         same_host_only=False,
         mem_types=frozenset({MemType.HOST}),
         serves=frozenset({proto.FrameType.READ, proto.FrameType.WRITE}),
+        one_sided=False,
     )
 
     def probe(self, link: PeerLink) -> str | None:
