@@ -1,78 +1,121 @@
 """What a served connection has to send, waiting for its socket: sent by the I/O loop, never blocking.
 
-The target's I/O loop answers control frames (PONG, ACK, REGIONS, META...) and
-hands out region updates without ever waiting on a socket: each frame goes into
-the connection's outbox and out with a non-blocking ``sendmsg`` as far as the
-socket takes it; the rest goes when the socket is writable again. Frames keep
-their order, and a frame never straddles another.
+The target's I/O loop answers every request without ever waiting on a socket:
+each frame — and a READ's data, straight from registered memory — goes into the
+connection's outbox and out with non-blocking ``sendmsg``/``writev`` calls as
+far as the socket takes it; the rest goes when the socket is writable again.
+Entries keep their order and never interleave: a READ's DATA frame and its
+bytes are two entries back to back.
 
-Each entry has a deadline: a peer that has not taken a frame by then has shown
-no progress for the whole liveness budget, and its connection is ended. The
-outbox holds buffers as they are given — a META's stored value or a REGIONS
-frame shared by every connection are referenced, not copied — and counts its
-bytes, so that the loop can stop reading from a peer that does not read its
-answers (:attr:`Outbox.nbytes`).
+An entry may carry a ``done`` callback, called once it is all sent, or dropped
+(the connection ended): a READ releases its hold on the memory it sends from
+then. The outbox references what it is given — a META's stored value, a REGIONS
+frame shared by every connection, registered memory — and copies nothing; it
+counts the bytes queued, so that the loop can stop reading from a peer that
+does not read its answers (:attr:`Outbox.nbytes`), and the time of its last
+progress, so that a peer that takes nothing for its whole liveness budget is
+found out (:meth:`Outbox.stalled`).
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ._iov import IOV_MAX, IovCursor, writev
 
 __all__ = ["Outbox"]
 
 _Buffer = bytes | memoryview
 
 
-class Outbox:
-    """Frames for one socket, in order (see the module docstring); used by one thread at a time."""
+@dataclass
+class _Entry:
+    views: list[memoryview] | None  # a frame, or a few ranges: one sendmsg
+    cursor: IovCursor | None  # many ranges of registered memory: writev
+    data: bool  # the peer taking it is a sign of its life (a frame alone is not: its kernel buffers it)
+    done: Callable[[], None] | None
 
-    __slots__ = ("_entries", "nbytes")
+
+class Outbox:
+    """Frames and data for one socket, in order (see the module docstring); one thread uses it."""
+
+    __slots__ = ("_entries", "last_progress", "nbytes")
 
     def __init__(self) -> None:
-        self._entries: deque[tuple[list[memoryview], float]] = deque()
+        self._entries: deque[_Entry] = deque()
         self.nbytes = 0
         """Bytes queued and not yet taken by the socket."""
+        self.last_progress = time.monotonic()
+        """When the socket last took a byte (or the outbox last was empty)."""
 
     def __bool__(self) -> bool:
         return bool(self._entries)
 
-    def put(self, parts: Sequence[_Buffer], deadline: float) -> None:
-        """Queue one frame (its parts back to back on the wire) to be sent by ``deadline``."""
+    def put(self, parts: Sequence[_Buffer], data: bool = False, done: Callable[[], None] | None = None) -> None:
+        """Queue buffers sent back to back (a frame, or a frame and a few ranges of data)."""
         views = [memoryview(p).cast("B") for p in parts if len(p)]
-        if views:
-            self._entries.append((views, deadline))
-            self.nbytes += sum(len(v) for v in views)
+        self._add(_Entry(views, None, data, done), sum(len(v) for v in views))
 
-    def overdue(self, now: float) -> bool:
-        """Whether the oldest frame should have been taken by now."""
-        return bool(self._entries) and now >= self._entries[0][1]
+    def put_cursor(self, cursor: IovCursor, done: Callable[[], None] | None = None) -> None:
+        """Queue the memory ``cursor`` covers (data: ``writev``-ed from where it lies)."""
+        self._add(_Entry(None, cursor, True, done), cursor.total - cursor.done)
 
-    def flush(self, sock: socket.socket) -> int:
-        """Send as much as the socket takes now; the bytes sent. Raises what ``sendmsg`` raises
-        (but for a full socket: then it stops)."""
-        sent_total = 0
+    def _add(self, entry: _Entry, nbytes: int) -> None:
+        if not self._entries:
+            self.last_progress = time.monotonic()  # the clock starts with the first byte waiting
+        self._entries.append(entry)
+        self.nbytes += nbytes
+
+    def stalled(self, now: float, budget: float) -> bool:
+        """Whether something waits and the socket has taken nothing for ``budget`` seconds."""
+        return bool(self._entries) and now - self.last_progress > budget
+
+    def flush(self, sock: socket.socket) -> bool:
+        """Send as much as the socket takes now; whether data (not only frames) went out. Raises
+        what the system calls raise (a full socket only stops it)."""
+        moved_data = False
         while self._entries:
-            views, _ = self._entries[0]
-            try:
-                sent = sock.sendmsg(views)
-            except (BlockingIOError, InterruptedError):
-                break
-            sent_total += sent
-            self.nbytes -= sent
-            while sent and views:
-                if sent >= len(views[0]):
-                    sent -= len(views.pop(0))
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
-            if views:
+            entry = self._entries[0]
+            sent = self._send(sock, entry)
+            if sent:
+                self.nbytes -= sent
+                self.last_progress = time.monotonic()
+                moved_data = moved_data or entry.data
+            unfinished = not entry.cursor.finished if entry.cursor is not None else bool(entry.views)
+            if unfinished:
                 break  # the socket is full
             self._entries.popleft()
-        return sent_total
+            if entry.done is not None:
+                entry.done()
+        return moved_data
+
+    @staticmethod
+    def _send(sock: socket.socket, entry: _Entry) -> int:
+        if entry.cursor is not None:
+            return writev(sock.fileno(), entry.cursor, entry.cursor.total - entry.cursor.done)
+        views = entry.views
+        assert views is not None
+        try:
+            sent = sock.sendmsg(views[:IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            return 0
+        left = sent
+        while left and views:
+            if left >= len(views[0]):
+                left -= len(views.pop(0))
+            else:
+                views[0] = views[0][left:]
+                left = 0
+        return sent
 
     def clear(self) -> None:
-        """Drop everything (the connection ended)."""
-        self._entries.clear()
+        """Drop everything (the connection ended); every ``done`` is called."""
+        entries, self._entries = self._entries, deque()
         self.nbytes = 0
+        for entry in entries:
+            if entry.done is not None:
+                entry.done()

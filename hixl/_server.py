@@ -53,14 +53,22 @@ import numpy as np
 
 from . import _protocol as proto
 from ._admission import Admission
-from ._exceptions import AuthenticationFailed, HixlError, ProtocolError, ResourceExhausted, TransferTimeout
-from ._memory import Registry, RemoteRegions
+from ._exceptions import (
+    AuthenticationFailed,
+    HixlError,
+    PeerDisconnected,
+    ProtocolError,
+    ResourceExhausted,
+    TransferTimeout,
+)
+from ._iov import IovCursor, readv
+from ._memory import Registry, RemoteRegions, memory_view
 from ._outbox import Outbox
 from ._pool import WorkerPool
 from ._protocol.auth import Secret
 from ._protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
 from ._types import NotifyDesc, Status
-from ._wire import Wire
+from ._wire import CHUNK, Wire
 from .transports.base import Transport
 
 __all__ = ["ServerLimits", "TargetServer", "check_fd_limit"]
@@ -74,6 +82,15 @@ _SPARE_FDS = 256
 _OUTBOX_READ_LIMIT = 4 << 20
 """A connection with this many bytes of answers unsent is not read until it takes them."""
 _FRAMES_PER_ROUND = 32
+_SENDMSG_RANGES = 8
+"""Most ranges of a READ's data queued as buffers behind its frame (one sendmsg); more: an iovec cursor."""
+_DROPPED = bytearray(64 << 10)
+_DROPPED_VIEW = memoryview(_DROPPED)
+"""Where the loop reads data it drops (refused or late WRITEs): one buffer, one thread."""
+_FLUSHES_PER_ROUND = 128
+"""Most connections the loop sends pushed updates to before it looks at its sockets again."""
+_BUFFERED = 1 << 8
+"""An ``on_ready`` mask bit besides the selector's: frames are buffered, the socket was not polled."""
 """Most frames of one connection served before the loop turns to the others."""
 
 
@@ -430,6 +447,10 @@ class _Loop:
         self._woken = False
         self._ready: collections.deque[_ServedConnection] = collections.deque()
         """Connections with complete frames buffered (the selector cannot see those)."""
+        self._handshaking: set[_ServedConnection] = set()
+        """Connections watched while in their handshake (swept more often than open ones)."""
+        self._to_flush: collections.deque[_ServedConnection] = collections.deque()
+        """Connections with something to send made elsewhere (a REGIONS push), a batch per round."""
         self._conns: set[_ServedConnection] = set()
         self._accept_paused_until = 0.0
         self._stopping = False
@@ -475,6 +496,8 @@ class _Loop:
         if conn.ended:
             return  # (evicted by a newer one accepted in the same batch)
         self._conns.add(conn)
+        if not conn.is_open():
+            self._handshaking.add(conn)
         self.update(conn)
         if conn.wire.conn.buffered:
             self._ready.append(conn)
@@ -482,6 +505,9 @@ class _Loop:
     def update(self, conn: _ServedConnection) -> None:
         """Watch ``conn``'s socket for what it waits for now (nothing while a worker has it)."""
         events = conn.interest()
+        if events == conn.watched and events:
+            return  # (the common case, on every frame: nothing to change)
+        conn.watched = events
         key = self._selector.get_map().get(conn.wire.fd)
         if key is not None and key.data is not conn:
             self._selector.unregister(conn.wire.fd)  # (a descriptor number reused since: not ours)
@@ -506,10 +532,11 @@ class _Loop:
         self._selector.unregister(self.server.listener)
 
     def push_regions(self) -> None:
-        """Send the newest registrations to every open connection (one REGIONS frame for all)."""
+        """Send the newest registrations to every open connection (one REGIONS frame for all), in
+        the next rounds: whatever else waits for the loop (a deregistration's decision) first."""
         for conn in self._conns:
             conn.regions_dirty = True
-            conn.flush()
+        self._to_flush.extend(self._conns)
 
     def regions_frame(self) -> tuple[proto.Regions, bytes]:
         """The pushed REGIONS of the newest registrations, and its frame (encoded once for all)."""
@@ -545,7 +572,7 @@ class _Loop:
                 conn.end("target finalized")
 
     def _once(self) -> None:
-        timeout = 0.0 if self._ready or self._calls else max(0.0, self._next_sweep - time.monotonic())
+        timeout = 0.0 if self._ready or self._calls or self._to_flush else max(0.0, self._next_sweep - time.monotonic())
         for key, mask in self._selector.select(timeout):
             conn = key.data
             if conn is not None:
@@ -556,9 +583,14 @@ class _Loop:
             else:
                 self._drain_wakes()
         for _ in range(len(self._ready)):
-            self._ready.popleft().on_ready(selectors.EVENT_READ)
+            self._ready.popleft().on_ready(_BUFFERED)
         while self._calls:
             self._calls.popleft()()
+        for _ in range(min(len(self._to_flush), _FLUSHES_PER_ROUND)):
+            conn = self._to_flush.popleft()
+            conn.flush()
+            if not conn.ended:
+                self.update(conn)
         now = time.monotonic()
         if now >= self._next_sweep:
             self._next_sweep = now + self.tick
@@ -583,7 +615,8 @@ class _Loop:
         full = now >= self._next_open_sweep
         if full:
             self._next_open_sweep = now + self.open_tick
-        for conn in list(self._conns):
+        self._handshaking = {c for c in self._handshaking if c.phase in (_Phase.HELLO, _Phase.AUTH)}
+        for conn in list(self._conns if full else self._handshaking):
             conn.on_timer(now, full)
 
     def _begin_stop(self) -> None:
@@ -604,6 +637,16 @@ def _refuse_now(sock: socket.socket, status: int, reason: str) -> None:
     except OSError:
         pass
     sock.close()
+
+
+@dataclass
+class _Landing:
+    """A WRITE's bulk data being landed (see :meth:`_ServedConnection.land_data`)."""
+
+    cursor: IovCursor | None
+    deadline: float
+    landed: Callable[[bool], None]
+    release: Callable[[], None]
 
 
 class _Phase(enum.Enum):
@@ -644,10 +687,13 @@ class _ServedConnection:
         self.regions_dirty = False
         """The peer is to be sent the newest registrations (set by the loop; sent when the socket is free)."""
         self._revoke_wanted = 0
-        self._revoke_deadline = 0.0
+        self._landing: _Landing | None = None
+        """The bulk data of a WRITE being landed (or dropped) as it arrives."""
         self._outbox = Outbox()
         self._close_after_flush = ""
         self._marked_one_sided = False
+        self.watched = 0
+        """What the loop's selector watches its socket for (the loop's to keep)."""
         self._pending_job: Callable[[], None] | None = None
         """A request for a worker, waiting for the outbox to empty first (frames must not interleave)."""
 
@@ -693,6 +739,99 @@ class _ServedConnection:
         """Whether the connection is open and not cut off (its wire not marked dead)."""
         return self.conn.state is proto.ConnState.OPEN and not self.wire.dead_reason
 
+    # What a transport that serves on the loop (``serve_blocks`` False) answers with: nothing here
+    # blocks; each call queues, and the loop moves the bytes as the socket allows.
+    def reply(self, message: proto.Message) -> None:
+        """Send ``message`` (an ACK, an ERROR) after whatever is queued already."""
+        self._put(message)
+
+    def take_hold(self, descs: np.ndarray) -> Callable[[], None]:
+        """Hold ``descs`` ((N, 2): addr, len) of this engine's memory (take it before checking
+        them); the function that releases the hold (once; later calls do nothing)."""
+        holds = self.server.holds
+        key = holds.add(self, descs)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                holds.drop(key)
+
+        return release
+
+    def send_data(self, message: proto.Message, ranges: np.ndarray, release: Callable[[], None]) -> None:
+        """Send ``message`` (a DATA), then the bytes of ``ranges`` ((N, 2): addr, len of registered
+        memory) from where they lie; ``release()`` once they all went out, or the connection ended."""
+        with self.wire.conn_lock:
+            frame = self.wire.frame_of(self.conn.send, message)
+        if len(ranges) <= _SENDMSG_RANGES:  # a small reply: one segment, read by the peer in one recv
+            views = [memory_view(int(a), int(n)) for a, n in ranges.tolist()]
+            self._outbox.put([frame, *views], data=True, done=release)
+        else:
+            self._outbox.put([frame])
+            self._outbox.put_cursor(IovCursor(np.ascontiguousarray(ranges, dtype=np.uint64)), done=release)
+        self.flush()
+
+    def land_data(
+        self,
+        cursor: IovCursor | None,
+        deadline: float,
+        landed: Callable[[bool], None],
+        release: Callable[[], None],
+    ) -> None:
+        """Land the bulk data that follows the current frame into ``cursor``'s memory as it
+        arrives — none of it once ``deadline`` (``time.monotonic()``) passed: the rest is read and
+        dropped, as all of it is if ``cursor`` is None — then ``release()`` and ``landed(all_of_it)``.
+        If the connection ends first, only ``release()``."""
+        self._landing = _Landing(cursor, deadline, landed, release)
+        self._land()
+
+    def _land(self) -> bool:
+        """Move what arrived of the data being landed; True once it is all in (or dropped)."""
+        landing, wire, conn = self._landing, self.wire, self.conn
+        assert landing is not None
+        while conn.data_left:
+            cursor = landing.cursor
+            if cursor is not None and not cursor.finished and time.monotonic() >= landing.deadline:
+                landing.cursor = cursor = None  # past its deadline nothing lands: the rest is dropped
+            landing_now = cursor is not None and not cursor.finished
+            want = min(CHUNK, cursor.total - cursor.done) if landing_now else conn.data_left  # type: ignore[union-attr]
+            if conn.buffered:
+                with wire.conn_lock:
+                    data = conn.take_data(want)
+                if landing_now:
+                    cursor.copy_in(data)  # type: ignore[union-attr]
+            elif landing_now:
+                try:
+                    moved = readv(wire.fd, cursor, min(want, conn.data_left), landing.deadline)  # type: ignore[arg-type]
+                except OSError as exc:  # (ConnectionError included: the peer closed mid-data)
+                    raise PeerDisconnected(f"{wire.peer}: {exc}") from exc
+                if moved == 0:
+                    return False  # the rest when the socket says it came
+                if moved > 0:
+                    conn.data_moved(moved)
+            elif not self._drop(min(want, len(_DROPPED))):
+                return False
+            wire.last_alive = time.monotonic()
+        self._landing = None
+        landing.release()
+        landing.landed(landing.cursor is not None and landing.cursor.finished)
+        return True
+
+    def _drop(self, nbytes: int) -> bool:
+        """Read and drop up to ``nbytes`` of the data from the socket; False if none had come."""
+        try:
+            got = self.wire.sock.recv_into(_DROPPED_VIEW, nbytes)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            raise PeerDisconnected(f"{self.wire.peer}: {exc}") from exc
+        if not got:
+            raise PeerDisconnected(f"{self.wire.peer} closed the connection mid-data")
+        self.conn.data_moved(got)
+        return True
+
     # -- asked of it on the loop ------------------------------------------------------------------------
     def want_revoke(self, generation: int, deadline: float) -> bool:
         """Tell an open peer that reaches our memory one-sidedly the registrations of ``generation``
@@ -700,8 +839,7 @@ class _ServedConnection:
         WELCOME, still to come, names them) or serves nothing itself (the REGIONS push tells it)."""
         if self.phase is not _Phase.OPEN or not self.one_sided():
             return False
-        if generation > self._revoke_wanted:
-            self._revoke_wanted, self._revoke_deadline = generation, deadline
+        self._revoke_wanted = max(self._revoke_wanted, generation)
         self.flush()
         return True
 
@@ -723,8 +861,8 @@ class _ServedConnection:
         try:
             if mask & selectors.EVENT_WRITE:
                 self.flush()
-            if mask & selectors.EVENT_READ:
-                self._serve_arrived()
+            if mask & (selectors.EVENT_READ | _BUFFERED):
+                self._serve_arrived(bool(mask & selectors.EVENT_READ))
         except AuthenticationFailed as exc:
             log.warning("hixl: refused %s: %s", self.wire.peer, exc)
             self._fatal(Status.AUTH_FAILED, "authentication failed")
@@ -744,27 +882,37 @@ class _ServedConnection:
             if self.phase is not _Phase.ENDED:
                 self.server.loop.update(self)
 
-    def _serve_arrived(self) -> None:
-        """Serve the frames that arrived, up to a fair share (the rest in the loop's next round)."""
-        wire = self.wire
+    def _serve_arrived(self, readable: bool) -> None:
+        """Serve the frames that arrived (one ``recv`` if ``readable``), up to a fair share; the rest
+        in the loop's next round."""
+        wire, frame_timeout = self.wire, self.server.limits.frame_timeout
+        if self._landing is not None:
+            if not self._land():
+                return
+            readable = False  # (it read the socket until it was empty, or the data was in)
         for _ in range(_FRAMES_PER_ROUND):
             if self.busy or self.phase is _Phase.ENDED or self._close_after_flush or self._pending_job is not None:
                 return
+            if self._landing is not None:
+                if not self._land():
+                    return  # the rest of the data when it comes
+                continue
             if self._outbox.nbytes >= _OUTBOX_READ_LIMIT:
                 return  # it reads its answers first
-            event = wire.next_event(block=False, frame_timeout=self.server.limits.frame_timeout)
+            event = wire.buffered_event(readable, frame_timeout)
             if event is NEED_DATA:
                 return
+            readable = False  # (what came with that recv is served; the socket says if more waits)
             if self.phase is _Phase.OPEN:
                 self._serve(event)
             else:
                 self._handshake_step(event)
-        self.server.loop.again(self)  # its share is used up: the rest (buffered, maybe) in the next round
+        self.server.loop.again(self)  # its share is used up: the rest in the next round
 
     def on_timer(self, now: float, full: bool) -> None:
         """The sweep: handshake deadlines; with ``full``, an open connection's too: a frame arriving
         too slowly, liveness, PING, the outbox's deadline."""
-        if self.busy or self.phase is _Phase.ENDED or (self.phase is _Phase.OPEN and not full):
+        if self.busy or self.phase is _Phase.ENDED:
             return  # (a worker's waits keep the heartbeat while it has the socket)
         limits = self.server.limits
         wire = self.wire
@@ -784,7 +932,7 @@ class _ServedConnection:
         if silent > wire.interval * wire.misses:
             self.end(f"no sign of life for {silent:.1f} s")
             return
-        if self._outbox.overdue(now):
+        if self._outbox.stalled(now, wire.interval * wire.misses):
             log.warning("hixl: dropping connection from %s: it has not read what it was sent", wire.peer)
             self.end("a send passed its deadline")
             return
@@ -801,7 +949,7 @@ class _ServedConnection:
             if not isinstance(event, proto.Hello):
                 self.end("no HELLO")
                 return
-            self._send_raw(conn.challenge(), self.accepted_at + limits.handshake_timeout)
+            self._send_raw(conn.challenge())
             self.phase = _Phase.AUTH
             return
         if not isinstance(event, proto.Auth):
@@ -816,7 +964,7 @@ class _ServedConnection:
             log.warning("hixl: refused %s after its handshake: %s", wire.peer, refusal)
             with wire.conn_lock:
                 frame = conn.refuse(Status.RESOURCE_EXHAUSTED, refusal)
-            self._send_raw(frame, self.accepted_at + limits.handshake_timeout)
+            self._send_raw(frame)
             self._close_after_flush = "refused"
             self.flush()
             return
@@ -824,7 +972,7 @@ class _ServedConnection:
         # WELCOME is made (which then lists what is left) or after (and its REVOKE follows it).
         with wire.conn_lock:
             frame = conn.welcome(self.server.welcome_info(self))
-        self._send_raw(frame, self.accepted_at + limits.handshake_timeout)
+        self._send_raw(frame)
         self.id = f"{conn.peer_info.get('engine_id', '?')}/{next(_serials)}"
         self.phase = _Phase.OPEN
 
@@ -836,18 +984,21 @@ class _ServedConnection:
             return
         transport = self.server.servers_of.get(kind)
         if transport is not None:
-            self._to_worker(lambda: transport.serve(self, message))
+            if transport.capabilities.serve_blocks:
+                self._to_worker(lambda: transport.serve(self, message))
+            else:
+                transport.serve(self, message)
         elif kind in (proto.FrameType.READ, proto.FrameType.WRITE):
-            def refuse() -> None:
-                self.wire.drain()
-                self.wire.send(proto.Error(message.req_id, Status.UNSUPPORTED, f"this engine serves no {kind.name}"))
-
-            self._to_worker(refuse)
+            refusal = proto.Error(message.req_id, Status.UNSUPPORTED, f"this engine serves no {kind.name}")
+            if kind is proto.FrameType.WRITE:
+                self.land_data(None, 0.0, lambda _: self.reply(refusal), lambda: None)
+            else:
+                self.reply(refusal)
         elif kind is proto.FrameType.NOTIFY:
             if self.server.handles_notifies(message.name):
                 # The application's handler: on a worker, so that a slow one holds up its own
                 # connection (and a worker), never the loop that serves everyone.
-                self._to_worker(lambda: self._serve_notify(message, lambda m: self.wire.send(m, deadline=self._send_deadline())))
+                self._to_worker(lambda: self._serve_notify(message, lambda m: self.wire.send(m, deadline=self._worker_deadline())))
             else:
                 self._serve_notify(message, self._put)
         elif kind is proto.FrameType.QUERY_REGIONS:
@@ -862,7 +1013,7 @@ class _ServedConnection:
                 # further while its answers pile up).
                 with self.wire.conn_lock:
                     header, body = self.wire.frame_of(self.conn.send_split, proto.Meta(message.req_id, value))
-                self._outbox.put([header, body], self._send_deadline())
+                self._outbox.put([header, body])
         elif kind is proto.FrameType.PING:
             self._put(proto.Pong(message.req_id, time.monotonic()))
         elif kind is proto.FrameType.REVOKED:
@@ -923,17 +1074,17 @@ class _ServedConnection:
         self.server.loop.update(self)
 
     # -- sending ----------------------------------------------------------------------------------------
-    def _send_deadline(self) -> float:
+    def _worker_deadline(self) -> float:
         wire = self.wire
         return time.monotonic() + wire.interval * wire.misses
 
     def _put(self, message: proto.Message) -> None:
         with self.wire.conn_lock:
             frame = self.wire.frame_of(self.conn.send, message)
-        self._outbox.put([frame], self._send_deadline())
+        self._outbox.put([frame])
 
-    def _send_raw(self, frame: bytes, deadline: float) -> None:
-        self._outbox.put([frame], deadline)
+    def _send_raw(self, frame: bytes) -> None:
+        self._outbox.put([frame])
         self.flush()
 
     def flush(self) -> None:
@@ -943,7 +1094,8 @@ class _ServedConnection:
         if self.phase is _Phase.OPEN:
             self._add_region_frames()
         try:
-            self._outbox.flush(self.wire.sock)
+            if self._outbox.flush(self.wire.sock):
+                self.wire.last_alive = time.monotonic()  # our data taken by a peer that reads it
         except OSError as exc:
             self.end(f"socket error: {exc}")
             return
@@ -960,17 +1112,17 @@ class _ServedConnection:
         """A REVOKE if one is wanted (it carries the table too), else a REGIONS if the table changed."""
         if self._revoke_wanted > self.conn.newest_revoke:
             # The newest generation: it covers the one asked for, and everything before it.
-            message, shared = self.server.loop.revoke_frame()
+            revoke, shared = self.server.loop.revoke_frame()
             with self.wire.conn_lock:
-                frame = self.wire.frame_of(self.conn.send_encoded, message, shared)
-            self._outbox.put([frame], self._revoke_deadline)
+                frame = self.wire.frame_of(self.conn.send_encoded, revoke, shared)
+            self._outbox.put([frame])
             self.regions_dirty = False
         elif self.regions_dirty:
             self.regions_dirty = False
-            message, shared = self.server.loop.regions_frame()
+            regions, shared = self.server.loop.regions_frame()
             with self.wire.conn_lock:
-                frame = self.wire.frame_of(self.conn.send_encoded, message, shared)
-            self._outbox.put([frame], self._send_deadline())
+                frame = self.wire.frame_of(self.conn.send_encoded, regions, shared)
+            self._outbox.put([frame])
 
     # -- ending ----------------------------------------------------------------------------------------
     def _fatal(self, status: int, message: str) -> None:
@@ -1003,6 +1155,9 @@ class _ServedConnection:
 
     def _finish(self, reason: str) -> None:
         self.phase = _Phase.ENDED
+        landing, self._landing = self._landing, None
+        if landing is not None:
+            landing.release()
         self._outbox.clear()
         self.wire.mark_dead(reason)
         self.wire.close()

@@ -181,6 +181,29 @@ class Wire:
             if not self._fill(limit, block):
                 return NEED_DATA
 
+    def buffered_event(self, read: bool, frame_timeout: float) -> Event:
+        """For an event loop: the next event the buffer holds, after one non-blocking ``recv`` if
+        it holds none and ``read``; :data:`NEED_DATA` if there is none yet. One ``recv`` per
+        readiness, not one more to learn that the socket is empty: a level-triggered selector says
+        so again if it is not. (A frame started and not completed is timed as :meth:`next_event`
+        times it, see :meth:`frame_overdue`.)"""
+        while True:
+            with self.conn_lock:
+                event = self.conn.next_event()
+            if event is not NEED_DATA:
+                self._frame_started = None
+                if isinstance(event, ConnectionClosed):
+                    self.mark_dead(self.conn.closed_reason or "peer closed the connection")
+                return event
+            if self.conn.buffered:
+                if self._frame_started is None:
+                    self._frame_started = time.monotonic()
+            else:
+                self._frame_started = None
+            if not read or not self._fill(None, False):
+                return NEED_DATA
+            read = False
+
     def frame_overdue(self, now: float, frame_timeout: float) -> bool:
         """Whether a frame has been arriving for ``frame_timeout`` seconds without completing (as
         :meth:`next_event` with ``frame_timeout`` judges it; for a caller that reads with ``block=False``)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from .._memory import RemoteRegions
     from .._protocol.connection import Connection
     from .._request import TransferReq
+    from .._iov import IovCursor
     from .._wire import Wire
 
 __all__ = ["Capabilities", "Channel", "ServedSession", "Transport"]
@@ -62,6 +64,26 @@ class ServedSession(Protocol):
         """The peer reaches this engine's memory one-sidedly from now on (it was handed a way to:
         shm's memory files), whatever it said at the handshake: it confirms deregistrations."""
 
+    # For a transport served on the I/O loop (``Capabilities.serve_blocks`` False): calls that
+    # queue and return at once; the loop moves the bytes as the socket allows.
+    def reply(self, message: Any) -> None:
+        """Send ``message`` (an ACK, an ERROR) after whatever is queued already."""
+
+    def take_hold(self, descs: np.ndarray) -> Callable[[], None]:
+        """:meth:`hold`, released by calling the function returned (once; later calls do nothing),
+        or passing it to :meth:`send_data` / :meth:`land_data`."""
+
+    def send_data(self, message: Any, ranges: np.ndarray, release: Callable[[], None]) -> None:
+        """Send ``message`` (a DATA), then the bytes of ``ranges`` ((N, 2): addr, len of this
+        engine's memory) straight from there; ``release()`` once sent, or the connection ended."""
+
+    def land_data(
+        self, cursor: IovCursor | None, deadline: float, landed: Callable[[bool], None], release: Callable[[], None]
+    ) -> None:
+        """Land the bulk data after the current frame into ``cursor``'s memory as it arrives,
+        none of it past ``deadline`` (dropped then, as all of it is for ``cursor`` None); then
+        ``release()`` and ``landed(all_of_it)`` — or only ``release()`` if the connection ends."""
+
     def is_open(self) -> bool:
         """Whether the connection is still open. A transport that serves on a channel of its own
         serves a request only while it is, and looks again between chunks: this engine ends a
@@ -80,6 +102,11 @@ class Capabilities:
     """Memory kinds it can move."""
     serves: frozenset[FrameType] = field(default_factory=frozenset)
     """Frame types its target half answers (:meth:`Transport.serve`); none for one-sided ones."""
+    serve_blocks: bool = True
+    """Whether :meth:`Transport.serve` may block (wait on a socket, say): it then runs on one of the
+    target's few worker threads, and the connection is not read meanwhile. A transport that answers
+    through the session's queueing calls (``reply``, ``send_data``, ``land_data``: TCP) declares
+    False and is served on the target's I/O loop itself, at no thread hand-off."""
     one_sided: bool = True
     """Whether its initiator half may touch the target's memory without the target serving the
     request (cma, shm). A target waits for such peers to confirm a deregistration (REVOKE); a peer

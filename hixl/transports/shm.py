@@ -142,6 +142,7 @@ class ShmTransport(Transport):
         same_host_only=True,
         mem_types=frozenset({MemType.HOST}),
         serves=TcpTransport.capabilities.serves,
+        serve_blocks=TcpTransport.capabilities.serve_blocks,  # (it serves as TCP does)
     )
 
     def __init__(

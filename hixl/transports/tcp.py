@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -217,6 +218,7 @@ class TcpTransport(Transport):
         same_host_only=False,
         mem_types=frozenset({MemType.HOST}),
         serves=frozenset({proto.FrameType.READ, proto.FrameType.WRITE}),
+        serve_blocks=False,
         one_sided=False,
     )
 
@@ -230,57 +232,60 @@ class TcpTransport(Transport):
 
     # -- target half ----------------------------------------------------------------------------
     def serve(self, session: ServedSession, message: Any) -> None:
-        """Answer one READ or WRITE on the target's I/O thread.
+        """Answer one READ or WRITE, on the target's I/O loop, without blocking: the reply and its
+        data are queued, a WRITE's data is landed as it arrives (see :class:`ServedSession`).
 
         The request holds its ranges from before the check until its last byte moved,
         so a deregistration of them waits for it (or cuts it off).
         """
-        with session.hold(message.descs):
+        release = session.take_hold(message.descs)
+        try:
             if isinstance(message, proto.ReadRequest):
-                self._serve_read(session, message)
+                self._serve_read(session, message, release)
             else:
-                self._serve_write(session, message)
+                self._serve_write(session, message, release)
+        except BaseException:
+            release()
+            raise
 
     @staticmethod
-    def _refusal(session: ServedSession, descs: np.ndarray, write: bool) -> proto.Error | None:
+    def _refusal(session: ServedSession, req_id: int, descs: np.ndarray, write: bool) -> proto.Error | None:
         try:
             session.regions().check(descs[:, 0], descs[:, 1], write, "requested")
         except HixlError as exc:
-            return proto.Error(0, int(exc.status), str(exc))
+            return proto.Error(req_id, int(exc.status), str(exc))
         return None
 
-    def _serve_read(self, session: ServedSession, message: proto.ReadRequest) -> None:
-        wire = session.wire
+    def _serve_read(self, session: ServedSession, message: proto.ReadRequest, release: Callable[[], None]) -> None:
         if session.expired(message.deadline):
-            wire.send(proto.Error(message.req_id, Status.TIMEOUT, "the READ arrived after its deadline"))
+            release()
+            session.reply(proto.Error(message.req_id, Status.TIMEOUT, "the READ arrived after its deadline"))
             return
-        if len(message.descs) <= proto.frames.SMALL_DESCS:
-            # The latency path: a few ranges checked with bisect, sent with the reply in one sendmsg.
-            pairs = [(int(a), int(n)) for a, n in message.descs.tolist()]
+        descs = message.descs
+        if len(descs) <= proto.frames.SMALL_DESCS:
+            # The latency path: a few ranges checked with bisect (numpy costs more than it saves).
             table = session.regions()
-            if all(table.contains(a, n, False) for a, n in pairs):
-                with wire.conn_lock:
-                    frame = wire.conn.send(proto.Data(message.req_id, sum(n for _, n in pairs)))
-                wire.send_parts(frame, pairs, None)
-                return
-        refusal = self._refusal(session, message.descs, write=False)
+            ok = all(table.contains(a, n, False) for a, n in descs.tolist())
+        else:
+            ok = False
+        refusal = None if ok else self._refusal(session, message.req_id, descs, write=False)
         if refusal is not None:
-            wire.send(proto.Error(message.req_id, refusal.status, refusal.message))
+            release()
+            session.reply(refusal)
             return
-        data = IovCursor(iovecs(message.descs[:, 0], message.descs[:, 1]))
-        wire.send(proto.Data(message.req_id, data.total), data=data)
+        session.send_data(proto.Data(message.req_id, int(descs[:, 1].sum())), descs, release)
 
-    def _serve_write(self, session: ServedSession, message: proto.WriteRequest) -> None:
-        wire = session.wire
-        refusal = self._refusal(session, message.descs, write=True)
+    def _serve_write(self, session: ServedSession, message: proto.WriteRequest, release: Callable[[], None]) -> None:
+        refusal = self._refusal(session, message.req_id, message.descs, write=True)
         if refusal is not None:
-            wire.drain()  # keep the stream in step
-            wire.send(proto.Error(message.req_id, refusal.status, refusal.message))
+            session.land_data(None, 0.0, lambda _: session.reply(refusal), release)  # dropped: the stream stays in step
             return
         cursor = IovCursor(iovecs(message.descs[:, 0], message.descs[:, 1]))
-        if wire.receive_into(cursor, deadline=session.local_deadline(message.deadline)):
-            wire.send(proto.Ack(message.req_id))
-        else:
-            wire.send(proto.Error(message.req_id, Status.TIMEOUT, "the WRITE passed its deadline; the rest was dropped"))
 
+        def landed(complete: bool) -> None:
+            if complete:
+                session.reply(proto.Ack(message.req_id))
+            else:
+                session.reply(proto.Error(message.req_id, Status.TIMEOUT, "the WRITE passed its deadline; the rest was dropped"))
 
+        session.land_data(cursor, session.local_deadline(message.deadline), landed, release)

@@ -58,14 +58,13 @@ def test_finalize_with_a_target_process_connected(transport: str, shared_target:
     eng = Engine("127.0.0.1:0", {"transport": transport})
     eng.connect(shared_target.engine)
     _exercise(eng, shared_target.engine, shared_target.addrs[1])
-    # The target process is also connected to us, so we serve a connection too, and a READ of ours
-    # on a worker (a TCP one: cma and shm are one-sided).
+    # The target process is also connected to us, so we serve a connection too, and a handled
+    # notification on a worker.
     shared_target.call("connect", eng.local_engine)
-    with Engine("127.0.0.1", {"transport": "tcp"}) as reader:
-        reader.connect(eng.local_engine)
-        scratch = hixl.empty(4096)
-        reader.register_mem(scratch)
-        reader.transfer_sync(eng.local_engine, Op.READ, [(int(scratch.ctypes.data), eng.local_mems()[0].addr, 8)])
+    eng.handle_notifies("probe", lambda notify: None)
+    with Engine("127.0.0.1") as sender:
+        sender.connect(eng.local_engine)
+        sender.send_notify(eng.local_engine, NotifyDesc("probe", "x"))
     assert len(resources.threads() - threads) >= 4  # I/O loop, a worker, link reader, async worker
     eng.finalize()
     assert resources.threads() <= threads, "hixl threads left after finalize"
