@@ -944,7 +944,7 @@ class _ServedConnection:
 
     # -- handshake -----------------------------------------------------------------------------------
     def _handshake_step(self, event: Any) -> None:
-        wire, conn, limits = self.wire, self.conn, self.server.limits
+        wire, conn = self.wire, self.conn
         if self.phase is _Phase.HELLO:
             if not isinstance(event, proto.Hello):
                 self.end("no HELLO")
