@@ -19,6 +19,8 @@ these functions are handed the tables their callers checked and hold current.
   given local and remote tables: its total length, else None.
 - :func:`mapped_copy` — copy a small list through a peer's memory mapped here.
 - :func:`copy_pieces` — copy a batch's rows between local and mapped addresses.
+- :func:`cma_copy` — the generation and liveness checks and one ``process_vm_*`` call of a
+  small request (cma's latency path).
 - :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`
   cheaper (only the pure one has a use for it: numpy's calls want one side back
   to back; C copies in any order at the same speed).
@@ -33,7 +35,17 @@ import numpy as np
 
 from . import pure
 
-__all__ = ["GIL_FREE_FROM", "IMPLEMENTATION", "NATIVE", "PURE_ENV", "batch_order", "check_small", "copy_pieces", "mapped_copy"]
+__all__ = [
+    "GIL_FREE_FROM",
+    "IMPLEMENTATION",
+    "NATIVE",
+    "PURE_ENV",
+    "batch_order",
+    "check_small",
+    "cma_copy",
+    "copy_pieces",
+    "mapped_copy",
+]
 
 PURE_ENV = "HIXL_PURE_PYTHON"
 """Set to 1 to use the pure-Python hot path even where the extension loads."""
@@ -59,6 +71,7 @@ NATIVE = _impl is not pure
 check_small = _impl.check_small
 mapped_copy = _impl.mapped_copy
 copy_pieces = _impl.copy_pieces
+cma_copy = _impl.cma_copy
 
 
 def _any_order(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> None:

@@ -11,14 +11,20 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 /* Totals from this many bytes are copied with the GIL released (as hixl._accel.GIL_FREE_FROM). */
 #define GIL_FREE_FROM (64u << 10)
 /* The most descriptors the small-request functions take (at least hixl's SMALL_DESCS). */
 #define SMALL_MAX 64
+#ifndef IOV_MAX
+#define IOV_MAX 1024
+#endif
 
 typedef struct {
     uint64_t local, remote, len;
@@ -199,6 +205,81 @@ mapped_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(1);
 }
 
+PyDoc_STRVAR(cma_copy_doc,
+"cma_copy(pid, pidfd, write, descs, generation_page, generation) -> int\n\n"
+"One process_vm_writev (write) or process_vm_readv of a small list of (local, remote, len)\n"
+"descriptors with process ``pid``, if the 8-byte generation at the start of ``generation_page``\n"
+"(a buffer: the peer's mapped page) is ``generation`` and the process ``pidfd`` pins still exists.\n"
+"The bytes moved; a negative number if nothing was tried or the call failed (-errno).");
+
+/* What cma_copy answers besides bytes moved and -errno. */
+#define CMA_INELIGIBLE (-(1L << 20))
+#define CMA_STALE (CMA_INELIGIBLE - 1)
+#define CMA_GONE (CMA_INELIGIBLE - 2)
+
+static PyObject *
+cma_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "cma_copy takes 6 arguments");
+        return NULL;
+    }
+    long pid = PyLong_AsLong(args[0]);
+    long pidfd = PyLong_AsLong(args[1]);
+    int write = PyObject_IsTrue(args[2]);
+    unsigned long long expected = PyLong_AsUnsignedLongLong(args[5]);
+    if (PyErr_Occurred() || write < 0)
+        return NULL;
+    desc_t descs[SMALL_MAX];
+    Py_ssize_t count = parse_descs(args[3], descs);
+    if (count < 0 || count > IOV_MAX)
+        return PyLong_FromLong(CMA_INELIGIBLE);
+    Py_buffer page;
+    if (PyObject_GetBuffer(args[4], &page, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear(); /* closed: the general path reports it */
+        return PyLong_FromLong(CMA_INELIGIBLE);
+    }
+    uint64_t generation = 0;
+    if (page.len >= 8) {
+        const unsigned char *bytes = page.buf;
+        for (int i = 7; i >= 0; i--) /* little-endian, as the peer writes it ("<Q") */
+            generation = (generation << 8) | bytes[i];
+    }
+    PyBuffer_Release(&page);
+    if (generation != expected)
+        return PyLong_FromLong(CMA_STALE);
+#ifdef SYS_pidfd_send_signal
+    /* Signal 0 through the pidfd: the process it pins still exists (its pid not reused). */
+    if (pidfd < 0 || (syscall(SYS_pidfd_send_signal, (int)pidfd, 0, NULL, 0) < 0 && errno != EPERM))
+        return PyLong_FromLong(CMA_GONE);
+#else
+    return PyLong_FromLong(CMA_INELIGIBLE);
+#endif
+    struct iovec local[SMALL_MAX], remote[SMALL_MAX];
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        local[i].iov_base = (void *)(uintptr_t)descs[i].local;
+        local[i].iov_len = descs[i].len;
+        remote[i].iov_base = (void *)(uintptr_t)descs[i].remote;
+        remote[i].iov_len = descs[i].len;
+        total += descs[i].len;
+    }
+    ssize_t moved;
+    int err = 0;
+    if (total >= GIL_FREE_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        moved = write ? process_vm_writev((pid_t)pid, local, count, remote, count, 0)
+                      : process_vm_readv((pid_t)pid, local, count, remote, count, 0);
+        err = errno;
+        Py_END_ALLOW_THREADS
+    } else {
+        moved = write ? process_vm_writev((pid_t)pid, local, count, remote, count, 0)
+                      : process_vm_readv((pid_t)pid, local, count, remote, count, 0);
+        err = errno;
+    }
+    return PyLong_FromSsize_t(moved < 0 ? -(Py_ssize_t)err : (Py_ssize_t)moved);
+}
+
 /* A C-contiguous buffer of 8-byte unsigned ints with the given number of dimensions. */
 static int
 u64_buffer(PyObject *obj, Py_buffer *view, int ndim, const char *what)
@@ -271,6 +352,7 @@ static PyMethodDef methods[] = {
     {"check_small", (PyCFunction)(void (*)(void))check_small, METH_FASTCALL, check_small_doc},
     {"mapped_copy", (PyCFunction)(void (*)(void))mapped_copy, METH_FASTCALL, mapped_copy_doc},
     {"copy_pieces", (PyCFunction)(void (*)(void))copy_pieces, METH_FASTCALL, copy_pieces_doc},
+    {"cma_copy", (PyCFunction)(void (*)(void))cma_copy, METH_FASTCALL, cma_copy_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -283,7 +365,10 @@ PyInit__native(void)
 {
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "GIL_FREE_FROM", GIL_FREE_FROM) < 0 ||
-                      PyModule_AddIntConstant(m, "SMALL_MAX", SMALL_MAX) < 0)) {
+                      PyModule_AddIntConstant(m, "SMALL_MAX", SMALL_MAX) < 0 ||
+                      PyModule_AddIntConstant(m, "CMA_INELIGIBLE", CMA_INELIGIBLE) < 0 ||
+                      PyModule_AddIntConstant(m, "CMA_STALE", CMA_STALE) < 0 ||
+                      PyModule_AddIntConstant(m, "CMA_GONE", CMA_GONE) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

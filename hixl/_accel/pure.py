@@ -28,16 +28,41 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import signal
+import struct
 import sys
+import threading
 
 import numpy as np
 
-__all__ = ["GIL_FREE_FROM", "SMALL_MAX", "batch_order", "check_small", "copy", "copy_many", "copy_pieces", "mapped_copy"]
+from .._iov import process_vm_readv, process_vm_writev
+
+__all__ = [
+    "CMA_GONE",
+    "CMA_INELIGIBLE",
+    "CMA_STALE",
+    "GIL_FREE_FROM",
+    "SMALL_MAX",
+    "batch_order",
+    "check_small",
+    "cma_copy",
+    "copy",
+    "copy_many",
+    "copy_pieces",
+    "mapped_copy",
+]
 
 GIL_FREE_FROM = 64 << 10
 """Blocks of at least this many bytes are copied with the GIL released."""
 SMALL_MAX = 64
 """The most descriptors :func:`check_small` and :func:`mapped_copy` take."""
+CMA_INELIGIBLE = -(1 << 20)
+"""What :func:`cma_copy` answers when it tried nothing: ``descs`` is not a small list, or the
+generation page is closed."""
+CMA_STALE = CMA_INELIGIBLE - 1
+"""... the peer's generation is not the one given (our regions are out of date)."""
+CMA_GONE = CMA_INELIGIBLE - 2
+"""... the pinned process has gone."""
 _NUMPY_FROM = 16
 """Fewest blocks worth one numpy call (it costs a few microseconds to set up)."""
 
@@ -143,6 +168,58 @@ def mapped_copy(
     for dst, src, nbytes in plan:
         copy(dst, src, nbytes)
     return 1
+
+
+_GENERATION = struct.Struct("<Q")
+_IOVEC = 16
+_REMOTE_OFFSET = _IOVEC * SMALL_MAX
+_iov_pack = [struct.Struct(f"<{2 * n}Q") for n in range(SMALL_MAX + 1)]
+_ONE_PAIR = struct.Struct(f"<2Q{_REMOTE_OFFSET - _IOVEC}x2Q")  # one local and one remote iovec
+
+
+class _Scratch(threading.local):
+    """Per-thread iovec buffers for :func:`cma_copy` (no allocation per call)."""
+
+    def __init__(self) -> None:
+        self.buf = ctypes.create_string_buffer(2 * _REMOTE_OFFSET)
+        self.local = ctypes.addressof(self.buf)  # local iovecs, then remote ones
+        self.remote = self.local + _REMOTE_OFFSET
+
+
+_scratch = _Scratch()
+
+
+def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: object, generation: int) -> int:
+    """One ``process_vm_writev`` (``write``) or ``process_vm_readv`` of a small list of (local,
+    remote, len) descriptors with process ``pid``, if the 8-byte generation at the start of
+    ``generation_page`` (the peer's mapped page) is ``generation`` and the process ``pidfd`` pins
+    still exists. The bytes moved; -errno if the call failed; :data:`CMA_INELIGIBLE`,
+    :data:`CMA_STALE` or :data:`CMA_GONE` if nothing was tried."""
+    triples = _triples(descs)
+    if triples is None:
+        return CMA_INELIGIBLE
+    try:
+        current = _GENERATION.unpack_from(generation_page)[0]  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # unmapped by close()
+        return CMA_INELIGIBLE
+    if current != generation:
+        return CMA_STALE
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except PermissionError:
+        pass  # it exists; signalling it is another permission than cma's
+    except (OSError, ValueError):
+        return CMA_GONE
+    scratch, count = _scratch, len(triples)
+    if count == 1:  # the common latency case: both iovecs in one call, no argument lists
+        local, remote, length = triples[0]
+        _ONE_PAIR.pack_into(scratch.buf, 0, local, length, remote, length)
+    else:
+        pack = _iov_pack[count]
+        pack.pack_into(scratch.buf, 0, *[v for d in triples for v in (d[0], d[2])])
+        pack.pack_into(scratch.buf, _REMOTE_OFFSET, *[v for d in triples for v in (d[1], d[2])])
+    moved = (process_vm_writev if write else process_vm_readv)(pid, scratch.local, count, scratch.remote, count, 0)
+    return int(moved) if moved >= 0 else -ctypes.get_errno()
 
 
 def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool) -> None:

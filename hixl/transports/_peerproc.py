@@ -111,6 +111,11 @@ class Watched:
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
 
+    @property
+    def fd(self) -> int:
+        """The descriptor (-1 once closed), for a check made elsewhere (hixl._accel.cma_copy)."""
+        return self._fd
+
     def alive(self) -> bool:
         """True until what the descriptor watches is gone (False once this is closed)."""
         if self._fd < 0:

@@ -302,3 +302,62 @@ def test_mapped_copy_copies_nothing_unless_everything_is_mapped(impl: ModuleType
     assert impl.mapped_copy([(at, 1 << 20, 8), (at, 2 << 20, 8)], True, *index) == -1
     assert impl.mapped_copy("not descriptors", False, *index) == -1
     assert np.array_equal(local, before_local) and np.array_equal(here, before_here)
+
+
+# -- cma's latency-path call --------------------------------------------------------------------------
+
+@pytest.fixture
+def own_process() -> Any:
+    """This process as its own cma peer: a pidfd pinning it, and a generation page saying 7."""
+    import mmap
+    import struct
+
+    pidfd = os.pidfd_open(os.getpid())
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    struct.pack_into("<Q", page, 0, 7)
+    yield os.getpid(), pidfd, page
+    os.close(pidfd)
+    page.close()
+
+
+def test_cma_copy_moves_the_bytes_when_the_generation_and_the_process_are_current(impl: ModuleType, own_process: Any) -> None:
+    pid, pidfd, page = own_process
+    src, dst = hixl.empty(BLOCK), hixl.empty(BLOCK)
+    src[:] = np.arange(BLOCK, dtype=np.uint8)
+    dst.fill(0)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    # READ: from the "remote" (src) into local (dst); WRITE: from local (src) to the "remote" (dst).
+    assert impl.cma_copy(pid, pidfd, False, [(d, s, 100), (d + 200, s + 300, 50)], page, 7) == 150
+    assert (dst[:100] == src[:100]).all() and (dst[200:250] == src[300:350]).all() and dst[100] == 0
+    dst.fill(0)
+    assert impl.cma_copy(pid, pidfd, True, [(s + 8, d + 16, 8)], page, 7) == 8
+    assert (dst[16:24] == src[8:16]).all() and dst[15] == 0 and dst[24] == 0
+
+
+def test_cma_copy_tries_nothing_on_a_stale_generation_or_a_gone_process(impl: ModuleType, own_process: Any) -> None:
+    pid, pidfd, page = own_process
+    src, dst = hixl.empty(BLOCK), hixl.empty(BLOCK)
+    src.fill(1)
+    dst.fill(0)
+    descs = [(int(dst.ctypes.data), int(src.ctypes.data), 64)]
+    assert impl.cma_copy(pid, pidfd, False, descs, page, 8) == pure.CMA_STALE
+    assert impl.cma_copy(pid, -1, False, descs, page, 7) == pure.CMA_GONE
+    assert impl.cma_copy(pid, pidfd, False, [(1, 2, 0)], page, 7) == pure.CMA_INELIGIBLE
+    assert (dst == 0).all()
+    import mmap
+
+    closed = mmap.mmap(-1, mmap.PAGESIZE)
+    closed.close()
+    assert impl.cma_copy(pid, pidfd, False, descs, closed, 0) == pure.CMA_INELIGIBLE
+    # An address nothing is mapped at: the kernel's EFAULT, as -errno.
+    import errno
+
+    assert impl.cma_copy(pid, pidfd, False, [(int(dst.ctypes.data), 1 << 46, 64)], page, 7) == -errno.EFAULT
+    assert (dst == 0).all()
+
+
+def test_the_cma_answers_are_the_same_in_both_implementations() -> None:
+    native = _native()
+    if native is None:
+        pytest.skip("the C extension is not built here")
+    assert (native.CMA_INELIGIBLE, native.CMA_STALE, native.CMA_GONE) == (pure.CMA_INELIGIBLE, pure.CMA_STALE, pure.CMA_GONE)
