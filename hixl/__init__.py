@@ -26,6 +26,7 @@ from ._exceptions import (
 from ._memory import PAGE_SIZE, empty
 from ._request import TransferReq
 from ._types import MemDesc, MemHandle, MemType, NotifyDesc, Op, Status, TransferOpDesc, TransferStatus
+from ._session.backend import NetworkBackend, TcpBackend
 from .engine import DEFAULT_OPTIONS, Engine
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "MemHandle",
     "MemType",
     "MemoryRangeError",
+    "NetworkBackend",
     "NotConnected",
     "NotifyDesc",
     "Op",
@@ -52,6 +54,7 @@ __all__ = [
     "ResourceExhausted",
     "Status",
     "StoreUnavailable",
+    "TcpBackend",
     "TransferCancelled",
     "TransferError",
     "TransferOpDesc",

@@ -29,9 +29,7 @@ import numpy as np
 
 from . import _accel
 from . import _protocol as proto
-from ._address import boot_id as _boot_id
 from ._aio import Wakes, wait_until
-from ._address import format_address, parse_address
 from ._exceptions import (
     AlreadyConnected,
     HixlError,
@@ -42,14 +40,25 @@ from ._exceptions import (
     ResourceExhausted,
     Unsupported,
 )
-from ._link import LinkState, PeerLink, handshake
 from ._memory import Registry, as_desc_array, merge_adjacent
 from ._options import DEFAULT_OPTIONS, EngineOptions, is_loopback
 from ._protocol.connection import Connection, Role
 from ._request import TransferReq
-from ._server import ServerLimits, TargetServer
-from ._types import MemDesc, MemHandle, MemType, NotifyDesc, Op, TransferOpDesc, TransferStatus
-from ._wire import Wire
+from ._session.address import boot_id as _boot_id
+from ._session.address import format_address, parse_address
+from ._session.initiator import LinkState, PeerLink, handshake
+from ._session.backend import NetworkBackend, TcpBackend
+from ._session.target import ServerLimits, TargetServer
+from ._session.wire import Wire
+from ._types import (
+    MemDesc,
+    MemHandle,
+    MemType,
+    NotifyDesc,
+    Op,
+    TransferOpDesc,
+    TransferStatus,
+)
 from .discovery import MetadataStore, open_store
 from .transports import default_transports
 from .transports.base import Channel, Transport
@@ -145,6 +154,8 @@ class Engine:
     picks a free one; :attr:`local_engine` then reports it) or ``"ip"`` alone for
     a client-only engine. ``options`` override :data:`DEFAULT_OPTIONS`.
     ``transports`` replaces the built-in list (most preferred first).
+    ``network_backend`` is where the engine gets its sockets (connect and listen;
+    default: :class:`hixl.TcpBackend`; see :class:`hixl.NetworkBackend`).
     """
 
     def __init__(
@@ -153,8 +164,10 @@ class Engine:
         options: dict[str, Any] | None = None,
         *,
         transports: Sequence[Transport] | None = None,
+        network_backend: NetworkBackend | None = None,
     ) -> None:
         self._server: TargetServer | None = None
+        self._network = network_backend if network_backend is not None else TcpBackend()
         self._finalized = True  # until constructed: nothing for finalize() to do
         parsed = EngineOptions.parse(options)
         self.options = parsed.public
@@ -208,7 +221,16 @@ class Engine:
             identity = {"engine_id": self._id, "boot_id": _boot_id()}
             try:
                 self._server = TargetServer(
-                    host, port, self._registry, self._accept_notify, self._handlers.__contains__, self._transports, limits, self._secret, identity
+                    host,
+                    port,
+                    self._registry,
+                    self._accept_notify,
+                    self._handlers.__contains__,
+                    self._transports,
+                    limits,
+                    self._secret,
+                    identity,
+                    self._network,
                 )
             except OSError as exc:
                 for transport in self._transports:
@@ -342,7 +364,7 @@ class Engine:
         while True:
             left = deadline - time.monotonic()
             try:
-                return socket.create_connection((host, port), timeout=max(0.001, left))
+                return self._network.connect(host, port, max(0.001, left))
             except TimeoutError as exc:
                 raise HixlTimeout(f"connecting to {name} timed out") from exc
             except ConnectionRefusedError as exc:

@@ -6,6 +6,7 @@ with ``register_blocks_cache`` / ``pull_blocks`` / ``push_blocks`` /
 """
 
 from ._errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeout
+from ._task import CacheTask
 from ._types import (
     BlocksCacheKey,
     Cache,
@@ -22,7 +23,6 @@ from ._types import (
     TransferConfig,
     TransferDone,
 )
-from ._task import CacheTask
 from .cache_manager import CacheManager, LayerSynchronizer
 from .llm_datadist import LLMDataDist
 

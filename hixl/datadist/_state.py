@@ -41,7 +41,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .._exceptions import AccessDenied, AlreadyConnected, HixlError, ParamInvalid, ResourceExhausted
+from .._exceptions import (
+    AccessDenied,
+    AlreadyConnected,
+    HixlError,
+    ParamInvalid,
+    ResourceExhausted,
+)
 from .._memory import empty
 from .._types import MemDesc, MemHandle, NotifyDesc, Op, TransferOpDesc
 from ..engine import Engine

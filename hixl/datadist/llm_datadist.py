@@ -26,8 +26,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from .._address import format_address, parse_address
 from .._exceptions import AlreadyConnected, HixlError, ParamInvalid
+from .._session.address import format_address, parse_address
 from .._types import NotifyDesc
 from ..engine import Engine
 from ._catalog import CATALOG_KEY, Catalog

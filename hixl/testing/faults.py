@@ -18,12 +18,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .._link import LinkState
 from .._protocol import RegionsPushed
+from .._session.initiator import LinkState
 from ..transports.base import Channel, Transport
 
 if TYPE_CHECKING:
-    from .._link import PeerLink
+    from .._session.initiator import PeerLink
     from ..transports.base import ServedSession
 
 __all__ = ["FaultyTransport"]

@@ -44,7 +44,7 @@ from ._shm_maps import SharedMappings
 from ._shm_socket import Received, fetch
 
 if TYPE_CHECKING:
-    from .._link import PeerLink
+    from .._session.initiator import PeerLink
 
 __all__ = ["Liveness", "PeerMemory"]
 

@@ -4,7 +4,7 @@ A :class:`Transport` is one thing with two halves. Its *target* half may
 ``advertise`` facts the initiator needs (sent in the WELCOME of each
 authenticated connection), and ``serve``\\s the frame types it declares in
 :attr:`Capabilities.serves` on the target engine's I/O thread. Its *initiator*
-half ``probe``\\s a fresh :class:`~hixl._link.PeerLink` — can I reach this
+half ``probe``\\s a fresh :class:`~hixl._session.initiator.PeerLink` — can I reach this
 peer? — and, if so, ``open``\\s a :class:`Channel` bound to it. The engine reads
 the declared capabilities (a same-host-only transport is not even probed for a
 peer on another host; memory kinds must match), walks its transports in order
@@ -15,10 +15,9 @@ memory, RDMA, GPU) plug in without touching the engine.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -27,12 +26,12 @@ from .._protocol.frames import FrameType
 from .._types import MemType, Op
 
 if TYPE_CHECKING:
-    from .._link import PeerLink
+    from .._iov import IovCursor
     from .._memory import RemoteRegions
     from .._protocol.connection import Connection
     from .._request import TransferReq
-    from .._iov import IovCursor
-    from .._wire import Wire
+    from .._session.initiator import PeerLink
+    from .._session.wire import Wire
 
 __all__ = ["Capabilities", "Channel", "ServedSession", "Transport"]
 

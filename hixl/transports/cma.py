@@ -42,18 +42,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _accel
-from .._address import boot_id as _boot_id
 from .._exceptions import HixlError, PeerDisconnected, TransferError
-from .._link import LinkState
-from .._protocol.frames import SMALL_DESCS
-from .._types import MemType, Op
 from .._iov import IovCursor, iovecs, process_vm_readv, process_vm_writev
+from .._protocol.frames import SMALL_DESCS
+from .._session.address import boot_id as _boot_id
+from .._session.initiator import LinkState
+from .._types import MemType, Op
 from ._peerproc import PeerProcess, far_end_owner_error, map_peer_file
 from .base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
-    from .._link import PeerLink
     from .._request import TransferReq
+    from .._session.initiator import PeerLink
     from .base import ServedSession
 
 __all__ = ["CmaTransport"]

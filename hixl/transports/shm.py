@@ -51,11 +51,11 @@ import numpy as np
 
 from .. import _accel, _shm_pool
 from .. import _protocol as proto
-from .._address import boot_id as _boot_id
 from .._exceptions import HixlError, PeerDisconnected, ProtocolError
-from .._link import INPUT_CHECK, LinkState
 from .._memory import RemoteRegions
 from .._protocol import shm as shm_proto
+from .._session.address import boot_id as _boot_id
+from .._session.initiator import INPUT_CHECK, LinkState
 from .._types import MemType, Op
 from ._shm_peer import RECHECK, PeerMemory
 from ._shm_socket import Credentials, GrantServer, Message
@@ -63,8 +63,8 @@ from .base import Capabilities, Channel, Transport
 from .tcp import TcpChannel, TcpTransport
 
 if TYPE_CHECKING:
-    from .._link import PeerLink
     from .._request import TransferReq
+    from .._session.initiator import PeerLink
     from .base import ServedSession
 
 __all__ = ["ShmChannel", "ShmTransport"]

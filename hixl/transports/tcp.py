@@ -28,16 +28,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _protocol as proto
-from .._exceptions import HixlError, MemoryRangeError, ProtocolError, TransferTimeout, error_for_status
+from .._exceptions import (
+    HixlError,
+    MemoryRangeError,
+    ProtocolError,
+    TransferTimeout,
+    error_for_status,
+)
 from .._iov import IovCursor, iovecs
-from .._link import Pending
+from .._session.initiator import Pending
 from .._types import MemType, Op, Status
 from .base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
-    from .._link import PeerLink
     from .._protocol.connection import Connection
     from .._request import TransferReq
+    from .._session.initiator import PeerLink
     from .base import ServedSession
 
 __all__ = ["TcpChannel", "TcpTransport"]

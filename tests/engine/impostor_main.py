@@ -21,7 +21,7 @@ import sys
 import numpy as np
 
 from hixl import _protocol as proto
-from hixl._address import boot_id
+from hixl._session.address import boot_id
 from hixl._iov import process_vm_writev
 from hixl.testing import ScriptedPeer, ScriptedTarget
 

@@ -17,7 +17,7 @@ import pytest
 
 import hixl
 from hixl import Engine, Op, Unsupported
-from hixl._address import boot_id
+from hixl._session.address import boot_id
 from hixl._protocol import shm as shm_proto
 from hixl._shm_pool import F_SEAL_FUTURE_WRITE
 from hixl.testing import ScriptedPeer, ScriptedTarget, TargetProcess

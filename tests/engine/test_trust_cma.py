@@ -26,7 +26,7 @@ import pytest
 import hixl
 from hixl import Engine, Op, Unsupported
 from hixl import _protocol as proto
-from hixl._address import boot_id
+from hixl._session.address import boot_id
 from hixl.testing import ScriptedPeer, ScriptedTarget, TargetProcess
 from hixl.transports._peerproc import PeerProcess
 

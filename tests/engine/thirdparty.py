@@ -42,7 +42,7 @@ from hixl.transports.base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
     from hixl import TransferReq
-    from hixl._link import PeerLink
+    from hixl._session.initiator import PeerLink
     from hixl.transports.base import ServedSession
 
 _REQUEST = struct.Struct("<BIQ")

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._iov import IOV_MAX, IovCursor, writev
+from .._iov import IOV_MAX, IovCursor, writev
 
 __all__ = ["Outbox"]
 

@@ -31,11 +31,17 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _protocol as proto
-from ._exceptions import PeerDisconnected, ProtocolError, TransferTimeout
-from ._iov import IovCursor, bytes_cursor, readv, writev
-from ._memory import memory_view
-from ._protocol.connection import NEED_DATA, Connection, ConnectionClosed, ConnState, Event
+from .. import _protocol as proto
+from .._exceptions import PeerDisconnected, ProtocolError, TransferTimeout
+from .._iov import IovCursor, bytes_cursor, readv, writev
+from .._memory import memory_view
+from .._protocol.connection import (
+    NEED_DATA,
+    Connection,
+    ConnectionClosed,
+    ConnState,
+    Event,
+)
 
 __all__ = ["CHUNK", "READ_SIZE", "Wire"]
 

@@ -1,7 +1,7 @@
 """The target's side: a listener, limits, one I/O loop for every connection, and a few workers.
 
 Every accepted socket is checked against the allow-list of peer networks and
-the handshake slots (see :mod:`hixl._admission`: handshakes are counted apart
+the handshake slots (see :mod:`hixl._session.admission`: handshakes are counted apart
 from authenticated peers, so a flood of them cannot take a peer's slot) before
 anything else; a refusal is one ERROR frame, then close. The handshake (see
 :mod:`hixl._protocol.connection`) must deliver its HELLO within
@@ -20,8 +20,8 @@ out of file descriptors: it logs, pauses and goes on.
 
 Threads. However many peers: one I/O loop (:class:`_Loop`: a selector over the
 listener and every socket, timers as one sweep, every send through a
-connection's non-blocking :class:`~hixl._outbox.Outbox`), and at most
-``serve_threads`` workers (:class:`~hixl._pool.WorkerPool`) for requests that
+connection's non-blocking :class:`~hixl._session.outbox.Outbox`), and at most
+``serve_threads`` workers (:class:`~hixl._session.pool.WorkerPool`) for requests that
 move data, which may wait on a slow peer up to their deadlines. Nothing another
 thread wants sent waits on a socket: a registration change is one word to the
 loop, which sends the newest table to every peer (encoded once); a
@@ -51,9 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _protocol as proto
-from ._admission import Admission
-from ._exceptions import (
+from .. import _protocol as proto
+from .._exceptions import (
     AuthenticationFailed,
     HixlError,
     PeerDisconnected,
@@ -61,15 +60,17 @@ from ._exceptions import (
     ResourceExhausted,
     TransferTimeout,
 )
-from ._iov import IovCursor, readv
-from ._memory import Registry, RemoteRegions, memory_view
-from ._outbox import Outbox
-from ._pool import WorkerPool
-from ._protocol.auth import Secret
-from ._protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
-from ._types import NotifyDesc, Status
-from ._wire import CHUNK, Wire
-from .transports.base import Transport
+from .._iov import IovCursor, readv
+from .._memory import Registry, RemoteRegions, memory_view
+from .._protocol.auth import Secret
+from .._protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
+from .._types import NotifyDesc, Status
+from ..transports.base import Transport
+from .admission import Admission
+from .backend import NetworkBackend
+from .outbox import Outbox
+from .pool import WorkerPool
+from .wire import CHUNK, Wire
 
 __all__ = ["ServerLimits", "TargetServer", "check_fd_limit"]
 
@@ -190,6 +191,7 @@ class TargetServer:
         limits: ServerLimits,
         secret: Secret | None,
         identity: dict[str, Any],
+        backend: NetworkBackend,
     ) -> None:
         self.identity = identity
         self._metadata: dict[str, bytes] = {}
@@ -205,18 +207,14 @@ class TargetServer:
             for kind in transport.capabilities.serves:
                 self.servers_of.setdefault(kind, transport)
         check_fd_limit(limits.max_connections + limits.max_handshakes)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener = backend.listen(host, port, min(4096, limits.max_handshakes * 4))
         try:
-            self._listener.bind((host, port))
-            self._listener.listen(min(4096, limits.max_handshakes * 4))
             self._listener.setblocking(False)
+            bound_port = self._listener.getsockname()[1]
         except OSError:
             self._listener.close()
             raise
-        bound_port = self._listener.getsockname()[1]
-        self.address = f"[{host}]:{bound_port}" if family == socket.AF_INET6 else f"{host}:{bound_port}"
+        self.address = f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
         self._lock = threading.Lock()
         self._connections: set[_ServedConnection] = set()
         """Every connection not yet ended (the loop's and the workers'); guarded by ``_lock``."""
@@ -660,7 +658,7 @@ class _ServedConnection:
     """One initiator's connection (a :class:`ServedSession`), driven by the server's I/O loop.
 
     The loop owns it — reads its frames, answers control frames through its
-    :class:`~hixl._outbox.Outbox`, checks its timers — except while a worker
+    :class:`~hixl._session.outbox.Outbox`, checks its timers — except while a worker
     serves one of its requests (``busy``): then the worker alone uses its socket,
     and the loop neither reads it nor sends on it until the worker hands it back.
     Frames are therefore served strictly in order (a notification sent after a

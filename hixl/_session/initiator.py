@@ -2,7 +2,7 @@
 
 Theory of operation. ``connect`` runs the handshake (see
 :mod:`hixl._protocol.connection`); from then on the link owns the socket's
-:class:`~hixl._wire.Wire`. Replies reach the :class:`Pending` entry registered
+:class:`~hixl._session.wire.Wire`. Replies reach the :class:`Pending` entry registered
 under their ``req_id``; a READ reply's data flows from the socket straight into
 local memory.
 
@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _protocol as proto
-from ._exceptions import (
+from .. import _protocol as proto
+from .._exceptions import (
     HixlError,
     HixlTimeout,
     PeerDisconnected,
@@ -47,12 +47,12 @@ from ._exceptions import (
     TransferTimeout,
     error_for_status,
 )
-from ._memory import RemoteRegions
-from ._protocol.connection import ConnectionClosed, PeerFatal, RegionsPushed
-from ._wire import Wire
+from .._memory import RemoteRegions
+from .._protocol.connection import ConnectionClosed, PeerFatal, RegionsPushed
+from .wire import Wire
 
 if TYPE_CHECKING:
-    from ._protocol.connection import Connection
+    from .._protocol.connection import Connection
 
 __all__ = ["LinkState", "Pending", "PeerLink", "handshake"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from ._exceptions import ParamInvalid
+from .._exceptions import ParamInvalid
 
 __all__ = ["boot_id", "format_address", "parse_address"]
 
