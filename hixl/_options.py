@@ -21,6 +21,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "deregister_timeout": 5.0,
     "heartbeat_interval": 1.0,
     "heartbeat_misses": 5,
+    "idle_ping_interval": 10.0,
     "hello_timeout": 1.0,
     "handshake_timeout": 5.0,
     "frame_timeout": 10.0,
@@ -51,6 +52,10 @@ DEFAULT_OPTIONS: dict[str, Any] = {
   stopped using the memory (and for requests being served in it) before cutting them off.
 - ``heartbeat_interval`` / ``heartbeat_misses``: an idle link is pinged every interval; a peer
   that shows no progress for interval × misses is declared dead.
+- ``idle_ping_interval``: a TCP link with nothing waiting on the peer is pinged only after this
+  long silent (and declared dead ``heartbeat_interval × heartbeat_misses`` later): idle links cost
+  their target a ping per interval each, not one per heartbeat. Links whose copies bypass the
+  socket (cma, shm) always ping at the heartbeat's pace.
 - ``hello_timeout`` (target): a connection's first frame (HELLO) must be complete within this,
   from accept; at most ``handshake_timeout`` (if left out, it is cut down to it).
 - ``handshake_timeout`` (target): a connection must finish its handshake within this, from accept.
@@ -87,6 +92,7 @@ _POSITIVE_TIMES = (
     "transfer_timeout",
     "deregister_timeout",
     "heartbeat_interval",
+    "idle_ping_interval",
     "hello_timeout",
     "handshake_timeout",
     "frame_timeout",

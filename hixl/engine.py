@@ -394,6 +394,13 @@ class Engine:
         except BaseException:
             link.close()
             raise
+        # An idle link may ping slowly only if all its traffic goes through the socket, and only if
+        # the target knows it will (it allows for that when we said we are two-sided, or are on
+        # another host): see Wire.idle_ping and the target's liveness check.
+        said_two_sided = not self._hello_info()["one_sided"]
+        elsewhere = link.welcome.get("boot_id") != _boot_id()
+        if not transport.capabilities.one_sided and (said_two_sided or elsewhere):
+            wire.idle_ping = float(self.options["idle_ping_interval"])
         return _Peer(link, channel, transport, int(self.options["max_inflight"]))
 
     def _hello_info(self) -> dict[str, Any]:
@@ -401,7 +408,13 @@ class Engine:
         whether it may reach the target's memory one-sidedly (so must confirm deregistrations)."""
         wanted = self.options["transport"]
         one_sided = any(t.capabilities.one_sided for t in self._transports if wanted in ("auto", t.capabilities.name))
-        return {"engine": self.local_engine, "engine_id": self._id, "boot_id": _boot_id(), "one_sided": one_sided}
+        return {
+            "engine": self.local_engine,
+            "engine_id": self._id,
+            "boot_id": _boot_id(),
+            "one_sided": one_sided,
+            "idle_ping": float(self.options["idle_ping_interval"]),
+        }
 
     def _choose_transport(self, link: PeerLink) -> Transport:
         """The first transport, in order of preference, whose declared capabilities fit and whose probe passes."""

@@ -166,12 +166,20 @@ class PeerLink:
         """Route the reply for ``req_id`` to ``pending``."""
         with self._pending_lock:
             self.ensure_alive()
+            if not self._pending:
+                self.wire.busy_since = time.monotonic()  # the peer owes us progress from now
             self._pending[req_id] = pending
 
     def forget(self, req_id: int) -> None:
         """Stop waiting for ``req_id`` (a late reply is then ignored, its data drained)."""
         with self._pending_lock:
             self._pending.pop(req_id, None)
+            self._idle_if_done()
+
+    def _idle_if_done(self) -> None:
+        """Caller holds ``_pending_lock``: with nothing waiting on the peer, the link is idle."""
+        if not self._pending:
+            self.wire.busy_since = None
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(
@@ -417,6 +425,7 @@ class PeerLink:
             raise PeerDisconnected(f"{self.remote_engine} reported a fatal error: {message.message}")
         with self._pending_lock:
             pending = self._pending.pop(message.req_id, None)
+            self._idle_if_done()
         if isinstance(message, proto.Data):
             if pending is None:
                 self.wire.drain()

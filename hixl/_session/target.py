@@ -83,6 +83,8 @@ _SPARE_FDS = 256
 _OUTBOX_READ_LIMIT = 4 << 20
 """A connection with this many bytes of answers unsent is not read until it takes them."""
 _FRAMES_PER_ROUND = 32
+_MAX_IDLE_PING = 60.0
+"""The longest idle silence a peer may announce (idle_ping): a peer that says more gets this."""
 _SENDMSG_RANGES = 8
 """Most ranges of a READ's data queued as buffers behind its frame (one sendmsg); more: an iovec cursor."""
 _DROPPED = bytearray(64 << 10)
@@ -733,6 +735,14 @@ class _ServedConnection:
         elsewhere = bool(ours) and isinstance(info.get("boot_id"), str) and info["boot_id"] != ours
         return info.get("one_sided") is not False and not elsewhere
 
+    def _peer_idle_ping(self) -> float:
+        """How long an idle peer may stay silent before its first ping is due: what it said (capped
+        at a minute), if it may ping slowly at all (it is two-sided, see :meth:`one_sided`); else 0."""
+        said = self.conn.peer_info.get("idle_ping")
+        if self.one_sided() or type(said) not in (int, float) or not said > 0:
+            return 0.0
+        return min(float(said), _MAX_IDLE_PING)
+
     def is_open(self) -> bool:
         """Whether the connection is open and not cut off (its wire not marked dead)."""
         return self.conn.state is proto.ConnState.OPEN and not self.wire.dead_reason
@@ -927,14 +937,18 @@ class _ServedConnection:
             self.end("a frame arrived too slowly")
             return
         silent = now - wire.last_alive
-        if silent > wire.interval * wire.misses:
+        budget = wire.interval * wire.misses
+        # A two-sided peer with nothing waiting on us pings only every idle_ping (it said how
+        # often): its silence counts against the budget from then.
+        idle = self._peer_idle_ping() if not (self._outbox or self._landing) else 0.0
+        if silent > budget + idle:
             self.end(f"no sign of life for {silent:.1f} s")
             return
-        if self._outbox.stalled(now, wire.interval * wire.misses):
+        if self._outbox.stalled(now, budget):
             log.warning("hixl: dropping connection from %s: it has not read what it was sent", wire.peer)
             self.end("a send passed its deadline")
             return
-        if wire.ping_due(now):
+        if silent >= idle + budget / 2 and wire.ping_due(now):  # (a last try before the end)
             wire.pinged(now)
             self._put(proto.Ping())
             self.flush()

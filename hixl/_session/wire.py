@@ -75,6 +75,13 @@ class Wire:
         self.peer = peer
         self.interval = interval
         self.misses = misses
+        self.idle_ping: float | None = None
+        """Set (seconds) for a link whose traffic all goes through this socket (TCP): while nothing
+        waits on the peer, it is pinged only after this long silent, and its budget counts from
+        then — a thousand idle links cost their target a few frames a second. None (cma, shm,
+        whose copies bypass the socket): every link is busy, pinged at half its budget."""
+        self.busy_since: float | None = None
+        """When requests began waiting on the peer (its owner keeps it; None: none waits)."""
         self.send_lock = threading.Lock()
         self.read_lock = threading.Lock()
         self.conn_lock = threading.Lock()
@@ -120,6 +127,7 @@ class Wire:
         """
         poller = select.poll()
         poller.register(self.fd, events)
+        started = time.monotonic()
         while True:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -128,26 +136,42 @@ class Wire:
             limit = self.interval if deadline is None else min(self.interval, deadline - now)
             if poller.poll(max(0.0, limit) * 1000):
                 return
-            self.on_idle()
+            self.on_idle(waiting_since=started)
 
-    def on_idle(self) -> None:
-        """Heartbeat duty: declare a silent peer dead, PING one that has been quiet a while."""
+    def on_idle(self, waiting_since: float | None = None) -> None:
+        """Heartbeat duty: declare a silent peer dead, PING one that has been quiet a while.
+        ``waiting_since``: when the caller began waiting on the peer (it is busy then, see
+        :attr:`idle_ping`)."""
         self.check_alive()
         now = time.monotonic()
-        silent = now - self.last_alive
-        if silent > self.interval * self.misses:
-            raise self._fail(f"no sign of life for {silent:.1f} s")
-        if self.ping_due(now):
+        quiet = now - self._liveness_reference(waiting_since)
+        budget = self.interval * self.misses
+        if quiet > budget:
+            raise self._fail(f"no sign of life for {quiet:.1f} s")
+        if self.ping_due(now, waiting_since):
             self._last_ping = now
             self.try_send(proto.Ping())
 
-    def ping_due(self, now: float) -> bool:
-        """Whether the peer has been silent for half its budget (``interval * misses``) and was not
-        pinged for as long. Half, not a whole interval: an answer then still comes well within the
-        budget, and a thousand idle peers cost their target a few hundred frames a second, not
-        thousands (for ``misses`` of 2 or less, every interval)."""
-        after = max(self.interval, self.interval * self.misses / 2)
-        return now - self.last_alive >= after and now - self._last_ping >= after
+    def _liveness_reference(self, waiting_since: float | None) -> float:
+        """Since when the peer's silence counts against its budget. A busy link (something waits on
+        the peer; or one whose traffic bypasses this socket, :attr:`idle_ping` None): since its last
+        sign of life, or since the waiting began, whichever is later. An idle link: its budget only
+        starts after :attr:`idle_ping` of silence (when it is pinged)."""
+        if self.idle_ping is None:
+            return self.last_alive
+        since = max(self.busy_since or 0.0, waiting_since or 0.0)
+        if since:
+            return max(self.last_alive, since)
+        return self.last_alive + self.idle_ping
+
+    def ping_due(self, now: float, waiting_since: float | None = None) -> bool:
+        """Whether to PING the peer now. A busy link: once silent for half its budget (``interval *
+        misses``, at least an interval) — an answer then still comes well within it — and not
+        pinged for as long. An idle link (see :attr:`idle_ping`): once silent that long."""
+        if self.idle_ping is None or self.busy_since or waiting_since:
+            after = max(self.interval, self.interval * self.misses / 2)
+            return now - self._liveness_reference(waiting_since) >= after and now - self._last_ping >= after
+        return now - self.last_alive >= self.idle_ping and now - self._last_ping >= self.idle_ping
 
     def pinged(self, now: float) -> None:
         """Record a PING sent by someone else than :meth:`on_idle` (the target's I/O loop)."""

@@ -77,6 +77,7 @@ def test_default_options() -> None:
         "deregister_timeout": 5.0,
         "heartbeat_interval": 1.0,
         "heartbeat_misses": 5,
+        "idle_ping_interval": 10.0,
         "hello_timeout": 1.0,
         "handshake_timeout": 5.0,
         "frame_timeout": 10.0,

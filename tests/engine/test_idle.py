@@ -1,0 +1,84 @@
+"""Idle TCP links ping slowly (``idle_ping_interval``) and are still found dead a budget after that;
+a busy one keeps the heartbeat's pace; the target allows an idle peer its announced silence."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import hixl
+from hixl import Engine, Op, PeerDisconnected, TransferTimeout
+from hixl.testing import TargetProcess
+
+MakeTarget = Callable[..., TargetProcess]
+
+pytestmark = pytest.mark.timeout(60)
+
+INTERVAL, MISSES, IDLE = 0.1, 3, 1.0
+BUDGET = INTERVAL * MISSES
+OPTIONS = {"transport": "tcp", "heartbeat_interval": INTERVAL, "heartbeat_misses": MISSES, "idle_ping_interval": IDLE}
+
+
+def _link_up(eng: Engine, target: str) -> bool:
+    """Whether the link is up, asked without touching the network (no request makes it busy)."""
+    try:
+        eng.peer_incarnation(target)
+    except PeerDisconnected:
+        return False
+    return True
+
+
+def test_an_idle_tcp_link_to_a_frozen_target_breaks_a_budget_after_its_idle_ping(make_target: MakeTarget) -> None:
+    target = make_target([1 << 20], {"heartbeat_interval": INTERVAL, "heartbeat_misses": MISSES})
+    with Engine("127.0.0.1", OPTIONS) as eng:
+        buf = hixl.empty(4096)
+        eng.register_mem(buf)
+        eng.connect(target.engine)
+        eng.transfer_sync(target.engine, Op.READ, [(int(buf.ctypes.data), target.addrs[0], 8)])
+        target.stop(signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            time.sleep(IDLE * 0.8)  # idle, silent, within its idle allowance: nothing happens
+            descs = np.array([[buf.ctypes.data, target.addrs[0], 8]], dtype=np.uint64)
+            with pytest.raises((PeerDisconnected, TransferTimeout)):
+                # A request makes the link busy: the frozen peer now has one budget to show life.
+                eng.transfer_sync(target.engine, Op.READ, descs, timeout=10)
+            took = time.monotonic() - start
+            assert took < IDLE * 0.8 + BUDGET + 1.0, f"a busy link to a frozen peer broke only after {took:.1f} s"
+            with pytest.raises(PeerDisconnected):
+                eng.transfer_sync(target.engine, Op.READ, descs, timeout=1)
+        finally:
+            target.stop(signal.SIGCONT)
+
+
+def test_an_idle_tcp_link_is_pinged_slowly_and_survives_on_both_sides(make_target: MakeTarget) -> None:
+    """Idle for five idle intervals with a 0.3 s budget: the initiator pinged, the target answered
+    and kept the connection (it allows the silence the peer announced), and the link still works."""
+    target = make_target([1 << 20], {"heartbeat_interval": INTERVAL, "heartbeat_misses": MISSES})
+    with Engine("127.0.0.1", OPTIONS) as eng:
+        buf = hixl.empty(4096)
+        eng.register_mem(buf)
+        eng.connect(target.engine)
+        served = target.call("served_connections")
+        time.sleep(5 * IDLE)
+        assert target.call("served_connections") == served  # the same connection, not dropped
+        eng.transfer_sync(target.engine, Op.READ, [(int(buf.ctypes.data), target.addrs[0], 8)], timeout=2)
+
+
+def test_an_idle_frozen_target_is_found_dead_within_its_idle_ping_and_a_budget(make_target: MakeTarget) -> None:
+    target = make_target([1 << 20], {"heartbeat_interval": INTERVAL, "heartbeat_misses": MISSES})
+    with Engine("127.0.0.1", OPTIONS) as eng:
+        eng.connect(target.engine)
+        target.stop(signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            while _link_up(eng, target.engine) and time.monotonic() - start < 10:
+                time.sleep(0.02)
+            took = time.monotonic() - start
+        finally:
+            target.stop(signal.SIGCONT)
+        assert IDLE * 0.9 <= took < IDLE + BUDGET + 1.0, f"the idle link broke after {took:.1f} s"
