@@ -739,7 +739,7 @@ class _ServedConnection:
         """How long an idle peer may stay silent before its first ping is due: what it said (capped
         at a minute), if it may ping slowly at all (it is two-sided, see :meth:`one_sided`); else 0."""
         said = self.conn.peer_info.get("idle_ping")
-        if self.one_sided() or type(said) not in (int, float) or not said > 0:
+        if self.one_sided() or not isinstance(said, (int, float)) or isinstance(said, bool) or not said > 0:
             return 0.0
         return min(float(said), _MAX_IDLE_PING)
 
