@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,6 +42,10 @@ def iovecs(addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
     iov[:, 0] = addrs
     iov[:, 1] = lens
     return iov
+
+
+def _nothing() -> None:
+    """(Nothing to put back.)"""
 
 
 class IovCursor:
@@ -81,6 +86,27 @@ class IovCursor:
         end = int(self._ends[i + count - 1])
         ptrs = [int(w.ctypes.data) + i * _IOVEC_BYTES for w in self._work]
         return ptrs, count, end - self.done
+
+    def window_of(self, limit: int) -> tuple[list[int], int, Callable[[], None]]:
+        """:meth:`window`, cut to at most ``limit`` bytes (the last iovec shortened in place): its
+        pointers, its iovec count, and what puts the shortened iovec back (call it after the call
+        that used them, whatever it did)."""
+        ptrs, count, nbytes = self.window()
+        if nbytes <= limit:
+            return ptrs, count, _nothing
+        i = self._index
+        count = int(np.searchsorted(self._ends[i : i + count], self.done + limit, side="left")) + 1
+        last = i + count - 1
+        saved = [int(w[last, 1]) for w in self._work]
+        cut = int(self._ends[last]) - (self.done + limit)
+        for w in self._work:
+            w[last, 1] -= np.uint64(cut)
+
+        def restore() -> None:
+            for w, length in zip(self._work, saved):
+                w[last, 1] = length
+
+        return ptrs, count, restore
 
     def vector_call(self, call: object, fd: int, limit: int, deadline: float | None = None) -> int:
         """One ``readv``/``writev`` (``call``) on ``fd`` over at most ``limit`` pending bytes.

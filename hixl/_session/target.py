@@ -85,6 +85,8 @@ _OUTBOX_READ_LIMIT = 4 << 20
 _FRAMES_PER_ROUND = 32
 _MAX_IDLE_PING = 60.0
 """The longest idle silence a peer may announce (idle_ping): a peer that says more gets this."""
+_LOWAT = 256 << 10
+"""Most bytes a landing WRITE waits to have arrived before its next ``readv`` (see _landing_window)."""
 _SENDMSG_RANGES = 8
 """Most ranges of a READ's data queued as buffers behind its frame (one sendmsg); more: an iovec cursor."""
 _DROPPED = bytearray(64 << 10)
@@ -689,6 +691,7 @@ class _ServedConnection:
         self._revoke_wanted = 0
         self._landing: _Landing | None = None
         """The bulk data of a WRITE being landed (or dropped) as it arrives."""
+        self._lowat = 1  # the socket's SO_RCVLOWAT (see _landing_window)
         self._outbox = Outbox()
         self._close_after_flush = ""
         self._marked_one_sided = False
@@ -742,6 +745,16 @@ class _ServedConnection:
         if self.one_sided() or not isinstance(said, (int, float)) or isinstance(said, bool) or not said > 0:
             return 0.0
         return min(float(said), _MAX_IDLE_PING)
+
+    @property
+    def peer(self) -> str:
+        """The peer's address, ``"ip:port"``."""
+        return self.wire.peer
+
+    def binding(self, label: str) -> bytes:
+        """This connection's binding for ``label`` (see :meth:`Connection.binding`; the session key
+        it derives from never changes once the proofs passed, so no lock is taken)."""
+        return self.conn.binding(label)
 
     def is_open(self) -> bool:
         """Whether the connection is open and not cut off (its wire not marked dead)."""
@@ -811,8 +824,9 @@ class _ServedConnection:
                 if landing_now:
                     cursor.copy_in(data)  # type: ignore[union-attr]
             elif landing_now:
+                window = self._landing_window(cursor, min(want, conn.data_left))  # type: ignore[arg-type]
                 try:
-                    moved = readv(wire.fd, cursor, min(want, conn.data_left), landing.deadline)  # type: ignore[arg-type]
+                    moved = readv(wire.fd, cursor, window, landing.deadline)  # type: ignore[arg-type]
                 except OSError as exc:  # (ConnectionError included: the peer closed mid-data)
                     raise PeerDisconnected(f"{wire.peer}: {exc}") from exc
                 if moved == 0:
@@ -823,9 +837,31 @@ class _ServedConnection:
                 return False
             wire.last_alive = time.monotonic()
         self._landing = None
+        self._set_lowat(1)
         landing.release()
         landing.landed(landing.cursor is not None and landing.cursor.finished)
         return True
+
+    def _landing_window(self, cursor: IovCursor, want: int) -> int:
+        """How much of a WRITE's data to take in the next ``readv``: at most ``_LOWAT``, ending on a
+        word boundary while more is to come — and the socket is asked (``SO_RCVLOWAT``) to turn
+        readable only once that much has arrived. So the data lands in large pieces, as a blocking
+        read would take it (not a ``readv`` per segment), and no 8-byte word is written in two
+        parts with a wait between them (a concurrent reader of that memory sees it whole)."""
+        window = min(want, _LOWAT)
+        if window < self.conn.data_left:
+            aligned = window - (cursor.done + window) % 8
+            window = aligned if aligned > 0 else window
+        self._set_lowat(window)
+        return window
+
+    def _set_lowat(self, nbytes: int) -> None:
+        if nbytes != self._lowat:
+            try:
+                self.wire.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, nbytes))
+            except OSError:
+                return  # (closed: the next call reports it)
+            self._lowat = nbytes
 
     def _drop(self, nbytes: int) -> bool:
         """Read and drop up to ``nbytes`` of the data from the socket; False if none had come."""
@@ -982,8 +1018,9 @@ class _ServedConnection:
             return
         # Made on the loop, as REVOKEs are decided: a deregistration either comes before this
         # WELCOME is made (which then lists what is left) or after (and its REVOKE follows it).
+        info = self.server.welcome_info(self)  # (the transports' parts may ask for bindings)
         with wire.conn_lock:
-            frame = conn.welcome(self.server.welcome_info(self))
+            frame = conn.welcome(info)
         self._send_raw(frame)
         self.id = f"{conn.peer_info.get('engine_id', '?')}/{next(_serials)}"
         self.phase = _Phase.OPEN

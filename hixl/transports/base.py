@@ -28,23 +28,26 @@ from .._types import MemType, Op
 if TYPE_CHECKING:
     from .._iov import IovCursor
     from .._memory import RemoteRegions
-    from .._protocol.connection import Connection
     from .._request import TransferReq
     from .._session.initiator import PeerLink
-    from .._session.wire import Wire
 
 __all__ = ["Capabilities", "Channel", "ServedSession", "Transport"]
 
 
 class ServedSession(Protocol):
-    """What a transport's target half sees of one authenticated initiator's connection."""
+    """What a transport's target half sees of one authenticated initiator's connection: a narrow
+    interface, not the socket or the protocol state (the session layer keeps those)."""
 
-    wire: Wire
-    """The connection's I/O driver (send replies, move bulk data)."""
-    conn: Connection
-    """Its protocol state (``binding()`` for per-connection secrets)."""
     keepalive: list[Any]
     """Objects to keep alive as long as the connection lasts."""
+
+    @property
+    def peer(self) -> str:
+        """The peer's address, ``"ip:port"`` (for logs)."""
+
+    def binding(self, label: str) -> bytes:
+        """16 bytes only the two ends of this authenticated connection can compute, for ``label``:
+        what a side channel of the transport's own proves it belongs to this connection with."""
 
     def regions(self) -> RemoteRegions:
         """This engine's registrations, with access rights, as of now."""

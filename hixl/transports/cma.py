@@ -83,6 +83,9 @@ def _pid_namespace() -> str:
         return ""
 
 
+CHUNK = 16 << 20
+"""Most bytes one ``process_vm_*`` call moves under the lease (a few milliseconds): what a REVOKE or a
+cancel waits for at most."""
 _SMALL_IOVECS = SMALL_DESCS
 # (For the latency path: a module global is read ten times faster than an Enum member.)
 _WRITE, _CONNECTED = Op.WRITE, LinkState.CONNECTED
@@ -149,9 +152,14 @@ class CmaChannel(Channel):
                         if not self._process.alive():
                             raise PeerDisconnected(f"target process {self.pid} exited")
                         if current:
-                            (local, remote), count, _ = cursor.window()
-                            moved = call(self.pid, local, count, remote, count, 0)
-                            err = ctypes.get_errno()
+                            # At most CHUNK bytes under one hold: a REVOKE waits for one chunk, not
+                            # for a whole transfer of up to IOV_MAX ranges.
+                            (local, remote), count, restore = cursor.window_of(CHUNK)
+                            try:
+                                moved = call(self.pid, local, count, remote, count, 0)
+                                err = ctypes.get_errno()
+                            finally:
+                                restore()
                 if not current:
                     # The peer's regions changed under the request: fetch them (outside the
                     # locks: that is a network round trip), and go on only if it still fits.
@@ -174,8 +182,8 @@ class CmaChannel(Channel):
         Every step here is on the 8-byte latency path, hence the inlined checks.
         """
         link = self.link
-        if len(descs) > _SMALL_IOVECS or link.state is not _CONNECTED or link.revoke_pending:
-            return False  # (a REVOKE waiting: the general path steps aside for it)
+        if len(descs) > _SMALL_IOVECS or nbytes > CHUNK or link.state is not _CONNECTED or link.revoke_pending:
+            return False  # (more than a chunk: the general path cuts it; a REVOKE waiting: it steps aside)
         write = op is _WRITE
         table = link.table.writable if write else link.table.readable
         with link.lease:
@@ -219,7 +227,7 @@ class CmaTransport(Transport):
 
     def advertise(self, session: ServedSession) -> dict[str, Any]:
         """Pid, boot id and where this connection's probe bytes live; the generation fd."""
-        probe = ctypes.create_string_buffer(session.conn.binding("cma"), _NONCE_BYTES)
+        probe = ctypes.create_string_buffer(session.binding("cma"), _NONCE_BYTES)
         session.keepalive.append(probe)  # for as long as the connection lasts
         return {
             "pid": os.getpid(),

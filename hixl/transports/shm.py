@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _accel, _shm_pool
-from .. import _protocol as proto
 from .._exceptions import HixlError, PeerDisconnected, ProtocolError
 from .._memory import RemoteRegions
 from .._protocol import shm as shm_proto
@@ -170,7 +169,7 @@ class ShmTransport(Transport):
             token = _Session(session)
             session.keepalive.append(token)  # the binding is good as long as the connection
             with self._lock:
-                self._sessions[session.conn.binding("shm")] = token
+                self._sessions[session.binding("shm")] = token
             info["socket"] = path
         return info
 
@@ -211,7 +210,7 @@ class ShmTransport(Transport):
         with self._lock:
             token = self._sessions.get(binding)
         session = token.session() if token is not None else None
-        if session is None or session.conn.state is not proto.ConnState.OPEN or session.wire.dead_reason:
+        if session is None or not session.is_open():
             return self._refuse(who, "no open authenticated connection has this binding")
         session.mark_one_sided()  # whatever it said at the handshake: from now on it maps our memory
         grants: list[shm_proto.Grant] = []
@@ -222,12 +221,12 @@ class ShmTransport(Transport):
                 if opened is not None:
                     fds.append(opened[0])
                     grants.append(shm_proto.Grant(entry.addr, entry.length, opened[1]))
-            messages = shm_proto.encode_grants(session.conn.binding("shm-target"), grants)
+            messages = shm_proto.encode_grants(session.binding("shm-target"), grants)
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        log.info("hixl: shm: %d region(s) shared with %s, for the connection from %s", len(grants), who, session.wire.peer)
+        log.info("hixl: shm: %d region(s) shared with %s, for the connection from %s", len(grants), who, session.peer)
         per = shm_proto.MAX_PER_MESSAGE
         answer = [(m, fds[i * per : (i + 1) * per]) for i, m in enumerate(messages)]
         assert self._liveness is not None  # (made before the server that calls this)
@@ -417,8 +416,8 @@ class ShmChannel(Channel):
         interpreter's own data cold), hence the inlined checks and one call for find-and-copy.
         """
         memory = self._memory
-        if self._over_tcp and self._tcp_unfinished():
-            return False  # the general path waits for those first
+        if nbytes > CHUNK or (self._over_tcp and self._tcp_unfinished()):
+            return False  # the general path cuts it into chunks / waits for those first
         link = self.link
         now = time.monotonic()
         if now >= self._next_look:  # (both look at most once a millisecond themselves: one clock read)

@@ -221,3 +221,31 @@ def test_a_restarted_peer_is_a_new_peer() -> None:
             second.fill(0, 4)
             eng.transfer_sync(address, Op.READ, [(int(buf.ctypes.data), second.addrs[0], MiB)])
             assert buf.tobytes() == TargetProcess.expected(2 * MiB, 4)[:MiB].tobytes()
+
+
+@pytest.mark.parametrize("transport", ["cma", "shm"])
+def test_a_deregistration_waits_for_one_chunk_of_a_large_same_host_copy_not_all_of_it(
+    make_target: MakeTarget, transport: str
+) -> None:
+    """A 1 GiB READ holds the link's lease a chunk at a time (16 MiB): a REVOKE for another region
+    that arrives in the middle of it is confirmed within a chunk, not at the end of the copy."""
+    size = 1 << 30
+    target = TargetProcess([size, 4096], shared=transport == "shm")
+    try:
+        with Engine("127.0.0.1", {"transport": transport}) as eng:
+            buf = hixl.empty(size)
+            eng.register_mem(buf)
+            eng.connect(target.engine)
+            descs = [(int(buf.ctypes.data), target.addrs[0], size)]
+            start = time.monotonic()
+            eng.transfer_sync(target.engine, Op.READ, descs)
+            whole = time.monotonic() - start
+            req = eng.transfer_async(target.engine, Op.READ, descs)
+            time.sleep(whole / 5)
+            start = time.monotonic()
+            target.deregister(1)
+            took = time.monotonic() - start
+            assert req.wait(30) is TransferStatus.COMPLETED
+        assert took < whole / 2, f"the REVOKE waited {took * 1e3:.0f} ms of a {whole * 1e3:.0f} ms copy"
+    finally:
+        target.close()

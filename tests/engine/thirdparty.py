@@ -122,7 +122,7 @@ class SidecarTransport(Transport):
                 self._listener.bind("\0" + self._name)
                 self._listener.listen(16)
                 self._spawn(self._accept_loop, self._listener)
-            self._sessions[session.conn.binding("sidecar")] = session
+            self._sessions[session.binding("sidecar")] = session
         return {"socket": self._name}
 
     def _spawn(self, run: Any, sock: socket.socket) -> None:
@@ -156,7 +156,7 @@ class SidecarTransport(Transport):
                 replaced, self._clients[binding] = self._clients.get(binding), sock
             if replaced is not None:
                 replaced.shutdown(socket.SHUT_RDWR)  # its initiator gave it up for this one
-            sock.sendall(session.conn.binding("sidecar-target"))
+            sock.sendall(session.binding("sidecar-target"))
             while self._serve_request(sock, session):
                 pass
         except (OSError, HixlError):
