@@ -381,7 +381,8 @@ class Engine:
         interval, misses = float(self.options["heartbeat_interval"]), int(self.options["heartbeat_misses"])
         wire = Wire(sock, Connection(Role.INITIATOR, self._secret), name, interval, misses)
         try:
-            handshake(wire, self._hello_info(), deadline)
+            hello = self._hello_info()
+            handshake(wire, hello, deadline)
             if wire.conn.peer_info.get("engine_id") == self._id:
                 raise ParamInvalid(f"an engine cannot connect to itself ({name})")
         except BaseException:
@@ -397,7 +398,7 @@ class Engine:
         # An idle link may ping slowly only if all its traffic goes through the socket, and only if
         # the target knows it will (it allows for that when we said we are two-sided, or are on
         # another host): see Wire.idle_ping and the target's liveness check.
-        said_two_sided = not self._hello_info()["one_sided"]
+        said_two_sided = not hello["one_sided"]
         elsewhere = link.welcome.get("boot_id") != _boot_id()
         if not transport.capabilities.one_sided and (said_two_sided or elsewhere):
             wire.idle_ping = float(self.options["idle_ping_interval"])

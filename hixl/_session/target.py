@@ -457,8 +457,7 @@ class _Loop:
         self._accept_paused_until = 0.0
         self._stopping = False
         self._next_sweep = 0.0
-        self._regions_frame: tuple[int, proto.Regions, bytes] | None = None
-        self._revoke_frame: tuple[int, proto.Revoke, bytes] | None = None
+        self._shared: dict[proto.FrameType, tuple[int, proto.Message, bytes]] = {}
         self.thread = threading.Thread(target=self._run, name=f"hixl-loop-{server.address}", daemon=True)
 
     def start(self) -> None:
@@ -540,23 +539,16 @@ class _Loop:
             conn.regions_dirty = True
         self._to_flush.extend(self._conns)
 
-    def regions_frame(self) -> tuple[proto.Regions, bytes]:
-        """The pushed REGIONS of the newest registrations, and its frame (encoded once for all)."""
+    def shared_frame(self, kind: proto.FrameType) -> tuple[proto.Message, bytes]:
+        """A REGIONS (pushed) or REVOKE of the newest registrations and its frame, encoded once for
+        every connection and again only when the registrations change."""
         registry = self.server.registry
         generation, table = registry.generation, registry.table
-        if self._regions_frame is None or self._regions_frame[0] != generation:
-            message = proto.Regions(table.rows)
-            self._regions_frame = (generation, message, proto.encode(message))
-        return self._regions_frame[1], self._regions_frame[2]
-
-    def revoke_frame(self) -> tuple[proto.Revoke, bytes]:
-        """A REVOKE of the newest registrations, and its frame (encoded once for all)."""
-        registry = self.server.registry
-        generation, table = registry.generation, registry.table
-        if self._revoke_frame is None or self._revoke_frame[0] != generation:
-            message = proto.Revoke(generation, table.rows)
-            self._revoke_frame = (generation, message, proto.encode(message))
-        return self._revoke_frame[1], self._revoke_frame[2]
+        cached = self._shared.get(kind)
+        if cached is None or cached[0] != generation:
+            message = proto.Revoke(generation, table.rows) if kind is proto.FrameType.REVOKE else proto.Regions(table.rows)
+            cached = self._shared[kind] = (generation, message, proto.encode(message))
+        return cached[1], cached[2]
 
     def _run(self) -> None:
         try:
@@ -929,7 +921,7 @@ class _ServedConnection:
     def _serve_arrived(self, readable: bool) -> None:
         """Serve the frames that arrived (one ``recv`` if ``readable``), up to a fair share; the rest
         in the loop's next round."""
-        wire, frame_timeout = self.wire, self.server.limits.frame_timeout
+        wire = self.wire
         if self._landing is not None:
             if not self._land():
                 return
@@ -943,7 +935,7 @@ class _ServedConnection:
                 continue
             if self._outbox.nbytes >= _OUTBOX_READ_LIMIT:
                 return  # it reads its answers first
-            event = wire.buffered_event(readable, frame_timeout)
+            event = wire.buffered_event(readable)
             if event is NEED_DATA:
                 return
             readable = False  # (what came with that recv is served; the socket says if more waits)
@@ -1161,17 +1153,17 @@ class _ServedConnection:
         """A REVOKE if one is wanted (it carries the table too), else a REGIONS if the table changed."""
         if self._revoke_wanted > self.conn.newest_revoke:
             # The newest generation: it covers the one asked for, and everything before it.
-            revoke, shared = self.server.loop.revoke_frame()
-            with self.wire.conn_lock:
-                frame = self.wire.frame_of(self.conn.send_encoded, revoke, shared)
-            self._outbox.put([frame])
+            self._put_shared(proto.FrameType.REVOKE)
             self.regions_dirty = False
         elif self.regions_dirty:
             self.regions_dirty = False
-            regions, shared = self.server.loop.regions_frame()
-            with self.wire.conn_lock:
-                frame = self.wire.frame_of(self.conn.send_encoded, regions, shared)
-            self._outbox.put([frame])
+            self._put_shared(proto.FrameType.REGIONS)
+
+    def _put_shared(self, kind: proto.FrameType) -> None:
+        message, shared = self.server.loop.shared_frame(kind)
+        with self.wire.conn_lock:
+            frame = self.wire.frame_of(self.conn.send_encoded, message, shared)
+        self._outbox.put([frame])
 
     # -- ending ----------------------------------------------------------------------------------------
     def _fatal(self, status: int, message: str) -> None:

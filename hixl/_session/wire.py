@@ -193,45 +193,40 @@ class Wire:
         if self.conn.data_left:
             self.drain()  # a reader before us gave up in the middle of some data
         while True:
-            with self.conn_lock:
-                event = self.conn.next_event()  # a protocol error is the owner's to report, then close
+            event = self._parsed()
             if event is not NEED_DATA:
-                self._frame_started = None
-                if isinstance(event, ConnectionClosed):
-                    self.mark_dead(self.conn.closed_reason or "peer closed the connection")
                 return event
             limit = deadline
-            if frame_timeout is not None and self.conn.buffered:
-                if self._frame_started is None:
-                    self._frame_started = time.monotonic()
+            if frame_timeout is not None and self._frame_started is not None:
                 ends = self._frame_started + frame_timeout
                 limit = ends if limit is None else min(limit, ends)
-            else:
-                self._frame_started = None
             if not self._fill(limit, block):
                 return NEED_DATA
 
-    def buffered_event(self, read: bool, frame_timeout: float) -> Event:
+    def _parsed(self) -> Event:
+        """The next event the buffer holds, or :data:`NEED_DATA`; times a frame that has started
+        arriving and not completed (see :meth:`frame_overdue`)."""
+        with self.conn_lock:
+            event = self.conn.next_event()  # a protocol error is the owner's to report, then close
+        if event is not NEED_DATA:
+            self._frame_started = None
+            if isinstance(event, ConnectionClosed):
+                self.mark_dead(self.conn.closed_reason or "peer closed the connection")
+        elif not self.conn.buffered:
+            self._frame_started = None
+        elif self._frame_started is None:
+            self._frame_started = time.monotonic()
+        return event
+
+    def buffered_event(self, read: bool) -> Event:
         """For an event loop: the next event the buffer holds, after one non-blocking ``recv`` if
         it holds none and ``read``; :data:`NEED_DATA` if there is none yet. One ``recv`` per
         readiness, not one more to learn that the socket is empty: a level-triggered selector says
-        so again if it is not. (A frame started and not completed is timed as :meth:`next_event`
-        times it, see :meth:`frame_overdue`.)"""
+        so again if it is not. (A frame started and not completed is timed, see :meth:`frame_overdue`.)"""
         while True:
-            with self.conn_lock:
-                event = self.conn.next_event()
-            if event is not NEED_DATA:
-                self._frame_started = None
-                if isinstance(event, ConnectionClosed):
-                    self.mark_dead(self.conn.closed_reason or "peer closed the connection")
+            event = self._parsed()
+            if event is not NEED_DATA or not read or not self._fill(None, False):
                 return event
-            if self.conn.buffered:
-                if self._frame_started is None:
-                    self._frame_started = time.monotonic()
-            else:
-                self._frame_started = None
-            if not read or not self._fill(None, False):
-                return NEED_DATA
             read = False
 
     def frame_overdue(self, now: float, frame_timeout: float) -> bool:
