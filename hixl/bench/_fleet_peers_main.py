@@ -1,6 +1,6 @@
 """Entry point of a fleet bench peer process (``python -m hixl.bench._fleet_peers_main FD``)."""
 
-from .._child import child_connection
+from .._tools.child import child_connection
 from .fleet_peers import _serve
 
 if __name__ == "__main__":

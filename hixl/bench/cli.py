@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from .. import _plot
+from .._tools import plot as _plot
 from ..testing.hosts import hosts_unavailable
 from . import fleet_bench, kv_bench, soak_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size

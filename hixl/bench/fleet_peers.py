@@ -15,7 +15,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._child import ChildProcess, serve_commands
+from .._tools.child import ChildProcess, serve_commands
 
 __all__ = ["PeerGroup"]
 

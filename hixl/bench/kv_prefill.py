@@ -36,7 +36,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from .._child import ChildProcess
+from .._tools.child import ChildProcess
 from .._memory import empty
 from ..datadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole
 

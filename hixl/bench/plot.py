@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._plot import new_figure, save
+from .._tools.plot import new_figure, save
 from .config import format_size
 from .results import Row
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._child import ChildProcess, serve_commands
+from .._tools.child import ChildProcess, serve_commands
 
 if TYPE_CHECKING:
     from ..testing.hosts import Host

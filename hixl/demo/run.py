@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _plot
-from .._child import ChildProcess
+from .._tools import plot as _plot
+from .._tools.child import ChildProcess
 from ..testing.hosts import Host, Hosts, hosts_unavailable
 from .report import format_report
 

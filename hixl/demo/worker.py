@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .. import empty
-from .._child import child_connection, serve_commands
+from .._tools.child import child_connection, serve_commands
 from ..datadist import (
     BlocksCacheKey,
     CacheDesc,

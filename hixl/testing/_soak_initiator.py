@@ -49,7 +49,7 @@ from .. import (
     TransferStatus,
     empty,
 )
-from .._child import child_connection
+from .._tools.child import child_connection
 from . import soakwords
 from .leaks import Snapshot
 

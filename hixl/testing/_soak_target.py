@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .. import Engine, MemHandle, empty
-from .._child import child_connection
+from .._tools.child import child_connection
 from . import soakwords
 from .leaks import Snapshot
 

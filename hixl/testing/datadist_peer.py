@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._child import ChildProcess, serve_commands
+from .._tools.child import ChildProcess, serve_commands
 from ..datadist import (
     BlocksCacheKey,
     Cache,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._child import ChildProcess, serve_commands
+from .._tools.child import ChildProcess, serve_commands
 
 __all__ = ["TargetProcess"]
 

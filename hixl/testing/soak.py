@@ -37,7 +37,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from .._child import ChildProcess
+from .._tools.child import ChildProcess
 from .leaks import QUIET_MALLOC_ENV
 
 __all__ = ["SoakConfig", "SoakReport", "run_soak"]
