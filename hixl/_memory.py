@@ -11,8 +11,9 @@ import bisect
 import ctypes
 import mmap
 import threading
+from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -24,6 +25,7 @@ __all__ = [
     "PAGE_SIZE",
     "Region",
     "RegionTable",
+    "RegionUpdate",
     "Registry",
     "RemoteRegions",
     "as_desc_array",
@@ -223,6 +225,15 @@ class RemoteRegions:
         """Every region, in the order the owner listed them."""
         return self.readable.regions
 
+    def changed(self, added: np.ndarray, removed: np.ndarray) -> RemoteRegions:
+        """These regions less ``removed``, plus ``added`` (both ``(N, 3)`` rows): a new table."""
+        rows = self.rows
+        if len(removed):
+            rows = rows[~np.isin(_row_keys(rows), _row_keys(removed))]
+        if len(added):
+            rows = np.concatenate([rows, np.asarray(added, dtype=np.uint64).reshape(-1, 3)])
+        return RemoteRegions(rows)
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -250,8 +261,38 @@ class RemoteRegions:
                 )
 
 
+def _row_keys(rows: np.ndarray) -> np.ndarray:
+    """Each ``(addr, len, flags)`` row as one opaque 24-byte value, for set operations on rows."""
+    return np.ascontiguousarray(rows, dtype=np.uint64).reshape(-1, 3).view(np.dtype((np.void, 24))).ravel()
+
+
+_NO_ROWS = np.empty((0, 3), dtype=np.uint64)
+CHANGE_LOG = 256
+"""Registration changes a :class:`Registry` remembers, to tell a peer what changed since it last heard."""
+
+
+class RegionUpdate(NamedTuple):
+    """What a peer that knows the registrations of generation ``base`` needs to know those of
+    ``generation``: ``added`` and ``removed`` rows, or (``base`` None) the whole table in ``added``."""
+
+    generation: int
+    base: int | None
+    added: np.ndarray
+    removed: np.ndarray
+
+
+class _Snapshot(NamedTuple):
+    generation: int
+    table: RemoteRegions
+
+
 class Registry:
-    """This engine's registrations; thread-safe, notifies listeners on every change."""
+    """This engine's registrations; thread-safe, notifies listeners on every change.
+
+    Each change bumps the *generation* and is remembered (the last
+    :data:`CHANGE_LOG` of them), so a peer that was told generation ``g`` can be
+    sent only what changed since (:meth:`update_since`) rather than every region.
+    """
 
     def __init__(self, max_registrations: int = 65536) -> None:
         self._lock = threading.Lock()
@@ -259,11 +300,47 @@ class Registry:
         self._keepalive: dict[int, Any] = {}
         self._next_id = 1
         self._max = max_registrations
-        self.table = RemoteRegions(np.empty((0, 3), dtype=np.uint64))
-        """Every registration with its access; replaced (never mutated) on each change."""
-        self.generation = 0
-        """Counts the changes: the table is the one of this generation."""
+        self._snapshot = _Snapshot(0, RemoteRegions(_NO_ROWS))
+        # (generation, added rows, removed rows) of the latest changes, oldest first.
+        self._log: deque[tuple[int, list[tuple[int, int, int]], list[tuple[int, int, int]]]] = deque(maxlen=CHANGE_LOG)
         self.listeners: list[Any] = []
+
+    @property
+    def table(self) -> RemoteRegions:
+        """Every registration with its access; replaced (never mutated) on each change."""
+        return self._snapshot.table
+
+    @property
+    def generation(self) -> int:
+        """Counts the changes: :attr:`table` is at least as new as this generation."""
+        return self._snapshot.generation
+
+    def current(self) -> tuple[int, RemoteRegions]:
+        """The generation and its table, read together (one is never newer than the other)."""
+        return self._snapshot
+
+    def update_since(self, base: int) -> RegionUpdate:
+        """What changed since generation ``base``: a delta if the log reaches back that far and
+        it is smaller than the table, else the whole table (``base`` None)."""
+        with self._lock:
+            generation, table = self._snapshot
+            if base == generation:
+                return RegionUpdate(generation, base, _NO_ROWS, _NO_ROWS)
+            oldest = self._log[0][0] if self._log else generation + 1
+            if base < oldest - 1 or base > generation:
+                return RegionUpdate(generation, None, table.rows, _NO_ROWS)
+            net: dict[tuple[int, int, int], int] = {}
+            for changed_at, added, removed in self._log:
+                if changed_at > base:
+                    for row in added:
+                        net[row] = net.get(row, 0) + 1
+                    for row in removed:
+                        net[row] = net.get(row, 0) - 1
+        plus = [row for row, n in net.items() if n > 0]
+        minus = [row for row, n in net.items() if n < 0]
+        if len(plus) + len(minus) >= len(table):
+            return RegionUpdate(generation, None, table.rows, _NO_ROWS)
+        return RegionUpdate(generation, base, _rows(plus), _rows(minus))
 
     def register(self, buf: Any, mem_type: MemType = MemType.HOST, access: str = "rw") -> MemHandle:
         """Register ``buf``; the same range, type and access give back the same handle."""
@@ -286,7 +363,7 @@ class Registry:
                 self._next_id += 1
                 self._by_range[key] = handle
                 self._keepalive[handle.id] = keepalive
-                self._rebuild()
+                self._rebuild([_row_of(handle)], [])
         return handle
 
     def deregister(self, handle: MemHandle) -> None:
@@ -297,24 +374,34 @@ class Registry:
                 raise ParamInvalid(f"{handle!r} is not registered")
             del self._by_range[key]
             del self._keepalive[handle.id]
-            self._rebuild()
+            self._rebuild([], [_row_of(handle)])
 
     def clear(self) -> None:
         """Drop every registration (used by ``finalize``)."""
         with self._lock:
+            removed = self.regions()
             self._by_range.clear()
             self._keepalive.clear()
-            self._rebuild()
+            self._rebuild([], removed)
 
     def regions(self) -> list[tuple[int, int, int]]:
         """Every registered ``(addr, len, flags)`` (flags: :data:`~hixl._protocol.REGION_WRITABLE`)."""
-        return [(h.addr, h.len, int(h.access == "rw")) for h in self._by_range.values()]
+        return [_row_of(h) for h in self._by_range.values()]
 
-    def _rebuild(self) -> None:
-        self.table = RemoteRegions(np.array(self.regions(), dtype=np.uint64).reshape(-1, 3))
-        self.generation += 1
+    def _rebuild(self, added: list[tuple[int, int, int]], removed: list[tuple[int, int, int]]) -> None:
+        generation = self._snapshot.generation + 1
+        self._log.append((generation, added, removed))
+        self._snapshot = _Snapshot(generation, RemoteRegions(_rows(self.regions())))
         for listener in list(self.listeners):
-            listener(self.table, self.generation)
+            listener(self._snapshot.table, generation)
+
+
+def _row_of(handle: MemHandle) -> tuple[int, int, int]:
+    return (handle.addr, handle.len, int(handle.access == "rw"))
+
+
+def _rows(rows: list[tuple[int, int, int]]) -> np.ndarray:
+    return np.array(rows, dtype=np.uint64).reshape(-1, 3)
 
 
 def as_desc_array(op_descs: Any) -> np.ndarray:

@@ -455,7 +455,7 @@ class Engine:
         """The regions ``remote_engine`` has registered, fetched fresh from it."""
         peer = self._peer(remote_engine)
         peer.link.refresh_regions(float(self.options["connect_timeout"]))
-        return list(peer.link.table.regions)
+        return list(peer.link.regions.table.regions)
 
     @property
     def incarnation(self) -> str:
@@ -505,13 +505,14 @@ class Engine:
             if type(small) is np.ndarray:
                 small = small.tolist() if small.ndim == 2 and small.shape[1] == 3 and small.dtype.kind in "iu" else None
             # A READ writes into local memory, a WRITE into the peer's: those sides must be writable.
+            checked = peer.link.regions.table
             if op is _WRITE:
-                local, remote = self._registry.table.readable, peer.link.table.writable
+                local, remote = self._registry.table.readable, checked.writable
             else:
-                local, remote = self._registry.table.writable, peer.link.table.readable
+                local, remote = self._registry.table.writable, checked.readable
             total = _accel.check_small(small, *local.intervals, *remote.intervals)
             limit = float(self.options["transfer_timeout"]) if timeout is None else timeout
-            if total is not None and peer.channel.run_small(op, small, total, limit):
+            if total is not None and peer.channel.run_small(op, small, total, limit, checked):
                 return
         peer, req, op, descs = self._prepare(remote_engine, op, op_descs, timeout)
         peer.channel.run(req, op, merge_adjacent(descs))

@@ -7,6 +7,7 @@ from .connection import NEED_DATA, ConnState, Connection, ConnectionClosed, Peer
 from .frames import (
     HEADER_SIZE,
     REGION_WRITABLE,
+    WHOLE,
     Ack,
     Auth,
     Challenge,
@@ -40,6 +41,7 @@ __all__ = [
     "HEADER_SIZE",
     "NEED_DATA",
     "REGION_WRITABLE",
+    "WHOLE",
     "Ack",
     "Auth",
     "Challenge",

@@ -14,8 +14,11 @@ each state, ``_RECEIVABLE`` (and ``_HANDSHAKE_STEPS``) what it may receive — t
 other side's ``_SENDABLE`` seen from here, which a test checks — and ``_REPLIES``
 which reply answers which request. The connection also keeps what the rules
 need beyond the frame kind: each outstanding request (a DATA must carry exactly
-the bytes its READ asked for) and the REVOKE generations (they only grow; a
-REVOKED must confirm one that was announced). Drivers never re-check any of it.
+the bytes its READ asked for), the REVOKE generations (they only grow; a
+REVOKED must confirm one that was announced) and the registration generation
+the initiator knows (WELCOME names it; a REGIONS or REVOKE that lists only
+what changed must change exactly that one, and each moves it on). Drivers
+never re-check any of it.
 The latency path takes a shortcut through the same tables for the frames it
 sees most; a test holds it to the tables' verdict. Frames that end or change
 the connection without answering anything come out as their own events:
@@ -61,7 +64,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-import numpy as np
 
 from .._exceptions import AuthenticationFailed, ProtocolError
 from . import auth
@@ -70,6 +72,7 @@ from .frames import (
     MIN_VERSION,
     SMALL_DESCS,
     VERSION,
+    WHOLE,
     Ack,
     Auth,
     Bye,
@@ -190,9 +193,10 @@ _GUARD = 0.010
 
 @dataclass(frozen=True)
 class RegionsPushed:
-    """Event (initiator): the target's registrations changed; its regions now, of no known generation."""
+    """Event (initiator): the target's registrations changed; ``update`` says how (checked
+    against the generation this side knew: apply it to the regions of that generation)."""
 
-    regions: np.ndarray
+    update: Regions
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,7 @@ class Connection:
         self._revokes: list[int] = []  # target: REVOKE generations sent and not yet confirmed
         self._confirmed_revoke = 0  # target: the newest generation the peer confirmed
         self._last_revoke = 0  # initiator: the newest REVOKE generation received
+        self._regions_generation = 0
         self._clock_offset: float | None = None
         self._offset_at = 0.0
 
@@ -276,7 +281,12 @@ class Connection:
         return self.send(Auth({"proof": proof, "info": info}))
 
     def welcome(self, info: dict[str, Any]) -> bytes:
-        """Target, after the AUTH event: the WELCOME, MAC'd under the session key; the connection opens."""
+        """Target, after the AUTH event: the WELCOME, MAC'd under the session key; the connection opens.
+
+        ``info["generation"]`` is the registration generation its ``regions`` are of: later
+        region updates to this peer are counted from it.
+        """
+        self._regions_generation = _generation_of(info)
         return self.send(Welcome({"info": info, "mac": auth.mac(self._session_key, "welcome", _canonical(info))}))
 
     def refuse(self, status: int, message: str) -> bytes:
@@ -339,7 +349,10 @@ class Connection:
         elif isinstance(message, Revoke):
             if message.generation <= self.newest_revoke:
                 raise ProtocolError(f"REVOKE generation {message.generation} is not newer than {self.newest_revoke}")
+            self._region_update(message, "send")
             self._revokes.append(message.generation)
+        elif isinstance(message, Regions):
+            self._region_update(message, "send")
         elif kind is _F.WELCOME:
             self.state = ConnState.OPEN
         elif kind is _F.BYE:
@@ -357,6 +370,24 @@ class Connection:
             raise ProtocolError(f"request id {req_id} is zero or already in use")
         self._outstanding[req_id] = _Request(kind, 0 if write else sum(n for _, n in pairs))
         return small_request(kind, req_id, deadline, pairs, data_len)
+
+    @property
+    def regions_generation(self) -> int:
+        """The registration generation the initiator knows: told by the WELCOME, then by every
+        REGIONS and REVOKE (on the target: sent; on the initiator: received)."""
+        return self._regions_generation
+
+    def _region_update(self, message: Regions | Revoke, verb: str) -> None:
+        """Check that a REGIONS or REVOKE follows on from the generation the initiator knows; move it on."""
+        name = kind_of(message).name
+        if message.base != WHOLE and message.base != self._regions_generation:
+            raise ProtocolError(
+                f"a {name} may not {verb} the changes since generation {message.base}: "
+                f"the initiator knows generation {self._regions_generation}"
+            )
+        if message.generation < self._regions_generation:
+            raise ProtocolError(f"a {name} of generation {message.generation} is older than {self._regions_generation}")
+        self._regions_generation = message.generation
 
     @property
     def newest_revoke(self) -> int:
@@ -518,11 +549,14 @@ class Connection:
         elif isinstance(message, Error) and message.req_id == 0:
             self._close(f"the peer reported a fatal error: {message.message}")
             return PeerFatal(message.status, message.message)
-        elif isinstance(message, Regions) and message.req_id == 0:
-            return RegionsPushed(message.regions)
+        elif isinstance(message, Regions):
+            self._region_update(message, "apply")
+            if message.req_id == 0:
+                return RegionsPushed(message)
         elif isinstance(message, Revoke):
             if message.generation <= self._last_revoke:
                 raise ProtocolError(f"REVOKE generation {message.generation} is not newer than {self._last_revoke}")
+            self._region_update(message, "apply")
             self._last_revoke = message.generation
         elif isinstance(message, Revoked):
             if message.generation not in self._revokes:
@@ -581,6 +615,7 @@ class Connection:
             raise ProtocolError("WELCOME carries no info object")
         if not auth.verify(auth.mac(self._session_key, "welcome", _canonical(peer_info)), info.get("mac")):
             raise AuthenticationFailed("the WELCOME was not made for this connection (replayed or forged)")
+        self._regions_generation = _generation_of(peer_info)
         self.peer_info = peer_info
         self.state = ConnState.OPEN
 
@@ -637,6 +672,14 @@ def _nonce(info: dict[str, Any], what: str) -> str:
     except ValueError:
         raise ProtocolError(f"{what} nonce is not hex") from None
     return nonce
+
+
+def _generation_of(info: dict[str, Any]) -> int:
+    """A WELCOME info's registration generation (that of its ``regions``)."""
+    generation = info.get("generation")
+    if type(generation) is not int or not 0 <= generation < WHOLE:
+        raise ProtocolError(f"WELCOME names no registration generation (got {generation!r})")
+    return generation
 
 
 def _canonical(info: dict[str, Any]) -> bytes:

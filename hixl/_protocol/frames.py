@@ -38,9 +38,10 @@ import numpy as np
 from .._exceptions import ProtocolError
 
 MAGIC = b"HXL1"
-VERSION = 2
-"""Protocol version spoken by this hixl; negotiated in the handshake (HELLO offers a range)."""
-MIN_VERSION = 2
+VERSION = 3
+"""Protocol version spoken by this hixl; negotiated in the handshake (HELLO offers a range).
+Version 3: REGIONS and REVOKE carry a generation and may list only what changed."""
+MIN_VERSION = 3
 _HEADER = struct.Struct("<4sBBHQIQ")
 HEADER_SIZE = _HEADER.size
 MAX_NAME = 1024
@@ -48,7 +49,9 @@ MAX_NAME = 1024
 MAX_DESCS = 1 << 16
 """Most descriptors one READ/WRITE frame carries; larger requests are split into several frames."""
 MAX_REGIONS = 1 << 17
-"""Most regions a REGIONS frame lists."""
+"""Most rows (regions added plus removed) a REGIONS or REVOKE frame lists."""
+WHOLE = (1 << 64) - 1
+"""The ``base`` of a REGIONS or REVOKE that lists every region, not what changed since a generation."""
 MAX_META = 16 << 20
 """Largest published metadata value."""
 _HANDSHAKE_BODY = 4096
@@ -58,6 +61,7 @@ _NOTIFY_HEAD = struct.Struct("<H")
 _DEADLINE = struct.Struct("<q")
 _CLOCK = struct.Struct("<d")
 _GENERATION = struct.Struct("<Q")
+_CHANGE_HEAD = struct.Struct("<QQQ")  # REGIONS / REVOKE: generation, base, regions added
 _WORD = np.dtype("<u8")
 SMALL_DESCS = 8
 """Requests of up to this many descriptors take the latency path everywhere: packed and parsed in
@@ -97,7 +101,7 @@ BODY_LIMITS: dict[FrameType, int] = {
     FrameType.CHALLENGE: _HANDSHAKE_BODY,
     FrameType.AUTH: _HANDSHAKE_BODY,
     FrameType.WELCOME: 64 * 1024 + 24 * MAX_REGIONS,
-    FrameType.REGIONS: 24 * MAX_REGIONS,
+    FrameType.REGIONS: 24 + 24 * MAX_REGIONS,
     FrameType.QUERY_REGIONS: 0,
     FrameType.READ: _DEADLINE.size + 16 * MAX_DESCS,
     FrameType.WRITE: _DEADLINE.size + 16 * MAX_DESCS,
@@ -110,7 +114,7 @@ BODY_LIMITS: dict[FrameType, int] = {
     FrameType.BYE: 1024,
     FrameType.QUERY_META: MAX_NAME,
     FrameType.META: MAX_META,
-    FrameType.REVOKE: 8 + 24 * MAX_REGIONS,
+    FrameType.REVOKE: 24 + 24 * MAX_REGIONS,
     FrameType.REVOKED: 8,
 }
 """Largest body each frame type may have; checked before the body is read."""
@@ -164,13 +168,18 @@ class Welcome:
 
 @dataclass(frozen=True)
 class Regions:
-    """The target's registered regions, an ``(N, 3)`` array of (addr, len, flags).
+    """The target's registrations as of ``generation``: every region in ``added`` (``base`` is
+    :data:`WHOLE`), or what changed since generation ``base`` — ``added`` and ``removed``.
 
-    Sent unsolicited (``req_id`` 0) whenever registrations change, and as the
-    reply to QUERY_REGIONS. ``flags`` bit :data:`REGION_WRITABLE`: peers may WRITE.
+    Each is an ``(N, 3)`` array of (addr, len, flags); ``flags`` bit
+    :data:`REGION_WRITABLE`: peers may WRITE. Sent unsolicited (``req_id`` 0)
+    whenever registrations change, and whole as the reply to QUERY_REGIONS.
     """
 
-    regions: np.ndarray
+    generation: int
+    base: int
+    added: np.ndarray
+    removed: np.ndarray
     req_id: int = 0
 
 
@@ -265,11 +274,14 @@ class Bye:
 
 @dataclass(frozen=True)
 class Revoke:
-    """Target -> initiator: "my regions are now ``regions`` (registration ``generation``); stop
-    using anything else, then confirm with REVOKED". Sent when registrations are withdrawn."""
+    """Target -> initiator: "my registrations are now those of ``generation`` (given as in
+    :class:`Regions`); stop using anything else, then confirm with REVOKED". Sent when
+    registrations are withdrawn."""
 
     generation: int
-    regions: np.ndarray
+    base: int
+    added: np.ndarray
+    removed: np.ndarray
     req_id: int = 0
 
 
@@ -451,7 +463,7 @@ def parse_body(header: Header, body: bytes | memoryview) -> Message:
     if kind in _JSON_BODIED:
         return _JSON_BODIED[kind](_json(body, kind.name), rid)  # type: ignore[return-value]
     if kind is FrameType.REGIONS:
-        return Regions(_words(body, 3, "REGIONS"), rid)
+        return Regions(*_region_change(body, "REGIONS"), rid)
     if kind is FrameType.WRITE:
         descs, deadline = _request(header, body)
         total = int(descs[:, 1].sum(dtype=np.uint64)) if len(descs) > 8 else sum(int(n) for n in descs[:, 1])
@@ -472,9 +484,7 @@ def parse_body(header: Header, body: bytes | memoryview) -> Message:
     if kind is FrameType.QUERY_META:
         return QueryMeta(rid, _text(body, "QUERY_META key"))
     if kind is FrameType.REVOKE:
-        if len(body) < _GENERATION.size:
-            raise ProtocolError("REVOKE body too short")
-        return Revoke(_GENERATION.unpack_from(body)[0], _words(body[_GENERATION.size :], 3, "REVOKE"), rid)
+        return Revoke(*_region_change(body, "REVOKE"), rid)
     if kind is FrameType.REVOKED:
         if len(body) != _GENERATION.size:
             raise ProtocolError("REVOKED body must be one generation number")
@@ -483,6 +493,26 @@ def parse_body(header: Header, body: bytes | memoryview) -> Message:
         return Meta(rid, bytes(body))
     assert kind is FrameType.BYE
     return Bye(rid, _text(body, "BYE reason"))
+
+
+def _region_change(body: bytes | memoryview, what: str) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """Generation, base, added and removed rows of a REGIONS or REVOKE body, validated."""
+    if len(body) < _CHANGE_HEAD.size:
+        raise ProtocolError(f"{what} body too short")
+    generation, base, n_added = _CHANGE_HEAD.unpack_from(body)
+    rows = _words(body[_CHANGE_HEAD.size :], 3, what)
+    if n_added > len(rows):
+        raise ProtocolError(f"{what} says it adds {n_added} regions but lists {len(rows)}")
+    if base != WHOLE and base > generation:
+        raise ProtocolError(f"{what} of generation {generation} changes a newer one ({base})")
+    if base == WHOLE and n_added != len(rows):
+        raise ProtocolError(f"{what} listing every region also lists regions removed")
+    return generation, base, rows[:n_added], rows[n_added:]
+
+
+def _region_change_body(message: Regions | Revoke) -> bytes:
+    head = _CHANGE_HEAD.pack(message.generation, message.base, len(message.added))
+    return head + _words_bytes(message.added) + _words_bytes(message.removed)
 
 
 def _parse_notify(rid: int, body: bytes | memoryview) -> Notify:
@@ -543,8 +573,8 @@ def encode(message: Message) -> bytes:
     if kind in _JSON_BODIED:
         body = json.dumps(message.info, separators=(",", ":")).encode()  # type: ignore[union-attr]
         return _frame(kind, message.req_id, body)
-    if isinstance(message, Regions):
-        return _frame(kind, message.req_id, _words_bytes(message.regions))
+    if isinstance(message, (Regions, Revoke)):
+        return _frame(kind, message.req_id, _region_change_body(message))
     if isinstance(message, ReadRequest):
         return _frame(kind, message.req_id, _DEADLINE.pack(message.deadline) + _words_bytes(message.descs))
     if isinstance(message, WriteRequest):
@@ -568,8 +598,6 @@ def encode(message: Message) -> bytes:
         return _frame(kind, message.req_id, message.key.encode())
     if isinstance(message, Meta):
         return _frame(kind, message.req_id, message.value)
-    if isinstance(message, Revoke):
-        return _frame(kind, message.req_id, _GENERATION.pack(message.generation) + _words_bytes(message.regions))
     if isinstance(message, Revoked):
         return _frame(kind, message.req_id, _GENERATION.pack(message.generation))
     return _frame(kind, message.req_id)

@@ -8,15 +8,22 @@ local memory.
 
 Who reads the socket? Whoever needs to, one at a time (``wire.read_lock``):
 
-- A synchronous caller with nothing else in flight takes the read role itself:
+- A synchronous caller with nothing else being read takes the read role itself:
   it sends its request and reads the reply on its own thread — no hand-off to
   another thread, which is what makes a small ``transfer_sync`` cost about one
-  network round trip.
+  network round trip. It never moves another request's data, though: a DATA
+  frame for another request (whose bytes may be many and whose deadline is not
+  its own) hands the read role, with that frame, to the reader thread, and the
+  caller waits for its own reply like anyone else.
 - Otherwise the link's *reader thread* reads. It sleeps in ``epoll`` with the
   socket armed one-shot; a caller holding the read role disarms it first, so
   the reader is not even woken by replies the caller reads, and re-arms it
   when done (after releasing the role, so nothing that arrived meanwhile is
   missed: re-arming a readable socket fires at once).
+
+The peer's registrations (table, generation, the lease same-host copies hold)
+are one :class:`~hixl._session.peer_regions.PeerRegions`, ``link.regions``;
+whoever reads applies each REGIONS and REVOKE to it in stream order.
 
 When the peer dies its socket closes and whoever reads notices at once; a peer
 that hangs is caught by heartbeats. Either way the link turns BROKEN, every
@@ -47,8 +54,8 @@ from .._exceptions import (
     TransferTimeout,
     error_for_status,
 )
-from .._memory import RemoteRegions
 from .._protocol.connection import ConnectionClosed, PeerFatal, RegionsPushed
+from .peer_regions import PeerRegions
 from .wire import Wire
 
 if TYPE_CHECKING:
@@ -75,6 +82,8 @@ class Pending:
     """Something waiting for the reply with a given ``req_id``; subclasses override."""
 
     done = False
+    waker: threading.Event | None = None
+    """Set by the link once the entry is done, if the link gave one (see :meth:`PeerLink.exchange`)."""
 
     def on_reply(self, message: proto.Message) -> None:
         """Called by the reading thread with the reply frame."""
@@ -115,23 +124,8 @@ class PeerLink:
         self.wire = wire
         self.welcome = wire.conn.peer_info
         self.state = LinkState.CONNECTED
-        self.table = RemoteRegions.from_rows(self.welcome.get("regions", []))
-        generation = self.welcome.get("generation")
-        self.table_generation = generation if type(generation) is int else -1
-        """The peer's registration generation that ``table`` is known to reflect (-1: unknown)."""
-        self._revokes = 0  # REVOKEs applied: a regions answer asked for before one is stale
-        self.lease = threading.Lock()
-        """Held by a same-host copy from its last check to the end of its syscall; a REVOKE
-        is confirmed only under it, after the new regions are installed."""
-        self.revoke_pending = False
-        """Set while a REVOKE waits for the lease: copies step aside (:meth:`yield_to_revoke`)
-        rather than take it again — a lock is not fair, and a thread copying back to back would
-        otherwise keep a REVOKE waiting past the peer's patience."""
-        self._no_revoke = threading.Event()
-        self._no_revoke.set()
-        self.revoke_hooks: list[Callable[[RemoteRegions], None]] = []
-        """Called with a REVOKE's regions under the lease, before REVOKED goes out: a transport
-        that mapped the peer's memory unmaps what was withdrawn there."""
+        self.regions = PeerRegions(self.welcome.get("regions", []), wire.conn.regions_generation)
+        """The peer's registrations and the lease same-host copies hold (see the module docstring)."""
         self.on_event: Callable[[Any], None] | None = None
         """Fault injection (:class:`hixl.testing.faults.FaultyTransport` sets it): called on the reading
         thread with each event read, before the link handles it; one that sleeps delays it, as a slow
@@ -144,8 +138,10 @@ class PeerLink:
         self._pending_lock = threading.Lock()
         self._closing = False
         self._end_error: PeerDisconnected | None = None
-        self._next_input_check = 0.0
         """Why the link ended (what every request pending on it fails with); None while CONNECTED."""
+        self._next_input_check = 0.0
+        self._handed_over: Any = None
+        """A DATA frame a caller met for another request, with the read role, for the reader thread."""
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe()
         self._epoll.register(wire.fd, _ARMED)
@@ -201,11 +197,13 @@ class PeerLink:
         if not read_reply or not self._take_read_role():
             self._send(req_id, lambda: self.wire.send(message, data, deadline))
             return
+        reading = True
         try:
             self._send(req_id, lambda: self.wire.send(message, data, deadline))
-            self._read_until(pending, deadline)
+            reading = self._read_until(req_id, pending, deadline)
         finally:
-            self._give_back_read_role()
+            if reading:
+                self._give_back_read_role()
 
     def exchange(
         self,
@@ -217,19 +215,24 @@ class PeerLink:
     ) -> bool:
         """The latency path: if nobody else is reading, send one request frame (made by
         ``make_frame`` from the connection) and its ``data`` ranges with one ``sendmsg``,
-        and read the reply on this thread. False, having sent nothing, if someone else reads.
+        and read the reply on this thread (or, if another request's data comes first, wait
+        for the reader thread to read it). False, having sent nothing, if someone else reads.
         """
         wire = self.wire
         if self.state is not LinkState.CONNECTED or not self._take_read_role():
             return False
+        reading = True
         try:
             self.expect(req_id, pending)
             with wire.conn_lock:
                 frame = wire.frame_of(make_frame, wire.conn)
             self._send(req_id, lambda: wire.send_parts(frame, data, deadline))
-            self._read_until(pending, deadline)
+            reading = self._read_until(req_id, pending, deadline)
         finally:
-            self._give_back_read_role()
+            if reading:
+                self._give_back_read_role()
+        if not reading and pending.waker is not None:
+            pending.waker.wait(max(0.0, deadline - time.monotonic()))
         return True
 
     def _take_read_role(self) -> bool:
@@ -280,11 +283,19 @@ class PeerLink:
             self.wire.read_lock.release()
             self._rearm()
 
-    def _read_until(self, pending: Pending, deadline: float | None) -> None:
-        """Read (as the reader) until ``pending`` is answered, the link ends, or ``deadline``."""
+    def _read_until(self, req_id: int, pending: Pending, deadline: float | None) -> bool:
+        """Read (as the reader) until ``pending`` (request ``req_id``) is answered, the link ends,
+        or ``deadline``. False if it handed the read role to the reader thread instead, with
+        another request's DATA frame: its bytes are that request's I/O, on its deadline, not
+        ours (``pending.waker`` is then set once ours is answered)."""
         try:
             while not pending.done and self.state is LinkState.CONNECTED:
-                self._dispatch(self.wire.next_event(deadline))
+                event = self.wire.next_event(deadline)
+                if isinstance(event, proto.Data) and event.req_id != req_id:
+                    pending.waker = threading.Event()
+                    self._hand_over(event)
+                    return False
+                self._dispatch(event)
         except TransferTimeout:
             pass  # the request's own deadline reports it; the reader thread takes over the socket
         except HixlError as exc:
@@ -293,7 +304,16 @@ class PeerLink:
             # Another thread ended the link and is still failing its requests, ours among
             # them: fail it now, with the same error, rather than return it unanswered (a
             # caller would take that for a timeout).
-            pending.on_failure(self._end_error)
+            _fail(pending, self._end_error)
+        return True
+
+    def _hand_over(self, data: proto.Data) -> None:
+        """Give the read role (held) and ``data``, whose bytes are next on the socket, to the reader thread."""
+        self._handed_over = data
+        try:
+            os.write(self._wake_w, b"h")
+        except OSError:
+            pass  # closed: the link is ending, and every pending entry fails with it
 
     def _send(self, req_id: int, send: Callable[[], None]) -> None:
         """Run ``send`` for request ``req_id``; if it fails, forget the request (and end a dead link)."""
@@ -327,22 +347,12 @@ class PeerLink:
         assert reply is not None
         return reply
 
-    def refresh_regions(self, timeout: float, generation: int | None = None) -> None:
-        """Ask the peer for its current registrations; ``generation``: the peer's generation
-        read before asking, which the answer is at least as new as."""
-        revokes = self._revokes
+    def refresh_regions(self, timeout: float) -> None:
+        """Ask the peer for its current registrations. The answer is installed by whoever reads
+        it, in stream order like every other update, so it can never undo a later REVOKE."""
         reply = self.call(proto.QueryRegions(self.next_id()), timeout)
         if not isinstance(reply, proto.Regions):
             raise ProtocolError(f"expected REGIONS, got {type(reply).__name__}")
-        table = RemoteRegions.from_rows(reply.regions)
-        with self.lease:
-            if self._revokes != revokes:
-                # A REVOKE was applied while we asked: the answer may predate it, and installing
-                # it would bring a withdrawn region back. Keep the REVOKE's (a miss asks again).
-                return
-            self.table = table
-            if generation is not None:
-                self.table_generation = generation
 
     def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float, write: bool = False) -> None:
         """Refuse descriptors outside the peer's regions (or, for ``write``, its writable ones).
@@ -350,9 +360,9 @@ class PeerLink:
         A miss refreshes a stale view once first, so a registration the peer made a
         moment ago is usable even if its REGIONS update is still on the wire.
         """
-        if len(self.table.outside(addrs, lens, write)):
+        if self.regions.misses(addrs, lens, write):
             self.refresh_regions(timeout)
-            self.table.check(addrs, lens, write)
+            self.regions.check(addrs, lens, write)
 
     # -- reading ----------------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -360,7 +370,11 @@ class PeerLink:
             while not self._closing:
                 events = self._epoll.poll(self.wire.interval)
                 if any(fd == self._wake_r for fd, _ in events):
-                    return
+                    os.read(self._wake_r, 64)
+                    if self._closing:
+                        return
+                    self._take_over()
+                    continue
                 if not self.wire.read_lock.acquire(blocking=False):
                     continue  # a caller reads; it re-arms the socket when it is done
                 try:
@@ -377,6 +391,18 @@ class PeerLink:
         except Exception as exc:  # a bug must still not strand waiters
             log.exception("hixl link reader crashed")
             self._end(LinkState.BROKEN, f"internal error: {exc!r}")
+
+    def _take_over(self) -> None:
+        """Read on from the DATA frame a caller handed over, with the read role it holds for us."""
+        data, self._handed_over = self._handed_over, None
+        if data is None:
+            return
+        try:
+            self._dispatch(data)
+            self._pump()
+        finally:
+            self.wire.read_lock.release()
+            self._rearm()
 
     def _pump(self) -> None:
         """Handle every frame that is already readable (reader holds the read role)."""
@@ -398,18 +424,14 @@ class PeerLink:
         if isinstance(message, ConnectionClosed):
             raise PeerDisconnected(f"{self.remote_engine} closed the connection")
         if isinstance(message, RegionsPushed):
-            self.table = RemoteRegions.from_rows(message.regions)  # of no known generation: kept as is
+            self.regions.apply(message.update)
             return
         if isinstance(message, proto.Revoke):
-            table = RemoteRegions.from_rows(message.regions)
-            self._no_revoke.clear()
-            self.revoke_pending = True
-            try:
-                self._apply_revoke(message, table)
-            finally:
-                self.revoke_pending = False
-                self._no_revoke.set()
-            self.wire.send(proto.Revoked(message.generation))
+            # Within the peer's patience for our answer (its deregister_timeout, which it does
+            # not tell us; liveness is the longest it may be): else the link is no use anyway.
+            deadline = time.monotonic() + self.wire.interval * self.wire.misses
+            self.regions.revoke(message, deadline)
+            self.wire.send(proto.Revoked(message.generation), deadline=deadline)
             return
         if isinstance(message, proto.Ping):
             self.wire.try_send(proto.Pong(message.req_id))
@@ -423,6 +445,8 @@ class PeerLink:
             return
         if isinstance(message, PeerFatal):
             raise PeerDisconnected(f"{self.remote_engine} reported a fatal error: {message.message}")
+        if isinstance(message, proto.Regions):
+            self.regions.apply(message)  # an answer to QUERY_REGIONS: installed here, in stream order
         with self._pending_lock:
             pending = self._pending.pop(message.req_id, None)
             self._idle_if_done()
@@ -435,23 +459,12 @@ class PeerLink:
             except HixlError as exc:
                 # Popped already, so _end() would not reach it: fail it here,
                 # or a link dying mid-data strands its request WAITING.
-                pending.on_failure(exc)
+                _fail(pending, exc)
                 raise
+            _woken(pending)
         elif pending is not None:
             pending.on_reply(message)
-
-    def _apply_revoke(self, message: proto.Revoke, table: RemoteRegions) -> None:
-        with self.lease:  # waits for a copy in flight: after this, none touches what was withdrawn
-            self.table = table
-            self.table_generation = message.generation
-            self._revokes += 1
-            for hook in self.revoke_hooks:
-                hook(table)
-
-    def yield_to_revoke(self, deadline: float | None) -> None:
-        """Before taking the lease: wait while a REVOKE waits for it (until ``deadline`` at most)."""
-        if self.revoke_pending:
-            self._no_revoke.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            _woken(pending)
 
     # -- ending -----------------------------------------------------------------------------------
     def close(self, timeout: float = 1.0) -> None:
@@ -488,10 +501,20 @@ class PeerLink:
         if state is LinkState.BROKEN and not quiet:
             log.warning("hixl: link to %s broken: %s", self.remote_engine, reason)
         for entry in pending.values():
-            entry.on_failure(error)
+            _fail(entry, error)
 
     def __repr__(self) -> str:
-        return f"<PeerLink {self.remote_engine} {self.state.name} regions={len(self.table)} pending={len(self._pending)}>"
+        return f"<PeerLink {self.remote_engine} {self.state.name} regions={len(self.regions)} pending={len(self._pending)}>"
+
+
+def _woken(pending: Pending) -> None:
+    if pending.waker is not None:
+        pending.waker.set()
+
+
+def _fail(pending: Pending, error: HixlError) -> None:
+    pending.on_failure(error)
+    _woken(pending)
 
 
 def handshake(wire: Wire, info: dict[str, Any], deadline: float) -> None:

@@ -77,6 +77,7 @@ __all__ = ["ServerLimits", "TargetServer", "check_fd_limit"]
 log = logging.getLogger("hixl")
 
 _serials = itertools.count(1)
+_NO_ROWS = np.empty((0, 3), dtype=np.uint64)
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _SPARE_FDS = 256
 """Descriptors kept free beyond one per connection: the listener, the loop's, the transports', files."""
@@ -371,11 +372,12 @@ class TargetServer:
 
     def welcome_info(self, session: _ServedConnection) -> dict[str, Any]:
         """What an authenticated initiator learns about this engine."""
+        generation, table = self.registry.current()
         return {
             **self.identity,
             "engine": self.address,
-            "generation": self.registry.generation,
-            "regions": self.registry.table.rows.tolist(),
+            "generation": generation,
+            "regions": table.rows.tolist(),
             "transports": {t.capabilities.name: t.advertise(session) for t in self.transports},
         }
 
@@ -457,7 +459,8 @@ class _Loop:
         self._accept_paused_until = 0.0
         self._stopping = False
         self._next_sweep = 0.0
-        self._shared: dict[proto.FrameType, tuple[int, proto.Message, bytes]] = {}
+        self._shared: dict[tuple[proto.FrameType, int], tuple[proto.Message, bytes]] = {}
+        self._shared_generation = -1  # the registrations generation _shared's frames are of
         self.thread = threading.Thread(target=self._run, name=f"hixl-loop-{server.address}", daemon=True)
 
     def start(self) -> None:
@@ -533,22 +536,28 @@ class _Loop:
         self._selector.unregister(self.server.listener)
 
     def push_regions(self) -> None:
-        """Send the newest registrations to every open connection (one REGIONS frame for all), in
-        the next rounds: whatever else waits for the loop (a deregistration's decision) first."""
+        """Tell every open connection what changed in the registrations (one REGIONS frame for all
+        that knew the same generation), in the next rounds: whatever else waits for the loop (a
+        deregistration's decision) first."""
         for conn in self._conns:
             conn.regions_dirty = True
         self._to_flush.extend(self._conns)
 
-    def shared_frame(self, kind: proto.FrameType) -> tuple[proto.Message, bytes]:
-        """A REGIONS (pushed) or REVOKE of the newest registrations and its frame, encoded once for
-        every connection and again only when the registrations change."""
+    def shared_frame(self, kind: proto.FrameType, base: int) -> tuple[proto.Message, bytes]:
+        """A REGIONS (pushed) or REVOKE taking a peer that knows generation ``base`` to the newest
+        registrations — what changed, or all of them if that is shorter — and its frame: encoded
+        once for every connection at ``base``, again only when the registrations change."""
         registry = self.server.registry
-        generation, table = registry.generation, registry.table
-        cached = self._shared.get(kind)
-        if cached is None or cached[0] != generation:
-            message = proto.Revoke(generation, table.rows) if kind is proto.FrameType.REVOKE else proto.Regions(table.rows)
-            cached = self._shared[kind] = (generation, message, proto.encode(message))
-        return cached[1], cached[2]
+        if self._shared_generation != registry.generation:
+            self._shared.clear()
+        cached = self._shared.get((kind, base))
+        if cached is None:
+            update = registry.update_since(base)
+            self._shared_generation = update.generation
+            change = (update.generation, proto.WHOLE if update.base is None else update.base, update.added, update.removed)
+            message = proto.Revoke(*change) if kind is proto.FrameType.REVOKE else proto.Regions(*change)
+            cached = self._shared[(kind, base)] = (message, proto.encode(message))
+        return cached
 
     def _run(self) -> None:
         try:
@@ -1043,7 +1052,8 @@ class _ServedConnection:
             else:
                 self._serve_notify(message, self._put)
         elif kind is proto.FrameType.QUERY_REGIONS:
-            self._put(proto.Regions(self.server.registry.table.rows, message.req_id))
+            generation, table = self.server.registry.current()
+            self._put(proto.Regions(generation, proto.WHOLE, table.rows, _NO_ROWS, message.req_id))
         elif kind is proto.FrameType.QUERY_META:
             value = self.server.metadata(message.key)
             if value is None:
@@ -1160,7 +1170,7 @@ class _ServedConnection:
             self._put_shared(proto.FrameType.REGIONS)
 
     def _put_shared(self, kind: proto.FrameType) -> None:
-        message, shared = self.server.loop.shared_frame(kind)
+        message, shared = self.server.loop.shared_frame(kind, self.conn.regions_generation)
         with self.wire.conn_lock:
             frame = self.wire.frame_of(self.conn.send_encoded, message, shared)
         self._outbox.put([frame])

@@ -372,18 +372,6 @@ class Wire:
         finally:
             self.send_lock.release()
 
-    def send_split(self, message: proto.Message) -> None:
-        """Send ``message`` with its body ``writev``-ed from where it lies (a META's value, up to
-        16 MiB): no frame is built around it, so answering costs no memory however often it is asked for."""
-        self.check_alive()
-        self._acquire_send(None)
-        try:
-            with self.conn_lock:
-                header, body = self.frame_of(self.conn.send_split, message)
-            self._send_data(bytes_cursor(header, body), None)
-        finally:
-            self.send_lock.release()
-
     def frame_of(self, make: Callable[..., T], *args: Any) -> T:
         """``make(*args)``: a frame from the connection (caller holds ``conn_lock``). If the connection
         has closed meanwhile (the peer's end of stream was just parsed, by another thread), that
@@ -403,13 +391,14 @@ class Wire:
             raise TransferTimeout(f"sending to {self.peer} waited past its deadline for another send")
 
     def try_send(self, message: proto.Message) -> bool:
-        """Send a small frame only if nobody else is sending right now."""
+        """Send a small frame only if nobody else is sending right now; within the peer's liveness
+        budget (a peer that takes none of it for that long is dead anyway)."""
         if self.dead_reason or not self.send_lock.acquire(blocking=False):
             return False
         try:
             with self.conn_lock:
                 frame = self.conn.send(message)
-            self._send_frame(frame, None)
+            self._send_frame(frame, time.monotonic() + self.interval * self.misses)
         except (PeerDisconnected, ProtocolError, TransferTimeout):
             return False
         finally:

@@ -71,12 +71,13 @@ class ScriptedPeer:
     def accept_handshake(self, regions: list[tuple[int, int, int]] = (), **info: Any) -> dict[str, Any]:  # type: ignore[assignment]
         """As target: answer HELLO and AUTH and send a WELCOME listing ``regions`` (addr, len, flags).
 
-        Returns what the initiator said about itself. ``info`` adds WELCOME fields.
+        Returns what the initiator said about itself. ``info`` adds WELCOME fields (the regions are
+        of registration generation 1 unless it names another).
         """
         self._expect(proto.Hello)
         self.send_raw(self.conn.challenge())
         self._expect(proto.Auth)
-        welcome = {"engine": "scripted", "engine_id": "scripted", "regions": [list(r) for r in regions], **info}
+        welcome = {"engine": "scripted", "engine_id": "scripted", "generation": 1, "regions": [list(r) for r in regions], **info}
         welcome.setdefault("transports", {"tcp": {}})
         self.send_raw(self.conn.welcome(welcome))
         return self.conn.peer_info

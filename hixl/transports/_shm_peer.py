@@ -1,10 +1,10 @@
 """A peer's shared memory as an initiator maps it, kept in step with the peer's registrations.
 
-Theory of operation. The link's region table (``link.table``) is what the
+Theory of operation. The link's region table (``link.regions.table``) is what the
 engine checks every descriptor against; it is replaced, never mutated, when
 the peer's registrations change. :class:`PeerMemory` remembers the table its
 mappings were made for (``synced``). A copy goes through a mapping only while
-``link.table is synced``, checked under the link's lease, so:
+``link.regions.table is synced``, checked under the link's lease, so:
 
 - a REVOKE (the peer deregistering) unmaps, under the lease and before the
   link confirms it, every mapping the new table does not register in full
@@ -94,13 +94,13 @@ class PeerMemory:
         self.timeout = timeout
         """Longest one exchange with the peer's socket may take."""
         self.maps = SharedMappings()
-        """The mappings; read and changed under ``link.lease`` only."""
+        """The mappings; read under a shared hold of the link's lease, changed under it alone."""
         self.synced: RemoteRegions | None = None
-        """The link table ``maps`` are in step with (a copy needs ``link.table is synced``)."""
+        """The link's table ``maps`` are in step with (a copy needs ``link.regions.table is synced``)."""
         self._elsewhere: frozenset[tuple[int, int]] = frozenset()
         self._liveness: Liveness | None = None
         self._sync_lock = threading.Lock()  # one exchange at a time
-        link.revoke_hooks.append(self.on_revoke)
+        link.regions.revoke_hooks.append(self.on_revoke)
 
     def alive(self) -> bool:
         """Whether the target process still exists, as far as its liveness pipe tells."""
@@ -109,20 +109,21 @@ class PeerMemory:
 
     def in_step(self) -> bool:
         """Whether the mappings are those of the link's current table (ask under the lease)."""
-        return self.link.table is self.synced
+        return self.link.regions.table is self.synced
 
     def sync(self, timeout: float) -> str | None:
         """Bring the mappings in step with the link's current table; why the peer's grants could not
         be had, if they were needed and could not (its regions then go over TCP)."""
-        link = self.link
+        link, regions = self.link, self.link.regions
+        deadline = time.monotonic() + timeout
         with self._sync_lock:
-            table = link.table
+            table = regions.table
             if table is self.synced:
                 return None
             if self.maps.explains(table, self._elsewhere):
-                with link.lease:
-                    self.maps.keep_covered(link.table)
-                    if link.table is table:
+                with regions.lease.exclusive(deadline):
+                    self.maps.keep_covered(regions.table)
+                    if regions.table is table:
                         self.synced = table
                 return None
             problem = None
@@ -146,34 +147,36 @@ class PeerMemory:
             prepared = self.maps.prepare(received)
             for why in prepared.refused:
                 log.warning("hixl: %s: a shared region was refused (it goes over TCP): %s", link.remote_engine, why)
-            with link.lease:  # (copies look at the liveness pipe under it too: none sees the old one closed)
+            # (Copies look at the liveness pipe under the lease too: none sees the old one closed.)
+            with regions.lease.exclusive(time.monotonic() + self.timeout):  # (installed whatever the time left)
                 if liveness is not None:
                     liveness, self._liveness = self._liveness, liveness
-                self.maps.install(prepared, link.table)
+                self.maps.install(prepared, regions.table)
                 self._elsewhere = frozenset(
                     (a, n) for a, n in table.regions if self.maps.find(a, n, False) < 0
                 )
-                if link.table is table:
+                if regions.table is table:
                     self.synced = table
             if liveness is not None:
                 liveness.close()  # the one it replaced
             return problem or ("; ".join(prepared.refused) if prepared.refused and not self.maps.items else None)
 
     def on_revoke(self, table: RemoteRegions) -> None:
-        """The link's REVOKE hook (under the lease): unmap what ``table`` withdrew, at once."""
+        """The link's REVOKE hook (under the exclusive lease): unmap what ``table`` withdrew, at once."""
         self.maps.keep_covered(table)
         if self.synced is not None and self.maps.explains(table, self._elsewhere):
             self.synced = table
 
     def close(self) -> None:
         """Unmap everything and stop following the link."""
-        with self.link.lease:
+        regions = self.link.regions
+        with regions.lease.exclusive(time.monotonic() + self.timeout):
             self.maps.close()
             self.synced = None
             if self._liveness is not None:
                 self._liveness.close()
-        if self.on_revoke in self.link.revoke_hooks:
-            self.link.revoke_hooks.remove(self.on_revoke)
+        if self.on_revoke in regions.revoke_hooks:
+            regions.revoke_hooks.remove(self.on_revoke)
 
     def __repr__(self) -> str:
         return f"<PeerMemory {self.path} mapped={len(self.maps.items)} in_step={self.in_step()}>"

@@ -138,14 +138,19 @@ class Channel(abc.ABC):
         """
         self.start(req, op, descs)
 
-    def run_small(self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float) -> bool:
+    def run_small(
+        self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float, checked: RemoteRegions
+    ) -> bool:
         """Try to move a few small, validated descriptors synchronously, right now.
 
         The latency path of ``transfer_sync``: a transport that can beat the
         general path for a handful of descriptors overrides it. Returns True if
         every byte moved within ``timeout`` seconds; False sends the caller down
         the general path, which also reports any error (so moving bytes twice
-        must be harmless). The default has no fast path.
+        must be harmless). ``checked`` is the table of the peer's regions the
+        engine checked ``descs`` against: a transport whose copies bypass the
+        peer copies only while it is still the current one (under its lease).
+        The default has no fast path.
         """
         return False
 

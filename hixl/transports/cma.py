@@ -52,6 +52,7 @@ from ._peerproc import PeerProcess, far_end_owner_error, map_peer_file
 from .base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
+    from .._memory import RemoteRegions
     from .._request import TransferReq
     from .._session.initiator import PeerLink
     from .base import ServedSession
@@ -94,12 +95,14 @@ _WRITE, _CONNECTED = Op.WRITE, LinkState.CONNECTED
 class CmaChannel(Channel):
     """Copies to and from one target process.
 
-    Every copy holds the link's *lease* from its last check to the end of its syscall,
-    and checks first that our copy of the peer's regions is of the generation the
-    peer publishes (its memfd page) and still contains the ranges. The peer bumps
-    that generation before it tells anyone of a deregistration, and our link answers
-    its REVOKE only under the lease, after installing the new regions: so once the
-    peer has our confirmation, no copy of ours touches what it withdrew.
+    Every copy holds a shared hold of the link's *lease* (``link.regions.lease``) from
+    its last check to the end of its syscall, and checks first that our copy of the
+    peer's regions is of the generation the peer publishes (its memfd page) and still
+    contains the ranges. The peer bumps that generation before it tells anyone of a
+    deregistration, and our link answers its REVOKE only under the exclusive lease,
+    after installing the new regions: so once the peer has our confirmation, no copy
+    of ours touches what it withdrew. Copies to one peer run in parallel (each holds
+    the lease for one chunk at most), and a REVOKE waits for one chunk each.
     """
 
     def __init__(self, link: PeerLink, process: PeerProcess, generation: mmap.mmap) -> None:
@@ -116,9 +119,8 @@ class CmaChannel(Channel):
 
     def _fresh(self, timeout: float) -> None:
         """Make our copy of the peer's regions the one of its current generation."""
-        current = self._current()
-        if current != self.link.table_generation:
-            self.link.refresh_regions(timeout, generation=current)
+        if self._current() != self.link.regions.generation:
+            self.link.refresh_regions(timeout)
 
     def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float, write: bool) -> None:
         """Check against the peer's regions, fetched again if it changed them since we last did.
@@ -136,19 +138,18 @@ class CmaChannel(Channel):
         call = process_vm_readv if op is Op.READ else process_vm_writev
         write = op is Op.WRITE
         cursor = IovCursor(iovecs(descs[:, 0], descs[:, 2]), iovecs(descs[:, 1], descs[:, 2]))
-        link = self.link
+        link, regions = self.link, self.link.regions
         # Checked again before the first syscall: an async request may start well after the
         # engine validated it, and a REVOKE may have come in between.
         checked = None
         try:
             link.ensure_alive()
             while not cursor.finished:
-                link.yield_to_revoke(req.deadline)
                 with req.io_lock:
                     if req.cancelled:
                         return
-                    with link.lease:
-                        current = self._current() == link.table_generation and link.table is checked
+                    with regions.lease.shared(req.deadline):
+                        current = self._current() == regions.generation and regions.table is checked
                         if not self._process.alive():
                             raise PeerDisconnected(f"target process {self.pid} exited")
                         if current:
@@ -164,7 +165,7 @@ class CmaChannel(Channel):
                     # The peer's regions changed under the request: fetch them (outside the
                     # locks: that is a network round trip), and go on only if it still fits.
                     self._fresh(req.remaining())
-                    checked = link.table
+                    checked = regions.table
                     checked.check(descs[:, 1], descs[:, 2], write)
                     continue
                 if moved <= 0:
@@ -175,25 +176,32 @@ class CmaChannel(Channel):
         else:
             req.complete()
 
-    def run_small(self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float) -> bool:
+    def run_small(
+        self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float, checked: RemoteRegions
+    ) -> bool:
         """One syscall straight from the tuples: no numpy, no cursor, no request object — the
         generation and liveness checks and the call in one step of hixl._accel, under the lease.
 
         Every step here is on the 8-byte latency path, hence the inlined checks.
         """
         link = self.link
-        if len(descs) > _SMALL_IOVECS or nbytes > CHUNK or link.state is not _CONNECTED or link.revoke_pending:
-            return False  # (more than a chunk: the general path cuts it; a REVOKE waiting: it steps aside)
-        write = op is _WRITE
-        table = link.table.writable if write else link.table.readable
-        with link.lease:
-            if link.table.writable is not table and link.table.readable is not table:
+        if len(descs) > _SMALL_IOVECS or nbytes > CHUNK or link.state is not _CONNECTED:
+            return False  # (more than a chunk: the general path cuts it)
+        regions = link.regions
+        lease = regions.lease
+        token = lease.enter()
+        if not token:
+            return False  # a REVOKE is under way: the general path waits for it
+        try:
+            if regions.table is not checked:
                 return False  # replaced since the engine checked: check again on the general path
             # A changed generation, a gone process, a short or failed copy: the general path
             # refreshes, resumes (copying again is harmless) or reports it — and never copies
             # into a reused pid.
-            moved = _accel.cma_copy(self.pid, self._process.fd, write, descs, self._generation, link.table_generation)
-            return bool(moved == nbytes)
+            moved = _accel.cma_copy(self.pid, self._process.fd, op is _WRITE, descs, self._generation, regions.generation)
+        finally:
+            lease.leave(token)
+        return bool(moved == nbytes)
 
     def close(self) -> None:
         """Unmap the peer's generation page and let go of its process."""

@@ -350,11 +350,10 @@ class ShmChannel(Channel):
                     return
                 stale = unmapped = False
                 link.poll_input()
-                link.yield_to_revoke(req.deadline)
                 with req.io_lock:
                     if req.cancelled:
                         return
-                    with link.lease:
+                    with link.regions.lease.shared(req.deadline):
                         if not memory.alive():
                             raise PeerDisconnected(f"{link.remote_engine}: the target process is gone")
                         if not memory.in_step():
@@ -376,7 +375,7 @@ class ShmChannel(Channel):
                     # The peer's regions changed under the request: catch up (outside the locks: it
                     # may ask the peer), and go on only if what is left is still registered.
                     memory.sync(req.remaining())
-                    link.table.check(pieces[done:, 1], pieces[done:, 2], write)
+                    link.regions.check(pieces[done:, 1], pieces[done:, 2], write)
                 elif unmapped:
                     self._over_tcp_start(req, op, pieces[done:], wait)
                     return
@@ -408,7 +407,9 @@ class ShmChannel(Channel):
                 except HixlError:
                     pass  # its own failure is its caller's; this request still goes ahead
 
-    def run_small(self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float) -> bool:
+    def run_small(
+        self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float, checked: RemoteRegions
+    ) -> bool:
         """The latency path: a few ranges, all mapped, copied at once; none mapped: TCP's latency path.
 
         Every step is on the path of an 8-byte ``transfer_sync``, and at 1 MiB the Python around
@@ -431,14 +432,18 @@ class ShmChannel(Channel):
                 # with a REVOKE, the application's other threads) would wait seconds. Asleep a
                 # moment every millisecond, this one lets them run.
                 time.sleep(_YIELD)
-        if link.revoke_pending:
-            return False  # the general path steps aside for it
-        with link.lease:
-            if link.table is not memory.synced or link.state is not _CONNECTED:
+        regions = link.regions
+        token = regions.lease.enter()
+        if not token:
+            return False  # a REVOKE is under way: the general path waits for it
+        try:
+            if regions.table is not memory.synced or link.state is not _CONNECTED:
                 return False  # the general path catches up first (or reports what happened)
             copied = _accel.mapped_copy(descs, op is _WRITE, *memory.maps.index)
+        finally:
+            regions.lease.leave(token)
         if copied == 0:
-            return self._tcp.run_small(op, descs, nbytes, timeout)
+            return self._tcp.run_small(op, descs, nbytes, timeout, checked)
         return copied == 1  # (-1: some mapped, some not: the general path sends it all over TCP)
 
     def close(self) -> None:

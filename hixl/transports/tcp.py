@@ -41,6 +41,7 @@ from .._types import MemType, Op, Status
 from .base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
+    from .._memory import RemoteRegions
     from .._protocol.connection import Connection
     from .._request import TransferReq
     from .._session.initiator import PeerLink
@@ -164,7 +165,9 @@ class TcpChannel(Channel):
         """As :meth:`start`, and read the reply on this thread if nobody else is reading."""
         self._send(req, op, descs, read_reply=True)
 
-    def run_small(self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float) -> bool:
+    def run_small(
+        self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float, checked: RemoteRegions
+    ) -> bool:
         """The latency path: one frame packed from the tuples, the WRITE's data sent from
         registered memory in the same ``sendmsg``, and the reply read on this thread —
         only when nothing else is being read (else the general path queues behind it)."""

@@ -144,6 +144,53 @@ def test_same_host_copies_stop_before_deregistration_returns(make_target: MakeTa
         assert all(status in (TransferStatus.COMPLETED, TransferStatus.FAILED) for status in outcomes), outcomes
 
 
+@pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
+def test_parallel_same_host_copies_to_one_peer_all_stop_before_deregistration_returns(make_target: MakeTarget, op: Op) -> None:
+    """Four threads copy to one peer at once (cma copies share the link's lease); a deregistration
+    waits for every one of them, and none touches the memory once it has returned."""
+    threads, part = 4, 8 * MiB
+    size = threads * part
+    target = make_target([size])
+    with Engine("127.0.0.1", {"transport": "cma"}) as eng:
+        buf = hixl.empty(size)
+        eng.register_mem(buf)
+        eng.connect(target.engine)
+        region = hixl.MemDesc(target.addrs[0], size)
+        handle = target.call("register_mem", region)
+        for _ in range(2):
+            buf[:] = 0x22
+            target.write(0, 0, b"\x11" * size)
+            stop, copies = threading.Event(), [0] * threads
+
+            def copy(i: int) -> None:
+                descs = _scattered(int(buf.ctypes.data) + i * part, target.addrs[0] + i * part, part)
+                while not stop.is_set():
+                    try:
+                        eng.transfer_sync(target.engine, op, descs, timeout=30)
+                    except MemoryRangeError:
+                        return  # the region went away under it (or before it started)
+                    copies[i] += 1
+
+            workers = [threading.Thread(target=copy, args=(i,)) for i in range(threads)]
+            for worker in workers:
+                worker.start()
+            time.sleep(0.3)  # all of them copying
+            target.call("deregister_mem", handle)
+            target.write(0, 0, bytes([REUSED]) * size)  # reused the moment deregister_mem returned
+            if op is Op.READ:
+                buf[:] = 0x22  # what they read before it returned may hold anything; from now on, nothing
+            time.sleep(0.2)  # any copy still running would land now
+            stop.set()
+            for worker in workers:
+                worker.join(30)
+            assert all(copies), f"some thread never copied: {copies}"
+            if op is Op.WRITE:
+                assert target.read(0, 0, size) == bytes([REUSED]) * size, "a copy landed after deregister_mem"
+            else:
+                assert REUSED not in buf, "a copy read memory after deregister_mem returned"
+            handle = target.call("register_mem", region)
+
+
 # -- cancel -------------------------------------------------------------------------------------------
 def test_cancel_stops_a_tcp_read_mid_data() -> None:
     go_on = threading.Event()

@@ -28,7 +28,8 @@ from hixl._protocol.auth import Secret
 
 SECRET = Secret(b"correct horse battery staple")
 INITIATOR_INFO = {"engine": "127.0.0.1:1", "engine_id": "ii"}
-TARGET_INFO = {"engine": "127.0.0.1:2", "pid": 4242, "regions": [[4096, 8192, 1]]}
+TARGET_INFO = {"engine": "127.0.0.1:2", "pid": 4242, "generation": 2, "regions": [[4096, 8192, 1]]}
+_NO_ROWS = np.zeros((0, 3), np.uint64)
 
 _T = FrameType
 INITIATOR_OPEN = frozenset(
@@ -128,7 +129,7 @@ def request(kind: FrameType, req_id: int) -> F.Message:
 def reply(kind: FrameType, req_id: int) -> F.Message:
     """A well-formed target frame of ``kind``."""
     return {
-        _T.REGIONS: lambda: F.Regions(np.array([[4096, 8192, 1]], dtype=np.uint64), req_id),
+        _T.REGIONS: lambda: F.Regions(3, F.WHOLE, np.array([[4096, 8192, 1]], dtype=np.uint64), _NO_ROWS, req_id),
         _T.DATA: lambda: F.Data(req_id, 16),
         _T.ACK: lambda: F.Ack(req_id),
         _T.ERROR: lambda: F.Error(req_id, 6, "no"),
@@ -136,7 +137,7 @@ def reply(kind: FrameType, req_id: int) -> F.Message:
         _T.PING: lambda: F.Ping(req_id),
         _T.PONG: lambda: F.Pong(req_id, 7.0),
         _T.BYE: lambda: F.Bye(0, "done"),
-        _T.REVOKE: lambda: F.Revoke(4, np.array([[4096, 8192, 1]], dtype=np.uint64), 0),  # newer than at()'s
+        _T.REVOKE: lambda: F.Revoke(4, F.WHOLE, np.array([[4096, 8192, 1]], dtype=np.uint64), _NO_ROWS),  # newer than at()'s
     }[kind]()
 
 
@@ -245,7 +246,7 @@ def at(role: Role, stage: str, secret: Secret | None = SECRET) -> Connection:
         for req_id, kind in OUTSTANDING.items():
             conn.send(request(kind, req_id))
     else:
-        conn.send(F.Revoke(3, np.zeros((0, 3), np.uint64)))  # what request(REVOKED) confirms
+        conn.send(F.Revoke(3, 2, _NO_ROWS, _NO_ROWS))  # what request(REVOKED) confirms
     if stage == "closing":
         conn.send(F.Bye(0, "closing"))
     elif stage == "closed":
@@ -268,13 +269,15 @@ def clone(conn: Connection) -> Connection:
 
 
 def normalize(event: Any) -> Any:
-    """A comparable form of an event (numpy arrays as bytes and shape)."""
+    """A comparable form of an event (numpy arrays as bytes and shape, messages inside events too)."""
     if event is NEED_DATA or isinstance(event, ConnectionClosed):
         return repr(event)
     fields = []
     for f in dataclasses.fields(event):
         value = getattr(event, f.name)
-        if isinstance(value, np.ndarray):
+        if dataclasses.is_dataclass(value):
+            value = normalize(value)
+        elif isinstance(value, np.ndarray):
             value = (value.shape, value.astype("<u8").tobytes())
         elif isinstance(value, float) and value != value:
             value = "nan"

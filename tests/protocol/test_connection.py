@@ -40,6 +40,7 @@ from .helpers import (
 )
 
 OTHER = auth.Secret(b"not the secret")
+NO_ROWS = np.zeros((0, 3), np.uint64)
 
 
 def _body(frame: bytes) -> dict:
@@ -191,7 +192,7 @@ def test_the_target_says_nothing_about_itself_before_auth_passed() -> None:
     """What the target-side API lets the engine produce, state by state."""
     about_target = [
         F.Welcome({"info": TARGET_INFO, "mac": ""}),
-        F.Regions(np.array([[4096, 8192, 1]], dtype=np.uint64)),
+        F.Regions(3, F.WHOLE, np.array([[4096, 8192, 1]], dtype=np.uint64), np.zeros((0, 3), np.uint64)),
         F.Meta(1, b"catalog"),
         F.Data(1, 8),
         F.Ack(1),
@@ -419,7 +420,7 @@ def test_request_ids_on_send() -> None:
         (F.Data(2, 16), "DATA answers no request"),  # 2 is a WRITE
         (F.Ack(1), "ACK answers no request"),  # 1 is a READ
         (F.Meta(4, b""), "META answers no request"),  # 4 is QUERY_REGIONS
-        (F.Regions(np.zeros((0, 3), np.uint64), 5), "REGIONS answers no request"),  # 5 is QUERY_META
+        (F.Regions(3, F.WHOLE, np.zeros((0, 3), np.uint64), np.zeros((0, 3), np.uint64), 5), "REGIONS answers no request"),  # 5 is QUERY_META
         (F.Error(99, 1, "x"), "ERROR answers no request"),
         (F.Bye(1, "x"), "BYE answers no request"),
     ],
@@ -431,7 +432,7 @@ def test_replies_must_answer_an_outstanding_request_of_the_right_kind(reply: F.M
 
 def test_every_request_gets_exactly_one_answer() -> None:
     i = at(Role.INITIATOR, "open")
-    replies = [F.Data(1, 16), F.Ack(2), F.Ack(3), F.Regions(np.zeros((1, 3), np.uint64), 4), F.Meta(5, b"v")]
+    replies = [F.Data(1, 16), F.Ack(2), F.Ack(3), F.Regions(3, F.WHOLE, np.zeros((1, 3), np.uint64), np.zeros((0, 3), np.uint64), 4), F.Meta(5, b"v")]
     for n, message in enumerate(replies, 1):
         assert isinstance(one_event(i, F.encode(message)), type(message))
         i.data_moved(i.data_left)
@@ -450,8 +451,8 @@ def test_unsolicited_frames_need_no_request() -> None:
     i = at(Role.INITIATOR, "open")
     for message in (F.Ping(0), F.Ping(77), F.Pong(78, 1.0)):
         assert isinstance(one_event(i, F.encode(message)), type(message))
-    pushed = one_event(i, F.encode(F.Regions(np.ones((2, 3), np.uint64), 0)))
-    assert isinstance(pushed, RegionsPushed) and pushed.regions.tolist() == [[1, 1, 1]] * 2  # its own event
+    pushed = one_event(i, F.encode(F.Regions(4, 2, np.ones((2, 3), np.uint64), np.zeros((0, 3), np.uint64))))
+    assert isinstance(pushed, RegionsPushed) and pushed.update.added.tolist() == [[1, 1, 1]] * 2  # its own event
     assert i.outstanding == len(OUTSTANDING) and i.state is ConnState.OPEN
     fatal = one_event(i, F.encode(F.Error(0, 6, "going away")))
     assert fatal == PeerFatal(6, "going away") and i.state is ConnState.CLOSED  # ends the connection
@@ -471,14 +472,45 @@ def test_revocations_are_tracked_both_ways() -> None:
     the older ones with it), and a REVOKE the newer one covers is refused to the sender."""
     pair = handshake(SECRET, SECRET)
     i, t = pair.initiator, pair.target
-    one_event(i, t.send(F.Revoke(3, np.zeros((0, 3), np.uint64))))
-    one_event(i, t.send(F.Revoke(5, np.zeros((0, 3), np.uint64))))
+    one_event(i, t.send(F.Revoke(3, F.WHOLE, NO_ROWS, NO_ROWS)))
+    one_event(i, t.send(F.Revoke(5, 3, NO_ROWS, NO_ROWS)))
     assert t.newest_revoke == 5
     with pytest.raises(ProtocolError, match="not newer"):
-        t.send(F.Revoke(4, np.zeros((0, 3), np.uint64)))
+        t.send(F.Revoke(4, F.WHOLE, NO_ROWS, NO_ROWS))
     assert isinstance(one_event(t, i.send(F.Revoked(5))), F.Revoked)  # confirms 3 too
     _refuses(clone(t), i.send(F.Revoked(3)), ProtocolError, "no outstanding REVOKE")
-    _refuses(clone(i), F.encode(F.Revoke(5, np.zeros((0, 3), np.uint64))), ProtocolError, "not newer")
+    _refuses(clone(i), F.encode(F.Revoke(5, F.WHOLE, NO_ROWS, NO_ROWS)), ProtocolError, "not newer")
+
+
+def test_region_updates_follow_on_from_the_generation_the_initiator_knows() -> None:
+    """WELCOME names the generation of its regions; a REGIONS or REVOKE listing only what changed
+    must change exactly the generation the initiator knows, and each moves it on — on both ends."""
+    pair = handshake(SECRET, SECRET)
+    i, t = pair.initiator, pair.target
+    assert i.regions_generation == t.regions_generation == TARGET_INFO["generation"] == 2
+    rows = np.array([[1 << 20, 4096, 1]], dtype=np.uint64)
+    assert isinstance(one_event(i, t.send(F.Regions(4, 2, rows, NO_ROWS))), RegionsPushed)
+    assert i.regions_generation == t.regions_generation == 4
+    # The target refuses to send a change of a generation the peer does not know ...
+    with pytest.raises(ProtocolError, match="changes since generation 3: the initiator knows generation 4"):
+        t.send(F.Regions(5, 3, rows, NO_ROWS))
+    with pytest.raises(ProtocolError, match="older than 4"):
+        t.send(F.Regions(3, F.WHOLE, rows, NO_ROWS))
+    # ... and the initiator refuses one it is sent (a forged or reordered update).
+    _refuses(clone(i), F.encode(F.Regions(6, 5, rows, NO_ROWS)), ProtocolError, "initiator knows generation 4")
+    _refuses(clone(i), F.encode(F.Revoke(6, 3, NO_ROWS, rows)), ProtocolError, "initiator knows generation 4")
+    # A whole table (the answer to QUERY_REGIONS, here) moves it on from anywhere not older.
+    i.send(F.QueryRegions(4))
+    whole = F.Regions(7, F.WHOLE, rows, NO_ROWS, 4)
+    assert isinstance(one_event(i, t.send(whole)), F.Regions) and i.regions_generation == 7
+
+
+@pytest.mark.parametrize("generation", [None, -1, "2", 1.5, 1 << 64], ids=repr)
+def test_a_welcome_must_name_its_regions_generation(generation: object) -> None:
+    pair = handshake(SECRET, SECRET, until="authenticated")
+    info = {k: v for k, v in TARGET_INFO.items() if k != "generation"} | ({} if generation is None else {"generation": generation})
+    with pytest.raises(ProtocolError, match="names no registration generation"):
+        pair.target.welcome(info)
 
 
 def test_the_nonce_source_is_injectable() -> None:
@@ -641,7 +673,7 @@ def _clocked_pair(offset: float, d1: float, d2: float) -> tuple[Connection, Conn
     clock.now += d2
     one_event(i, challenge)
     one_event(t, i.authenticate({}))
-    one_event(i, t.welcome({}))
+    one_event(i, t.welcome({"generation": 0}))
     return i, t, clock
 
 
@@ -787,7 +819,7 @@ def _initiator_script() -> tuple[Connection, list[F.Message], bytes]:
     stream += [
         t.send(F.Ping(0)),
         t.send(F.Data(1, len(data))) + data,
-        t.send(F.Regions(np.array([[1, 2, 3]], dtype=np.uint64), 0)),
+        t.send(F.Regions(3, 2, np.array([[1, 2, 3]], dtype=np.uint64), np.zeros((0, 3), np.uint64), 0)),
         t.send(F.Ack(2)),
         t.send(F.Pong(9, 123.0)),
         t.send(F.Meta(3, b"m" * 300)),

@@ -20,6 +20,7 @@ from hixl._protocol.frames import (
     MAX_REGIONS,
     REGION_WRITABLE,
     VERSION,
+    WHOLE,
     encode_split,
 )
 
@@ -55,9 +56,11 @@ MESSAGES = {
     "challenge": proto.Challenge({"version": VERSION, "nonce": "cd" * 32, "proof": "ef" * 32, "clock": 1.5}),
     "auth": proto.Auth({"proof": "01" * 32, "info": {"engine": "127.0.0.1:5"}}, 0),
     "welcome": proto.Welcome({"info": {"engine": "1.2.3.4:5", "regions": [[4096, 8192, 1]]}, "mac": "00"}, 3),
-    "regions": proto.Regions(_regions((4096, 8192, REGION_WRITABLE), (1 << 47, 1 << 30, 0)), 9),
-    "regions-flags": proto.Regions(_regions((0, U64_MAX, U64_MAX)), 0),
-    "regions-empty": proto.Regions(_regions(), 0),
+    "regions": proto.Regions(4, WHOLE, _regions((4096, 8192, REGION_WRITABLE), (1 << 47, 1 << 30, 0)), _regions(), 9),
+    "regions-flags": proto.Regions(U64_MAX - 1, WHOLE, _regions((0, U64_MAX, U64_MAX)), _regions(), 0),
+    "regions-empty": proto.Regions(0, WHOLE, _regions(), _regions(), 0),
+    "regions-delta": proto.Regions(9, 7, _regions((4096, 8192, 1)), _regions((1 << 40, 4096, 0), (8192, 1, 1))),
+    "regions-unchanged": proto.Regions(9, 9, _regions(), _regions()),
     "query-regions": proto.QueryRegions(12),
     "read": proto.ReadRequest(1 << 63, _descs((4096, 1), (U64_MAX - 16, 16)), 0),
     "read-deadline": proto.ReadRequest(1, _descs((4096, 1)), 123_456_789),
@@ -80,8 +83,9 @@ MESSAGES = {
     "bye-empty": proto.Bye(),
     "query-meta": proto.QueryMeta(2, "layout/\u00e9"),
     "meta": proto.Meta(2, b"\x00\xff binary"),
-    "revoke": proto.Revoke(7, np.array([[4096, 8192, 1], [1 << 40, 4096, 0]], dtype=np.uint64)),
-    "revoke-all": proto.Revoke(8, np.empty((0, 3), dtype=np.uint64)),
+    "revoke": proto.Revoke(7, WHOLE, _regions((4096, 8192, 1), (1 << 40, 4096, 0)), _regions()),
+    "revoke-all": proto.Revoke(8, WHOLE, _regions(), _regions()),
+    "revoke-delta": proto.Revoke(8, 6, _regions(), _regions((4096, 8192, 1))),
     "revoked": proto.Revoked(7),
 }
 
@@ -131,9 +135,9 @@ def test_many_descriptors_parse_as_one_array() -> None:
 def test_many_regions_parse_as_one_array() -> None:
     n = MAX_REGIONS
     rows = np.stack([np.arange(n, dtype=np.uint64) << np.uint64(12), np.full(n, 4096, np.uint64), np.arange(n, dtype=np.uint64) & np.uint64(1)], axis=1)
-    parsed = decode(proto.encode(proto.Regions(rows, 0)))
+    parsed = decode(proto.encode(proto.Regions(1, WHOLE, rows, _regions())))
     assert isinstance(parsed, proto.Regions)
-    assert parsed.regions.shape == (n, 3) and np.array_equal(parsed.regions, rows)
+    assert parsed.added.shape == (n, 3) and np.array_equal(parsed.added, rows) and parsed.removed.shape == (0, 3)
 
 
 def test_encode_refuses_bodies_over_their_limit() -> None:
@@ -142,7 +146,8 @@ def test_encode_refuses_bodies_over_their_limit() -> None:
     for message in (
         proto.ReadRequest(1, too_many),
         proto.WriteRequest(1, too_many, MAX_DESCS + 1),
-        proto.Regions(np.ones((MAX_REGIONS + 1, 3), dtype=np.uint64)),
+        proto.Regions(1, WHOLE, np.ones((MAX_REGIONS + 1, 3), dtype=np.uint64), _regions()),
+        proto.Revoke(2, 1, np.ones((MAX_REGIONS, 3), dtype=np.uint64), _regions((1, 1, 1))),
         proto.Meta(1, bytes(MAX_META + 1)),
         proto.QueryMeta(1, "k" * (MAX_NAME + 1)),
         proto.Hello({"pad": "x" * BODY_LIMITS[proto.FrameType.HELLO]}),
@@ -191,9 +196,10 @@ def test_read_and_regions_layout() -> None:
     read = proto.encode(proto.ReadRequest(1, _descs((4096, 7)), 5))
     assert read[16:20] == (24).to_bytes(4, "little") and read[20:28] == bytes(8)
     assert read[28:] == (5).to_bytes(8, "little") + (4096).to_bytes(8, "little") + (7).to_bytes(8, "little")
-    regions = proto.encode(proto.Regions(_regions((4096, 8192, REGION_WRITABLE)), 0))
-    assert regions[4] == proto.FrameType.REGIONS and regions[16:20] == (24).to_bytes(4, "little")
-    assert regions[28:] == b"".join(v.to_bytes(8, "little") for v in (4096, 8192, REGION_WRITABLE))
+    regions = proto.encode(proto.Regions(5, 3, _regions((4096, 8192, REGION_WRITABLE)), _regions((1 << 20, 64, 0))))
+    assert regions[4] == proto.FrameType.REGIONS and regions[16:20] == (72).to_bytes(4, "little")
+    words = (5, 3, 1, 4096, 8192, REGION_WRITABLE, 1 << 20, 64, 0)  # generation, base, count added, rows
+    assert regions[28:] == b"".join(v.to_bytes(8, "little") for v in words)
     assert REGION_WRITABLE == 1
 
 
@@ -260,7 +266,7 @@ def test_every_frame_type_has_a_body_limit() -> None:
     assert BODY_LIMITS[proto.FrameType.PONG] == 8
     assert BODY_LIMITS[proto.FrameType.NOTIFY] == 2 + 2 * MAX_NAME
     assert BODY_LIMITS[proto.FrameType.READ] == BODY_LIMITS[proto.FrameType.WRITE] == 8 + 16 * MAX_DESCS
-    assert BODY_LIMITS[proto.FrameType.REGIONS] == 24 * MAX_REGIONS
+    assert BODY_LIMITS[proto.FrameType.REGIONS] == BODY_LIMITS[proto.FrameType.REVOKE] == 24 + 24 * MAX_REGIONS
 
 
 @pytest.mark.parametrize("kind", list(proto.FrameType), ids=lambda t: t.name)
@@ -341,10 +347,33 @@ def test_descriptor_bodies_must_be_pairs(kind: proto.FrameType, size: int) -> No
         _parse(kind, _deadline(0) + bytes(size), data_len=0)
 
 
+@pytest.mark.parametrize("kind", [proto.FrameType.REGIONS, proto.FrameType.REVOKE], ids=lambda t: t.name)
+@pytest.mark.parametrize("size", [1, 8, 16, 23])
+def test_region_changes_need_their_head(kind: proto.FrameType, size: int) -> None:
+    with pytest.raises(ProtocolError, match=f"{kind.name} body too short"):
+        _parse(kind, bytes(size))
+
+
+@pytest.mark.parametrize("kind", [proto.FrameType.REGIONS, proto.FrameType.REVOKE], ids=lambda t: t.name)
 @pytest.mark.parametrize("size", [1, 8, 16, 23, 25, 32])
-def test_region_bodies_must_be_triples(size: int) -> None:
-    with pytest.raises(ProtocolError, match="REGIONS body .* not a list of 3-word rows"):
-        _parse(proto.FrameType.REGIONS, bytes(size))
+def test_region_bodies_must_be_triples(kind: proto.FrameType, size: int) -> None:
+    with pytest.raises(ProtocolError, match=f"{kind.name} body .* not a list of 3-word rows"):
+        _parse(kind, struct.pack("<QQQ", 2, 1, 0) + bytes(size))
+
+
+@pytest.mark.parametrize("kind", [proto.FrameType.REGIONS, proto.FrameType.REVOKE], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    ("head", "rows", "why"),
+    [
+        ((5, 4, 2), 1, "adds 2 regions but lists 1"),
+        ((5, 6, 0), 0, "changes a newer one"),
+        ((5, WHOLE, 1), 2, "also lists regions removed"),
+    ],
+    ids=["more-added-than-listed", "base-after-generation", "whole-with-removals"],
+)
+def test_region_changes_that_cannot_be_right(kind: proto.FrameType, head: tuple[int, int, int], rows: int, why: str) -> None:
+    with pytest.raises(ProtocolError, match=why):
+        _parse(kind, struct.pack("<QQQ", *head) + bytes(24 * rows))
 
 
 @pytest.mark.parametrize("kind", [proto.FrameType.READ, proto.FrameType.WRITE], ids=lambda t: t.name)

@@ -63,12 +63,25 @@ JSONABLE = st.recursive(
 )
 REGION_ROWS = st.lists(st.tuples(U64, U64, U64), max_size=40).map(lambda rows: np.array(rows, dtype=np.uint64).reshape(-1, 3))
 INFO = st.dictionaries(TEXT, JSONABLE, max_size=5)
+
+
+@st.composite
+def region_changes(draw: st.DrawFn) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """A REGIONS / REVOKE body: a whole table, or rows added and removed since an older generation."""
+    generation = draw(st.integers(0, proto.WHOLE - 1))
+    if draw(st.booleans()):
+        return generation, proto.WHOLE, draw(REGION_ROWS), np.zeros((0, 3), np.uint64)
+    return generation, draw(st.integers(0, generation)), draw(REGION_ROWS), draw(REGION_ROWS)
+
+
+REGION_CHANGES = region_changes()
 MESSAGES = st.one_of(
     st.builds(proto.Hello, INFO, U64),
     st.builds(proto.Challenge, INFO, U64),
     st.builds(proto.Auth, INFO, U64),
     st.builds(proto.Welcome, INFO, U64),
-    st.builds(proto.Regions, REGION_ROWS, U64),
+    st.tuples(REGION_CHANGES, U64).map(lambda c: proto.Regions(*c[0], c[1])),
+    REGION_CHANGES.map(lambda c: proto.Revoke(*c)),
     st.builds(proto.QueryRegions, U64),
     st.builds(proto.ReadRequest, U64, descriptors(), DEADLINE),
     descriptors().flatmap(
@@ -97,8 +110,9 @@ def test_round_trip(message: proto.Message) -> None:
     if isinstance(message, (proto.ReadRequest, proto.WriteRequest)):
         assert parsed.deadline == message.deadline  # type: ignore[union-attr]
         assert np.array_equal(parsed.descs, message.descs)  # type: ignore[union-attr]
-    if isinstance(message, proto.Regions):
-        assert parsed.regions.shape == (len(message.regions), 3)  # type: ignore[union-attr]
+    if isinstance(message, (proto.Regions, proto.Revoke)):
+        assert (parsed.generation, parsed.base) == (message.generation, message.base)  # type: ignore[union-attr]
+        assert np.array_equal(parsed.added, message.added) and np.array_equal(parsed.removed, message.removed)  # type: ignore[union-attr]
 
 
 @FAST
@@ -190,9 +204,9 @@ def _scenarios() -> list[_Scenario]:
     requests = [request(FrameType.READ, 1), request(FrameType.WRITE, 2), request(FrameType.NOTIFY, 3),
                 request(FrameType.QUERY_REGIONS, 4), request(FrameType.QUERY_META, 5), request(FrameType.READ, 6)]
     replies = [F.encode(F.Data(1, 16)) + bytes(range(16)), F.encode(F.Ack(2)), F.encode(F.Ack(3)),
-               F.encode(F.Regions(np.array([[4096, 8192, 1]], np.uint64), 4)), F.encode(F.Meta(5, b"meta")),
+               F.encode(F.Regions(3, F.WHOLE, np.array([[4096, 8192, 1]], np.uint64), np.zeros((0, 3), np.uint64), 4)), F.encode(F.Meta(5, b"meta")),
                F.encode(F.Error(6, 6, "no")), F.encode(F.Ping(0)), F.encode(F.Pong(0, 1001.0)),
-               F.encode(F.Regions(np.zeros((2, 3), np.uint64), 0)), F.encode(F.Error(0, 6, "note"))]
+               F.encode(F.Regions(4, 3, np.zeros((2, 3), np.uint64), np.zeros((0, 3), np.uint64), 0)), F.encode(F.Error(0, 6, "note"))]
     to_target = [F.encode(request(FrameType.READ, 11)), F.encode(request(FrameType.WRITE, 12)) + b"12345678",
                  F.encode(request(FrameType.NOTIFY, 13)), F.encode(request(FrameType.QUERY_REGIONS, 14)),
                  F.encode(request(FrameType.QUERY_META, 15)), F.encode(request(FrameType.PING, 0)),
