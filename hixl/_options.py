@@ -36,6 +36,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "max_connections_per_peer": 64,
     "serve_threads": 4,
     "max_inflight": 4096,
+    "copy_lanes": min(4, os.cpu_count() or 1),
     "auth_secret": None,
     "allow_unauthenticated": False,
     "allowed_networks": None,
@@ -78,6 +79,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
   however many peers; a connection whose request waits for one is served in its turn. Control
   frames, handshakes and heartbeats are served by one I/O thread besides.
 - ``max_inflight``: async requests per peer not yet finished; more raise ResourceExhausted.
+- ``copy_lanes``: threads (the caller's included) a same-host cma copy of 16 MiB or more is split
+  over, each copying a part of about equal bytes (default: the cores, at most 4; 1: one thread).
 - ``auth_secret``: shared secret (str or bytes; default ``$HIXL_AUTH_SECRET``) both ends must know.
 - ``allow_unauthenticated``: listen on a non-loopback address without a secret (refused otherwise).
 - ``allowed_networks`` (target): CIDR strings; connections from elsewhere are refused.
@@ -108,6 +111,7 @@ _POSITIVE_COUNTS = (
     "max_connections_per_peer",
     "serve_threads",
     "max_inflight",
+    "copy_lanes",
 )
 # At least 4096, so that the largest notification (two 1 KiB strings) always fits.
 _NOTIFY_BYTES = ("max_notify_bytes", "max_notify_bytes_per_connection")

@@ -180,7 +180,7 @@ class Engine:
                 "read and write registered memory. Set the auth_secret option (or HIXL_AUTH_SECRET) on every "
                 "engine, listen on a loopback address, or pass allow_unauthenticated=True to accept the risk"
             )
-        self._transports = list(transports) if transports is not None else default_transports()
+        self._transports = list(transports) if transports is not None else default_transports(int(self.options["copy_lanes"]))
         try:
             self._check_transport_option()
         except ParamInvalid:

@@ -38,6 +38,7 @@ import itertools
 import logging
 import os
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +60,7 @@ from .peer_regions import PeerRegions
 from .wire import Wire
 
 if TYPE_CHECKING:
+    from .._iov import IovCursor
     from .._protocol.connection import Connection
 
 __all__ = ["LinkState", "Pending", "PeerLink", "handshake"]
@@ -152,6 +154,31 @@ class PeerLink:
     def next_id(self) -> int:
         """A fresh request id for this link."""
         return next(self._ids)
+
+    # -- what transports see besides (see hixl.transports.base.LinkSession) -------------------------
+    @property
+    def socket(self) -> socket.socket:
+        """The authenticated connection's socket: for proving who holds its far end, not for I/O."""
+        return self.wire.sock
+
+    def binding(self, label: str) -> bytes:
+        """16 bytes only the two ends of this connection can compute, for ``label``."""
+        with self.wire.conn_lock:
+            return self.wire.conn.binding(label)
+
+    def peer_deadline(self, deadline: float | None) -> int:
+        """Our monotonic ``deadline`` in the peer's clock, microseconds (0: none). Lock-free: it
+        reads one offset, and the latency path calls it."""
+        return self.wire.conn.peer_deadline(deadline)
+
+    def take_data(self, nbytes: int) -> bytes:
+        """Up to ``nbytes`` of the current reply's data that arrived with its frame."""
+        with self.wire.conn_lock:
+            return self.wire.conn.take_data(nbytes)
+
+    def receive_into(self, cursor: IovCursor, owner: object | None = None, abandon_at: float | None = None) -> bool:
+        """Land the current reply's data into ``cursor`` (see :meth:`Wire.receive_into`)."""
+        return self.wire.receive_into(cursor, owner, abandon_at=abandon_at)
 
     def ensure_alive(self) -> None:
         """Raise :class:`PeerDisconnected` unless the link is CONNECTED."""

@@ -1167,7 +1167,8 @@ class _ServedConnection:
             self.regions_dirty = False
         elif self.regions_dirty:
             self.regions_dirty = False
-            self._put_shared(proto.FrameType.REGIONS)
+            if self.conn.regions_generation != self.server.registry.generation:  # (its WELCOME may be newer)
+                self._put_shared(proto.FrameType.REGIONS)
 
     def _put_shared(self, kind: proto.FrameType) -> None:
         message, shared = self.server.loop.shared_frame(kind, self.conn.regions_generation)

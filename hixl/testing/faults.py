@@ -23,8 +23,7 @@ from .._session.initiator import LinkState
 from ..transports.base import Channel, Transport
 
 if TYPE_CHECKING:
-    from .._session.initiator import PeerLink
-    from ..transports.base import ServedSession
+    from ..transports.base import LinkSession, ServedSession
 
 __all__ = ["FaultyTransport"]
 
@@ -44,11 +43,11 @@ class FaultyTransport(Transport):
         another thread (the link's reader) to end the link before it goes on: the reader then
         fails the request while it is still pending. 0: none."""
 
-    def probe(self, link: PeerLink) -> str | None:
+    def probe(self, link: LinkSession) -> str | None:
         """The inner transport's verdict."""
         return self.inner.probe(link)
 
-    def open(self, link: PeerLink) -> Channel:
+    def open(self, link: LinkSession) -> Channel:
         """The inner transport's channel, on a link that now carries this wrapper's faults."""
         link.on_event = self._on_event
         link.on_send_failed = lambda req_id: self._on_send_failed(link)
@@ -58,7 +57,7 @@ class FaultyTransport(Transport):
         if self.late_regions and isinstance(event, RegionsPushed):
             time.sleep(self.late_regions)
 
-    def _on_send_failed(self, link: PeerLink) -> None:
+    def _on_send_failed(self, link: LinkSession) -> None:
         # Polled: the link has no event for "ended", and this waits only under a fault.
         deadline = time.monotonic() + self.failed_sends_wait
         while link.state is LinkState.CONNECTED and time.monotonic() < deadline:

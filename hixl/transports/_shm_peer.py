@@ -44,7 +44,7 @@ from ._shm_maps import SharedMappings
 from ._shm_socket import Received, fetch
 
 if TYPE_CHECKING:
-    from .._session.initiator import PeerLink
+    from .base import LinkSession
 
 __all__ = ["Liveness", "PeerMemory"]
 
@@ -88,7 +88,7 @@ class Liveness(Watched):
 class PeerMemory:
     """One peer's shared memory, mapped here (see the module docstring)."""
 
-    def __init__(self, link: PeerLink, path: str, timeout: float) -> None:
+    def __init__(self, link: LinkSession, path: str, timeout: float) -> None:
         self.link = link
         self.path = path
         self.timeout = timeout
@@ -127,8 +127,7 @@ class PeerMemory:
                         self.synced = table
                 return None
             problem = None
-            with link.wire.conn_lock:
-                binding, proof = link.wire.conn.binding("shm"), link.wire.conn.binding("shm-target")
+            binding, proof = link.binding("shm"), link.binding("shm-target")
             received: list[Received] = []
             liveness: Liveness | None = None
             try:

@@ -4,8 +4,10 @@ A :class:`Transport` is one thing with two halves. Its *target* half may
 ``advertise`` facts the initiator needs (sent in the WELCOME of each
 authenticated connection), and ``serve``\\s the frame types it declares in
 :attr:`Capabilities.serves` on the target engine's I/O thread. Its *initiator*
-half ``probe``\\s a fresh :class:`~hixl._session.initiator.PeerLink` — can I reach this
-peer? — and, if so, ``open``\\s a :class:`Channel` bound to it. The engine reads
+half ``probe``\\s a fresh link to a peer — can I reach it? — and, if so,
+``open``\\s a :class:`Channel` bound to it. Each half sees a narrow session,
+not the socket or the protocol state: :class:`ServedSession` on the target,
+:class:`LinkSession` on the initiator. The engine reads
 the declared capabilities (a same-host-only transport is not even probed for a
 peer on another host; memory kinds must match), walks its transports in order
 of preference and takes the first whose probe passes, so new transports (shared
@@ -26,12 +28,80 @@ from .._protocol.frames import FrameType
 from .._types import MemType, Op
 
 if TYPE_CHECKING:
+    import socket
+
+    from .. import _protocol as proto
     from .._iov import IovCursor
     from .._memory import RemoteRegions
     from .._request import TransferReq
-    from .._session.initiator import PeerLink
+    from .._session.initiator import LinkState, Pending
+    from .._session.peer_regions import PeerRegions
 
-__all__ = ["Capabilities", "Channel", "ServedSession", "Transport"]
+__all__ = ["Capabilities", "Channel", "LinkSession", "ServedSession", "Transport"]
+
+
+class LinkSession(Protocol):
+    """What a transport's initiator half sees of its link to one peer (a
+    :class:`~hixl._session.initiator.PeerLink`): requests and their replies, the peer's
+    regions, and the connection's bindings — not the socket's locks or the protocol state."""
+
+    remote_engine: str
+    """The peer's address, ``"ip:port"``."""
+    welcome: dict[str, Any]
+    """What the peer's WELCOME said (its transports' advertised facts under ``"transports"``)."""
+    regions: PeerRegions
+    """The peer's registrations, their generation, and the lease same-host copies hold."""
+    state: LinkState
+    """CONNECTED until the link is CLOSED or BROKEN."""
+    on_event: Callable[[Any], None] | None
+    """Fault injection (:class:`hixl.testing.faults.FaultyTransport`): called with each event read."""
+    on_send_failed: Callable[[int], None] | None
+    """Fault injection: called with the id of a request whose send failed, before it is forgotten."""
+
+    @property
+    def socket(self) -> socket.socket:
+        """The authenticated connection's socket: for proving who holds its far end, not for I/O."""
+
+    def ensure_alive(self) -> None:
+        """Raise :class:`~hixl.PeerDisconnected` unless the link is CONNECTED."""
+
+    def next_id(self) -> int:
+        """A fresh request id."""
+
+    def submit(
+        self, message: proto.Message, pending: Pending, data: Any = None, deadline: float | None = None, read_reply: bool = False
+    ) -> None:
+        """Send a request (and its bulk ``data``) whose reply goes to ``pending``."""
+
+    def exchange(
+        self, req_id: int, make_frame: Callable[[Any], bytes], data: list[tuple[int, int]], pending: Pending, deadline: float
+    ) -> bool:
+        """The latency path: one request frame and its data in one send, the reply read on this thread."""
+
+    def call(self, message: proto.Message, timeout: float) -> proto.Message:
+        """Send a request and wait for its reply."""
+
+    def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float, write: bool = False) -> None:
+        """Refuse ranges outside the peer's regions (refreshed once on a miss)."""
+
+    def refresh_regions(self, timeout: float) -> None:
+        """Ask the peer for its current registrations."""
+
+    def poll_input(self) -> None:
+        """Handle what already arrived for the link, if nobody else reads (for a copying loop)."""
+
+    def binding(self, label: str) -> bytes:
+        """16 bytes only the two ends of this connection can compute, for ``label``."""
+
+    def peer_deadline(self, deadline: float | None) -> int:
+        """Our monotonic ``deadline`` in the peer's clock, microseconds (0: none)."""
+
+    def take_data(self, nbytes: int) -> bytes:
+        """Up to ``nbytes`` of the current reply's data that arrived with its frame (a ``Pending``'s ``on_data``)."""
+
+    def receive_into(self, cursor: IovCursor, owner: object | None = None, abandon_at: float | None = None) -> bool:
+        """Land the current reply's data into ``cursor`` (a ``Pending``'s ``on_data``); False if
+        ``owner`` was cancelled or ``abandon_at`` passed (the rest is drained)."""
 
 
 class ServedSession(Protocol):
@@ -119,7 +189,7 @@ class Capabilities:
 class Channel(abc.ABC):
     """A transport bound to one connected peer."""
 
-    link: PeerLink
+    link: LinkSession
     """The connection to the peer."""
 
     @abc.abstractmethod
@@ -182,11 +252,11 @@ class Transport(abc.ABC):
         raise NotImplementedError(f"{self.capabilities.name} serves no frames")
 
     @abc.abstractmethod
-    def probe(self, link: PeerLink) -> str | None:
+    def probe(self, link: LinkSession) -> str | None:
         """Initiator side: ``None`` if this peer is reachable this way, else the reason not."""
 
     @abc.abstractmethod
-    def open(self, link: PeerLink) -> Channel:
+    def open(self, link: LinkSession) -> Channel:
         """Initiator side: a channel to a peer whose probe passed."""
 
     def regions_changed(self, generation: int) -> None:

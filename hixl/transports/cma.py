@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import struct
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -48,14 +50,14 @@ from .._protocol.frames import SMALL_DESCS
 from .._session.address import boot_id as _boot_id
 from .._session.initiator import LinkState
 from .._types import MemType, Op
+from ._lanes import LANE_FROM, Lanes, split_even
 from ._peerproc import PeerProcess, far_end_owner_error, map_peer_file
 from .base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
     from .._memory import RemoteRegions
     from .._request import TransferReq
-    from .._session.initiator import PeerLink
-    from .base import ServedSession
+    from .base import LinkSession, ServedSession
 
 __all__ = ["CmaTransport"]
 
@@ -105,8 +107,9 @@ class CmaChannel(Channel):
     the lease for one chunk at most), and a REVOKE waits for one chunk each.
     """
 
-    def __init__(self, link: PeerLink, process: PeerProcess, generation: mmap.mmap) -> None:
+    def __init__(self, link: LinkSession, process: PeerProcess, generation: mmap.mmap, lanes: Lanes) -> None:
         self.link = link
+        self._lanes = lanes
         self.pid = process.pid
         self._process = process
         self._generation = generation
@@ -134,47 +137,69 @@ class CmaChannel(Channel):
         self.link.check_remote(addrs, lens, timeout, write)
 
     def start(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
-        """Run the whole copy in the calling thread (no target involvement)."""
-        call = process_vm_readv if op is Op.READ else process_vm_writev
-        write = op is Op.WRITE
-        cursor = IovCursor(iovecs(descs[:, 0], descs[:, 2]), iovecs(descs[:, 1], descs[:, 2]))
-        link, regions = self.link, self.link.regions
-        # Checked again before the first syscall: an async request may start well after the
-        # engine validated it, and a REVOKE may have come in between.
-        checked = None
+        """Run the copy in the calling thread (no target involvement) — a large one over the
+        copy lanes as well, each lane a part of about equal bytes."""
+        lanes = self._lanes
+        parts = split_even(descs, lanes.count) if lanes.count > 1 and req.nbytes >= LANE_FROM else [descs]
         try:
-            link.ensure_alive()
-            while not cursor.finished:
-                with req.io_lock:
-                    if req.cancelled:
-                        return
-                    with regions.lease.shared(req.deadline):
-                        current = self._current() == regions.generation and regions.table is checked
-                        if not self._process.alive():
-                            raise PeerDisconnected(f"target process {self.pid} exited")
-                        if current:
-                            # At most CHUNK bytes under one hold: a REVOKE waits for one chunk, not
-                            # for a whole transfer of up to IOV_MAX ranges.
-                            (local, remote), count, restore = cursor.window_of(CHUNK)
-                            try:
-                                moved = call(self.pid, local, count, remote, count, 0)
-                                err = ctypes.get_errno()
-                            finally:
-                                restore()
-                if not current:
-                    # The peer's regions changed under the request: fetch them (outside the
-                    # locks: that is a network round trip), and go on only if it still fits.
-                    self._fresh(req.remaining())
-                    checked = regions.table
-                    checked.check(descs[:, 1], descs[:, 2], write)
-                    continue
-                if moved <= 0:
-                    raise _errno_error(err, self.pid) if moved < 0 else TransferError("copy made no progress")
-                cursor.advance(moved)
+            self.link.ensure_alive()
+            if len(parts) == 1:
+                finished = self._copy(req, op, descs, req.io_lock)
+            else:
+                locks = [req.io_lock] + [req.lane_lock() for _ in parts[1:]]
+                outcomes = lanes.run([functools.partial(self._copy, req, op, p, lock) for p, lock in zip(parts, locks)], req.deadline)
+                errors = [e for e in outcomes if e is not None]
+                for error in errors:
+                    if not isinstance(error, HixlError):
+                        raise error  # a bug: not to be reported as a transfer's failure
+                if errors:
+                    raise errors[0]
+                finished = not req.cancelled
         except HixlError as exc:
             req.fail(exc)
         else:
-            req.complete()
+            if finished:
+                req.complete()
+
+    def _copy(self, req: TransferReq, op: Op, descs: np.ndarray, lock: threading.Lock) -> bool:
+        """Copy ``descs`` chunk by chunk, each under ``lock`` (checking cancellation first) and a shared
+        hold of the lease; False if the request was cancelled (or expired) on the way."""
+        call = process_vm_readv if op is Op.READ else process_vm_writev
+        write = op is Op.WRITE
+        cursor = IovCursor(iovecs(descs[:, 0], descs[:, 2]), iovecs(descs[:, 1], descs[:, 2]))
+        regions = self.link.regions
+        # Checked again before the first syscall: an async request may start well after the
+        # engine validated it, and a REVOKE may have come in between.
+        checked = None
+        while not cursor.finished:
+            regions.lease.wait_for_revoke(req.deadline)  # (not under the lock: cancel would wait too)
+            with lock:
+                if req.cancelled:
+                    return False
+                with regions.lease.shared(req.deadline):
+                    current = self._current() == regions.generation and regions.table is checked
+                    if not self._process.alive():
+                        raise PeerDisconnected(f"target process {self.pid} exited")
+                    if current:
+                        # At most CHUNK bytes under one hold: a REVOKE waits for one chunk, not
+                        # for a whole transfer of up to IOV_MAX ranges.
+                        (local, remote), count, restore = cursor.window_of(CHUNK)
+                        try:
+                            moved = call(self.pid, local, count, remote, count, 0)
+                            err = ctypes.get_errno()
+                        finally:
+                            restore()
+            if not current:
+                # The peer's regions changed under the request: fetch them (outside the
+                # locks: that is a network round trip), and go on only if it still fits.
+                self._fresh(req.remaining())
+                checked = regions.table
+                checked.check(descs[:, 1], descs[:, 2], write)
+                continue
+            if moved <= 0:
+                raise _errno_error(err, self.pid) if moved < 0 else TransferError("copy made no progress")
+            cursor.advance(moved)
+        return True
 
     def run_small(
         self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float, checked: RemoteRegions
@@ -218,14 +243,16 @@ class CmaTransport(Transport):
         mem_types=frozenset({MemType.HOST}),
     )
 
-    def __init__(self) -> None:
+    def __init__(self, copy_lanes: int = 1) -> None:
+        """``copy_lanes``: threads a large copy is split over (the caller's included; see :mod:`._lanes`)."""
+        self._lanes = Lanes(copy_lanes)
         # Registration generation, in a memfd that initiators map (see CmaChannel.check_remote).
         # Without one (memfd refused), initiators' probes fail and they use another transport.
         self._generation_fd = -1
         self._generation_map: mmap.mmap | None = None
         # What probe() proved about a link's peer, for open() to use: its pinned process
         # and its mapped generation page (proven once, never looked up again).
-        self._proven: weakref.WeakKeyDictionary[PeerLink, tuple[PeerProcess, mmap.mmap]] = weakref.WeakKeyDictionary()
+        self._proven: weakref.WeakKeyDictionary[LinkSession, tuple[PeerProcess, mmap.mmap]] = weakref.WeakKeyDictionary()
         try:
             self._generation_fd = os.memfd_create(_GENERATION_NAME, os.MFD_CLOEXEC)
             os.ftruncate(self._generation_fd, _GENERATION.size)
@@ -251,7 +278,8 @@ class CmaTransport(Transport):
             _GENERATION.pack_into(self._generation_map, 0, generation)
 
     def close(self) -> None:
-        """Release the generation page; idempotent."""
+        """Release the generation page and stop the lane threads; idempotent."""
+        self._lanes.close()
         if self._generation_map is not None:
             self._generation_map.close()
             self._generation_map = None
@@ -259,7 +287,7 @@ class CmaTransport(Transport):
             os.close(self._generation_fd)
             self._generation_fd = -1
 
-    def probe(self, link: PeerLink) -> str | None:
+    def probe(self, link: LinkSession) -> str | None:
         """Prove which process the peer is and that we may copy into it; ``None`` if all holds.
 
         Nothing the peer says is taken on trust: the pid it names must hold the far end
@@ -288,7 +316,7 @@ class CmaTransport(Transport):
         except OSError as exc:
             return f"no process {pid} here ({exc.strerror})"
         try:
-            reason = far_end_owner_error(pid, link.wire.sock) or self._probe_bytes_error(link, pid, addr)
+            reason = far_end_owner_error(pid, link.socket) or self._probe_bytes_error(link, pid, addr)
             generation = None
             if reason is None:
                 try:
@@ -310,7 +338,7 @@ class CmaTransport(Transport):
         return None
 
     @staticmethod
-    def _probe_bytes_error(link: PeerLink, pid: int, addr: int) -> str | None:
+    def _probe_bytes_error(link: LinkSession, pid: int, addr: int) -> str | None:
         """Read this connection's probe bytes in ``pid`` through ``process_vm_readv``: proves we
         may copy into it, and that it is the process this session's key was shared with."""
         got = ctypes.create_string_buffer(_NONCE_BYTES)
@@ -320,13 +348,12 @@ class CmaTransport(Transport):
         if moved != _NONCE_BYTES:
             err = ctypes.get_errno()
             return f"process_vm_readv on pid {pid} failed: {os.strerror(err)} (errno {err})"
-        with link.wire.conn_lock:
-            expected = link.wire.conn.binding("cma")
+        expected = link.binding("cma")
         if got.raw != expected:
             return f"pid {pid} here does not hold this connection's probe bytes"
         return None
 
-    def open(self, link: PeerLink) -> Channel:
+    def open(self, link: LinkSession) -> Channel:
         """A channel copying to and from the process :meth:`probe` proved."""
         process, generation = self._proven.pop(link)
-        return CmaChannel(link, process, generation)
+        return CmaChannel(link, process, generation, self._lanes)

@@ -63,8 +63,7 @@ from .tcp import TcpChannel, TcpTransport
 
 if TYPE_CHECKING:
     from .._request import TransferReq
-    from .._session.initiator import PeerLink
-    from .base import ServedSession
+    from .base import LinkSession, ServedSession
 
 __all__ = ["ShmChannel", "ShmTransport"]
 
@@ -156,7 +155,7 @@ class ShmTransport(Transport):
         self._liveness: tuple[int, int] | None = None  # the pipe initiators watch: (read, write)
         self._unavailable: str | None = None
         self._sessions: weakref.WeakValueDictionary[bytes, _Session] = weakref.WeakValueDictionary()
-        self._proven: weakref.WeakKeyDictionary[PeerLink, PeerMemory] = weakref.WeakKeyDictionary()
+        self._proven: weakref.WeakKeyDictionary[LinkSession, PeerMemory] = weakref.WeakKeyDictionary()
 
     # -- target half ----------------------------------------------------------------------------
     def advertise(self, session: ServedSession) -> dict[str, Any]:
@@ -257,7 +256,7 @@ class ShmTransport(Transport):
             os.close(fd)
 
     # -- initiator half -------------------------------------------------------------------------
-    def probe(self, link: PeerLink) -> str | None:
+    def probe(self, link: LinkSession) -> str | None:
         """Map the peer's pool memory; ``None`` if some is mapped, else why not (see module docstring)."""
         info = link.welcome.get("transports", {}).get("shm")
         if not isinstance(info, dict):
@@ -284,7 +283,7 @@ class ShmTransport(Transport):
         self._proven[link] = memory
         return None
 
-    def open(self, link: PeerLink) -> Channel:
+    def open(self, link: LinkSession) -> Channel:
         """A channel over the memory :meth:`probe` mapped (and TCP for the rest)."""
         return ShmChannel(self._proven.pop(link), TcpChannel(link))
 

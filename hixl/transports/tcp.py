@@ -44,8 +44,7 @@ if TYPE_CHECKING:
     from .._memory import RemoteRegions
     from .._protocol.connection import Connection
     from .._request import TransferReq
-    from .._session.initiator import PeerLink
-    from .base import ServedSession
+    from .base import LinkSession, ServedSession
 
 __all__ = ["TcpChannel", "TcpTransport"]
 
@@ -88,10 +87,10 @@ class _InFlight(Pending):
         self.parts = parts
         self.local = local
 
-    def on_data(self, link: PeerLink, nbytes: int) -> None:
+    def on_data(self, link: LinkSession, nbytes: int) -> None:
         # (nbytes is what the READ asked for: the connection refuses any other DATA.)
         req = self.parts.req
-        if link.wire.receive_into(self.local, req):
+        if link.receive_into(self.local, req):
             self.parts.one_done()
         self.done = True
 
@@ -122,11 +121,9 @@ class _Small(Pending):
         self.ok = False
         self.error: HixlError | None = None
 
-    def on_data(self, link: PeerLink, nbytes: int) -> None:
+    def on_data(self, link: LinkSession, nbytes: int) -> None:
         self.done = True
-        wire = link.wire
-        with wire.conn_lock:
-            data = wire.conn.take_data(nbytes)
+        data = link.take_data(nbytes)
         if len(data) == nbytes:  # (the connection refuses DATA of another length than the READ's)
             offset = 0
             for addr, _, length in self.descs:  # a few memmoves beat building an iovec cursor
@@ -136,7 +133,7 @@ class _Small(Pending):
             return
         local = IovCursor(iovecs(np.array([d[0] for d in self.descs], np.uint64), np.array([d[2] for d in self.descs], np.uint64)))
         local.copy_in(data)
-        self.ok = wire.receive_into(local, abandon_at=self.deadline)
+        self.ok = link.receive_into(local, abandon_at=self.deadline)
         if not self.ok:
             self.error = TransferTimeout(f"the reply to a READ of {nbytes} B stalled past its deadline")
 
@@ -154,7 +151,7 @@ class _Small(Pending):
 class TcpChannel(Channel):
     """Sends transfer requests over the peer's authenticated socket."""
 
-    def __init__(self, link: PeerLink) -> None:
+    def __init__(self, link: LinkSession) -> None:
         self.link = link
 
     def start(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
@@ -175,7 +172,7 @@ class TcpChannel(Channel):
         deadline = time.monotonic() + timeout
         req_id = link.next_id()
         write = op is Op.WRITE
-        peer_deadline = link.wire.conn.peer_deadline(deadline)
+        peer_deadline = link.peer_deadline(deadline)
         pending = _Small(descs, deadline)
         pairs = [(remote, length) for _, remote, length in descs]
 
@@ -199,13 +196,11 @@ class TcpChannel(Channel):
         groups = [descs[i : i + proto.frames.MAX_DESCS] for i in range(0, len(descs), proto.frames.MAX_DESCS)]
         parts = _Parts(req, len(groups))
         req.lands_remotely = op is Op.WRITE
-        wire = self.link.wire
         for group in groups:
             local = IovCursor(iovecs(group[:, 0], group[:, 2]))
             remote = np.ascontiguousarray(group[:, 1:3])
             req_id = self.link.next_id()
-            with wire.conn_lock:
-                deadline = wire.conn.peer_deadline(req.deadline)
+            deadline = self.link.peer_deadline(req.deadline)
             if op is Op.READ:
                 message: proto.Message = proto.ReadRequest(req_id, remote, deadline)
                 data = None
@@ -231,11 +226,11 @@ class TcpTransport(Transport):
         one_sided=False,
     )
 
-    def probe(self, link: PeerLink) -> str | None:
+    def probe(self, link: LinkSession) -> str | None:
         """Always reachable: the connection is itself TCP."""
         return None
 
-    def open(self, link: PeerLink) -> Channel:
+    def open(self, link: LinkSession) -> Channel:
         """A channel over ``link``'s socket."""
         return TcpChannel(link)
 

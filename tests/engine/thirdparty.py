@@ -42,8 +42,7 @@ from hixl.transports.base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
     from hixl import TransferReq
-    from hixl._session.initiator import PeerLink
-    from hixl.transports.base import ServedSession
+    from hixl.transports.base import LinkSession, ServedSession
 
 _REQUEST = struct.Struct("<BIQ")
 _REPLY = struct.Struct("<BI")
@@ -109,7 +108,7 @@ class SidecarTransport(Transport):
         self._clients: dict[bytes, socket.socket] = {}  # binding -> its client: one per connection
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._dialed: weakref.WeakKeyDictionary[PeerLink, socket.socket] = weakref.WeakKeyDictionary()
+        self._dialed: weakref.WeakKeyDictionary[LinkSession, socket.socket] = weakref.WeakKeyDictionary()
 
     # -- target half ----------------------------------------------------------------------------
     def advertise(self, session: ServedSession) -> dict[str, Any]:
@@ -227,7 +226,7 @@ class SidecarTransport(Transport):
             listener.close()
 
     # -- initiator half -------------------------------------------------------------------------
-    def probe(self, link: PeerLink) -> str | None:
+    def probe(self, link: LinkSession) -> str | None:
         """Connect to the peer's socket and check that it is this connection's target."""
         info = link.welcome.get("transports", {}).get("sidecar")
         if not isinstance(info, dict) or not isinstance(info.get("socket"), str):
@@ -238,20 +237,19 @@ class SidecarTransport(Transport):
             return f"cannot use the peer's sidecar socket: {exc}"
         return None
 
-    def open(self, link: PeerLink) -> Channel:
+    def open(self, link: LinkSession) -> Channel:
         """A channel over the socket :meth:`probe` connected."""
         return SidecarChannel(link, self._dialed.pop(link), link.welcome["transports"]["sidecar"]["socket"])
 
 
-def _dial(link: PeerLink, name: str, timeout: float) -> socket.socket:
+def _dial(link: LinkSession, name: str, timeout: float) -> socket.socket:
     """A socket to the peer's sidecar, bound to ``link``'s connection, within ``timeout`` seconds."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.settimeout(timeout)
         sock.connect("\0" + name)
-        conn = link.wire.conn
-        sock.sendall(conn.binding("sidecar"))
-        if not hmac.compare_digest(_recv_exact(sock, 16), conn.binding("sidecar-target")):
+        sock.sendall(link.binding("sidecar"))
+        if not hmac.compare_digest(_recv_exact(sock, 16), link.binding("sidecar-target")):
             raise ProtocolError("the sidecar socket did not prove it belongs to this connection's target")
     except BaseException:
         sock.close()
@@ -262,7 +260,7 @@ def _dial(link: PeerLink, name: str, timeout: float) -> socket.socket:
 class SidecarChannel(Channel):
     """Sends requests over the peer's sidecar socket, one at a time, on the calling thread."""
 
-    def __init__(self, link: PeerLink, sock: socket.socket, name: str) -> None:
+    def __init__(self, link: LinkSession, sock: socket.socket, name: str) -> None:
         self.link = link
         self._sock: socket.socket | None = sock
         self._name = name
@@ -297,9 +295,7 @@ class SidecarChannel(Channel):
     def _exchange(self, sock: socket.socket, req: TransferReq, op: Op, descs: np.ndarray) -> HixlError | None:
         """One request and its reply; the error it was refused with, if it was."""
         write = op is Op.WRITE
-        wire = self.link.wire
-        with wire.conn_lock:
-            deadline_us = wire.conn.peer_deadline(req.deadline)
+        deadline_us = self.link.peer_deadline(req.deadline)
         pairs = np.ascontiguousarray(descs[:, 1:3], dtype="<u8")
         sock.settimeout(req.remaining())
         sock.sendall(_REQUEST.pack(_WRITE if write else _READ, len(descs), deadline_us) + pairs.tobytes())
