@@ -70,6 +70,7 @@ class PeerResult:
             "engine": self.engine,
             "label": spec.label,
             "compared_with": spec.like,
+            "timed": spec.timed,
             "status": self.status,
             "figures": [vars(f) for f in self.figures],
         }
@@ -93,8 +94,7 @@ def _parse_nixl(doc: dict[str, Any]) -> list[PeerFigure]:
         figures.append(PeerFigure("latency p99", r["op"], r["size"], r["p99_us"], "us"))
     for r in run.get("batch", []):
         seconds = r["repost_median_ms"] / 1e3
-        note = f"{r['descs']} x {r['desc_size'] >> 10} KiB, prepared handle reposted"
-        figures.append(PeerFigure("batch", r["op"], r["total_bytes"], _gib_per_s(r["total_bytes"], seconds), "GiB/s", note))
+        figures.append(PeerFigure("batch", r["op"], r["total_bytes"], _gib_per_s(r["total_bytes"], seconds), "GiB/s"))
     return figures
 
 
@@ -115,7 +115,7 @@ def _parse_mooncake(doc: dict[str, Any]) -> list[PeerFigure]:
         op = r["name"].split()[-1]
         ok = not r.get("failed_calls")
         value = _gib_per_s(blocks * block, r["med_s"]) if ok else None
-        note = "batch_transfer_sync" if ok else f"failed, rc={r.get('bad_rc')}"
+        note = "" if ok else f"its batch failed, rc={r.get('bad_rc')}"
         figures.append(PeerFigure("batch", op, blocks * block, value, "GiB/s", note))
     return figures
 
@@ -131,14 +131,26 @@ class PeerEngine:
     """Its virtual environment under the install folder (what ``setup.sh`` makes)."""
     like: str
     """The hixl transport it does the same job as (a same-host copy, or TCP)."""
+    timed: str
+    """What its benchmark times, in a few words (printed under the table)."""
     parse: Callable[[dict[str, Any]], list[PeerFigure]]
     marker: str
     """A key only its benchmark's JSON has at the top level (how a ``--peer-json`` file is recognised)."""
 
 
 ENGINES: dict[str, PeerEngine] = {
-    "nixl": PeerEngine("nixl", "NIXL (UCX cma)", "nixl-venv", "cma", _parse_nixl, "nixl_version"),
-    "mooncake": PeerEngine("mooncake", "Mooncake (TCP)", "mooncake-noncuda-venv", "tcp", _parse_mooncake, "protocol"),
+    "nixl": PeerEngine(
+        "nixl", "NIXL (UCX cma)", "nixl-venv", "cma", "a prepared transfer handle reposted", _parse_nixl, "nixl_version"
+    ),
+    "mooncake": PeerEngine(
+        "mooncake",
+        "Mooncake (TCP)",
+        "mooncake-noncuda-venv",
+        "tcp",
+        "transfer_sync_read/write, batch_transfer_sync",
+        _parse_mooncake,
+        "protocol",
+    ),
 }
 
 

@@ -126,7 +126,7 @@ def format_peers(rows: Sequence[Row], peers: Sequence[PeerResult]) -> str:
     for peer in peers:
         spec = ENGINES[peer.engine]
         notes = sorted({f.note for f in peer.figures if f.note})
-        out.append(f"{spec.label}: {peer.status}; does the job of hixl {spec.like}" + "".join(f"; {n}" for n in notes))
+        out.append(f"{spec.label}: {peer.status}; does the job of hixl {spec.like}; times {spec.timed}" + "".join(f"; {n}" for n in notes))
     return "\n".join(out)
 
 
