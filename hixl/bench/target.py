@@ -41,6 +41,7 @@ __all__ = [
     "RAW_HEADER",
     "STREAM",
     "STREAM_LOWAT",
+    "STREAM_LOWAT_FROM",
     "BenchTarget",
     "RemoteBuffer",
     "recv_exact",
@@ -55,6 +56,10 @@ ECHO_SIZE = 8
 STREAM_LOWAT = 256 << 10
 """The low-water mark (``SO_RCVLOWAT``) a raw stream's receiver reads a large message at: see
 :func:`recv_exact`. hixl's own receiver asks for the same."""
+STREAM_LOWAT_FROM = 4 << 20
+"""The smallest message read at :data:`STREAM_LOWAT`: a 1 MiB READ ran at 0.6-0.9x of the plain
+read with the mark raised (it waits for a window the sender has not filled yet), 4 MiB alike,
+16-512 MiB mostly faster (docs/tools.md, "How the baselines are built")."""
 #: Bytes at the start of every target buffer that hold a seeded random pattern (for self-checks).
 SAMPLE = 64 << 10
 
@@ -145,14 +150,15 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
 
     A blocking ``recv_into(..., MSG_WAITALL)`` is woken for every few segments that arrive;
     with the socket's low-water mark raised to :data:`STREAM_LOWAT` it is woken once that
-    much has come, and a large message lands in far fewer wake-ups (hixl's receiver does
-    the same; over a veth the plain read reached 1.56 GiB/s where this reaches 2-2.7). The mark is raised for all
-    but the message's last :data:`STREAM_LOWAT` bytes only: a mark above what is still to
-    come would never be reached, and the read would wait for ever. It is 1 again before
-    this returns, for whatever is read next (a header, a WRITE's 1-byte ack).
+    much has come, and a large message (from :data:`STREAM_LOWAT_FROM`) lands in far fewer
+    wake-ups (hixl's receiver does the same; over a veth the plain read reached 1.56 GiB/s
+    where this reaches 2-2.7). The mark is raised for all but the message's last
+    :data:`STREAM_LOWAT` bytes: a mark above what is still to come would never be reached,
+    and the read would wait for ever. It is 1 again before this returns, for whatever is
+    read next (a header, a WRITE's 1-byte ack).
     """
     nbytes = len(view)
-    if nbytes < 2 * STREAM_LOWAT:
+    if nbytes < STREAM_LOWAT_FROM:
         return _fill(sock, view, started=False)
     head = nbytes - STREAM_LOWAT
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, STREAM_LOWAT)

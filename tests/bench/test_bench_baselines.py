@@ -21,7 +21,7 @@ from hixl.bench.baselines import (
     gather_copier,
     memcpy_copier,
 )
-from hixl.bench.target import STREAM_LOWAT, BenchTarget, recv_exact, sample_bytes
+from hixl.bench.target import STREAM_LOWAT_FROM, BenchTarget, recv_exact, sample_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,7 +149,7 @@ def _lowat(sock: socket.socket) -> int:
 def test_recv_exact_fills_a_large_message_and_leaves_the_low_water_mark_at_one() -> None:
     client, server = _tcp_pair()
     with client, server:
-        message = np.random.default_rng(3).integers(0, 256, 2 * STREAM_LOWAT + 12345, dtype=np.uint8)
+        message = np.random.default_rng(3).integers(0, 256, STREAM_LOWAT_FROM + 12345, dtype=np.uint8)
         into = np.zeros_like(message)
         sender = threading.Thread(target=server.sendall, args=(message.data,))
         sender.start()
@@ -166,7 +166,7 @@ def test_recv_exact_tells_a_clean_end_from_one_mid_message() -> None:
     with client:
         server.close()
         assert recv_exact(client, memoryview(bytearray(8))) is False
-    for size in (8, 2 * STREAM_LOWAT + 1):  # below and above the size that raises the mark
+    for size in (8, STREAM_LOWAT_FROM + 1):  # below and above the size that raises the mark
         client, server = _tcp_pair()
         with client:
             server.sendall(b"x" * (size // 2))
@@ -177,7 +177,7 @@ def test_recv_exact_tells_a_clean_end_from_one_mid_message() -> None:
 
 
 def test_raw_stream_moves_transfers_larger_than_the_low_water_mark_both_ways(target: BenchTarget) -> None:
-    size = 2 * STREAM_LOWAT + 4099  # not a multiple of anything the stream chunks by
+    size = STREAM_LOWAT_FROM + 4099  # not a multiple of anything the stream chunks by
     remote = target.alloc(size + 4096, SEED)
     local = empty(size + 4096)
     stream = RawStream(target.raw_address, timeout=10)  # a stuck read raises TimeoutError, not hangs
