@@ -14,7 +14,7 @@ from .. import _plot
 from ..testing.hosts import hosts_unavailable
 from . import fleet_bench, kv_bench, soak_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
-from .peers import ENGINES, PeerResult, default_peers_dir, read_peer_json, run_peer
+from .peers import ENGINES, PeerResult, default_peers_dir, not_installed, read_peer_json, run_peer
 from .progress import Progress
 from .report import failed, format_peers, format_table, summary, to_json, write_json
 from .results import Row
@@ -385,6 +385,10 @@ def _peers(args: argparse.Namespace, config: BenchConfig, read: list[PeerResult]
     results = list(read)
     for engine in args.compare or ():
         if engine in given:
+            continue
+        reason = not_installed(engine, peers_dir)
+        if reason is not None:
+            results.append(PeerResult(engine, reason))
             continue
         print(f"hixl bench: running {engine}'s own benchmark ({peers_dir}/run.sh {engine}; minutes) ...", file=sys.stderr)
         results.append(run_peer(engine, peers_dir, quick=config.quick, sizes=config.sizes))

@@ -31,6 +31,7 @@ __all__ = [
     "PeerResult",
     "default_install_dir",
     "default_peers_dir",
+    "not_installed",
     "read_peer_json",
     "run_peer",
 ]
@@ -167,8 +168,10 @@ def default_install_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "hixl-peers"
 
 
-def _not_installed(engine: str, peers_dir: Path, install_dir: Path) -> str | None:
-    """Why ``engine`` cannot be run from ``peers_dir``, or None when it can."""
+def not_installed(engine: str, peers_dir: Path, install_dir: Path | None = None) -> str | None:
+    """Why ``engine`` cannot be run from ``peers_dir`` (``install_dir``: :func:`default_install_dir`),
+    or None when it can."""
+    install_dir = install_dir or default_install_dir()
     run_sh = peers_dir / "run.sh"
     if not run_sh.is_file():
         return f"not installed (no {run_sh}: give --peers-dir, the folder with the peers' setup.sh and run.sh)"
@@ -193,7 +196,7 @@ def run_peer(
     NIXL's are fixed). Never raises for the engine's own failures: they are its ``status``.
     """
     install_dir = install_dir or default_install_dir()
-    reason = _not_installed(engine, peers_dir, install_dir)
+    reason = not_installed(engine, peers_dir, install_dir)
     if reason is not None:
         return PeerResult(engine, reason)
     args = ["--quick"] if quick else []
