@@ -316,7 +316,10 @@ def run(args: argparse.Namespace) -> int:
         print("hixl bench: error: --plot draws the engine scenario: add --scenario engine", file=sys.stderr)
         return 2
     if (args.compare or args.peer_json) and "engine" not in scenarios:
-        print("hixl bench: error: --compare and --peer-json apply to the engine scenario: add --scenario engine", file=sys.stderr)
+        print(
+            "hixl bench: error: --compare and --peer-json apply to the engine scenario: add --scenario engine",
+            file=sys.stderr,
+        )
         return 2
     try:
         read = [read_peer_json(path) for path in args.peer_json or ()]
@@ -390,7 +393,8 @@ def _peers(args: argparse.Namespace, config: BenchConfig, read: list[PeerResult]
         if reason is not None:
             results.append(PeerResult(engine, reason))
             continue
-        print(f"hixl bench: running {engine}'s own benchmark ({peers_dir}/run.sh {engine}; minutes) ...", file=sys.stderr)
+        print(f"hixl bench: running {engine}'s own benchmark ({peers_dir}/run.sh {engine}; minutes) ...",
+              file=sys.stderr)
         results.append(run_peer(engine, peers_dir, quick=config.quick, sizes=config.sizes))
     return results
 

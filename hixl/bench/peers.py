@@ -105,7 +105,9 @@ def _parse_mooncake(doc: dict[str, Any]) -> list[PeerFigure]:
     for r in doc.get("bandwidth", []):
         for op in ("read", "write"):
             if op in r:
-                figures.append(PeerFigure("bandwidth", op.upper(), r["size"], _gib_per_s(r["size"], r[op]["med_s"]), "GiB/s"))
+                figures.append(
+                    PeerFigure("bandwidth", op.upper(), r["size"], _gib_per_s(r["size"], r[op]["med_s"]), "GiB/s")
+                )
     for r in doc.get("latency", []):
         figures.append(PeerFigure("latency median", r["op"].upper(), r["size"], r["med_us"], "us"))
         figures.append(PeerFigure("latency p99", r["op"].upper(), r["size"], r["p99_us"], "us"))

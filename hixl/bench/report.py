@@ -14,7 +14,16 @@ from .config import BenchConfig, format_size
 from .peers import ENGINES, PeerResult
 from .results import Row
 
-__all__ = ["PEER_FIGURES", "failed", "format_number", "format_peers", "format_table", "summary", "to_json", "write_json"]
+__all__ = [
+    "PEER_FIGURES",
+    "failed",
+    "format_number",
+    "format_peers",
+    "format_table",
+    "summary",
+    "to_json",
+    "write_json",
+]
 
 COLUMNS = (
     "figure",
@@ -117,16 +126,21 @@ def format_peers(rows: Sequence[Row], peers: Sequence[PeerResult]) -> str:
         headings.append(heading)
         for f in peer.figures:
             if (f.name, f.op, f.size) in keyed:  # the same sizes as hixl's, or none
-                keyed[(f.name, f.op, f.size)][heading] = "failed" if f.value is None else f"{format_number(f.value)} {f.unit}"
+                cell = "failed" if f.value is None else f"{format_number(f.value)} {f.unit}"
+                keyed[(f.name, f.op, f.size)][heading] = cell
     header = ("figure", "op", "size", *headings)
-    cells = [(name, op, format_size(size), *(found.get(h, "-") for h in headings)) for (name, op, size), found in keyed.items()]
+    cells = [
+        (name, op, format_size(size), *(found.get(h, "-") for h in headings))
+        for (name, op, size), found in keyed.items()
+    ]
     out = ["side by side (other engines measured alone, before or after this run: read their figures as indicative)"]
     if cells and shown:
         out += _aligned(header, cells, set(range(2, len(header))))
     for peer in peers:
         spec = ENGINES[peer.engine]
         notes = sorted({f.note for f in peer.figures if f.note})
-        out.append(f"{spec.label}: {peer.status}; does the job of hixl {spec.like}; times {spec.timed}" + "".join(f"; {n}" for n in notes))
+        said = f"{spec.label}: {peer.status}; does the job of hixl {spec.like}; times {spec.timed}"
+        out.append(said + "".join(f"; {n}" for n in notes))
     return "\n".join(out)
 
 

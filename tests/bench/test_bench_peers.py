@@ -90,7 +90,10 @@ def test_a_peer_benchmark_that_fails_or_hangs_is_a_status_not_a_crash(tmp_path: 
     [
         ("{not json", "cannot read it as JSON"),
         ('{"rows": []}', "not a file written by the peers' run.sh nixl|mooncake --json"),
-        ('{"protocol": "tcp", "bandwidth": [{"size": 4096, "read": {}}]}', "a Mooncake (TCP) file without the expected"),
+        (
+            '{"protocol": "tcp", "bandwidth": [{"size": 4096, "read": {}}]}',
+            "a Mooncake (TCP) file without the expected",
+        ),
     ],
 )
 def test_a_peer_json_that_is_not_one_is_refused_before_anything_runs(tmp_path: Path, content: str, says: str) -> None:
@@ -125,7 +128,10 @@ def mooncake_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("mooncake") / "mooncake.json"
     proc = subprocess.run(
         ["bash", str(default_peers_dir() / "run.sh"), "mooncake", "--quick", "--json", str(path)],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
         env={**os.environ, "PEERS": str(default_install_dir())},
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -180,5 +186,10 @@ def test_compare_runs_mooncakes_own_benchmark() -> None:
     result = run_peer("mooncake", default_peers_dir(), quick=True)
     assert result.status == "measured", result.status
     names = {(f.name, f.op) for f in result.figures}
-    assert {("bandwidth", "READ"), ("bandwidth", "WRITE"), ("latency median", "READ"), ("latency p99", "WRITE")} <= names
+    assert {
+        ("bandwidth", "READ"),
+        ("bandwidth", "WRITE"),
+        ("latency median", "READ"),
+        ("latency p99", "WRITE"),
+    } <= names
     assert all(f.value is not None and f.value > 0 for f in result.figures)
