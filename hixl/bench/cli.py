@@ -355,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
     elapsed = time.perf_counter() - start
     peers = _peers(args, config, read)
+    peers_s = time.perf_counter() - start - elapsed
     if config.quick:
         rows = [replace(row, smoke=True) for row in rows]
     out = sys.stderr if args.json == "-" else sys.stdout  # keep stdout pure JSON when it carries the JSON
@@ -369,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
     if peers:
         print(file=out)
         print(format_peers(rows, peers), file=out)
-    print(f"total {elapsed:.1f} s", file=out)
+    print(f"total {elapsed:.1f} s" + (f", and {peers_s:.0f} s for --compare" if args.compare else ""), file=out)
     if args.json:
         write_json(args.json, to_json(rows, reported, scenarios, notes, elapsed, peers))
     if args.plot:

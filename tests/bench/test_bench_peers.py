@@ -44,7 +44,7 @@ def test_engines_that_are_not_installed_are_reported_so(tmp_path: Path) -> None:
     assert f"NIXL (UCX cma): not installed (no {tmp_path / 'run.sh'}: give --peers-dir" in out
     assert f"Mooncake (TCP): not installed (no {tmp_path / 'run.sh'}" in out
     assert "figure          op" not in out.split("side by side", 1)[1]  # no columns without figures
-    assert "running" not in err  # nothing to run
+    assert "running" not in err and ", and 0 s for --compare" in out  # nothing was run
     peers = json.loads(path.read_text())["peers"]
     assert [(p["engine"], p["status"].split(" (")[0], p["figures"]) for p in peers] == [
         ("nixl", "not installed", []),
