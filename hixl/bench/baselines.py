@@ -4,16 +4,20 @@ Each function returns a zero-argument *copier*: a closure that moves the
 bytes once, with every argument (iovec arrays, pointers, views) prepared in
 advance so that timing it measures the syscalls, not the set-up. They bind
 their own ctypes functions instead of reusing hixl's, so a change to hixl
-can never make its own yardstick slower.
+can never make its own yardstick slower. Each is the fastest plain loop we
+found (docs/tools.md, "How the baselines are built", has the figures):
 
 * :func:`cma_copier` / :func:`cma_batch_copier` — bare ``process_vm_readv`` /
-  ``process_vm_writev``; the batch one passes IOV_MAX iovecs per call.
-* :class:`RawStream` — a plain TCP stream to the bench target's raw server,
-  ``sendall`` / one ``recv_into(..., MSG_WAITALL)`` of the same byte count; and
-  its round trip: blocking 8-byte request/response with TCP_NODELAY, the
-  plainest loop Python can write (the latency baseline).
-* :func:`memcpy_copier` — ``numpy.copyto`` in one process: the ceiling (and
-  shm's baseline: it copies in one process too, through mapped memory).
+  ``process_vm_writev``, one call per transfer (the batch one: per IOV_MAX
+  iovecs), its arguments converted to C once, not at every call; below
+  :data:`GIL_HELD_BELOW` bytes without releasing the GIL around the call.
+* :class:`RawStream` — a plain TCP stream to the bench target's raw server:
+  ``sendall`` / :func:`~hixl.bench.target.recv_exact` of the same byte count at a
+  raised low-water mark; and its round trip: blocking 8-byte request/response
+  with TCP_NODELAY, the plainest loop Python can write (the latency baseline).
+* :func:`memcpy_copier` — a memoryview slice assignment (one ``memcpy``) in one
+  process: the ceiling (and shm's baseline: it copies in one process too,
+  through mapped memory).
 * :func:`gather_copier` — ``numpy.take`` of the same blocks between the same
   kinds of buffers in one process: shm's baseline for a scattered batch.
 """
@@ -23,29 +27,57 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
+import struct
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from .._types import Op
-from .target import ECHO, ECHO_SIZE, RAW_HEADER, STREAM
+from .target import ECHO, ECHO_SIZE, RAW_HEADER, STREAM, recv_exact, tune_stream
 
-__all__ = ["IOV_MAX", "Copier", "RawStream", "cma_batch_copier", "cma_copier", "gather_copier", "memcpy_copier"]
+__all__ = [
+    "GIL_HELD_BELOW",
+    "IOV_MAX",
+    "Copier",
+    "RawStream",
+    "cma_batch_copier",
+    "cma_copier",
+    "gather_copier",
+    "memcpy_copier",
+]
 
 Copier = Callable[[], None]
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_process_vm_readv = _libc.process_vm_readv
-_process_vm_writev = _libc.process_vm_writev
-for _fn in (_process_vm_readv, _process_vm_writev):
-    _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    _fn.restype = ctypes.c_ssize_t
+GIL_HELD_BELOW = 64 << 10
+"""Copies smaller than this call the kernel without releasing the GIL (``ctypes.PyDLL``): that
+hand-off costs about as much as an 8-byte copy, and hixl's own small copies skip it too."""
 
 
-def _cma_call(op: Op) -> Callable[..., int]:
-    return _process_vm_readv if op is Op.READ else _process_vm_writev
+def _bind(library: ctypes.CDLL, name: str) -> Any:
+    fn = getattr(library, name)
+    fn.restype = ctypes.c_ssize_t  # no argtypes: the copiers pass ctypes objects made once
+    return fn
+
+
+# (releases the GIL, holds it) for each op
+_CALLS = {
+    op: (_bind(ctypes.CDLL(None, use_errno=True), name), _bind(ctypes.PyDLL(None, use_errno=True), name))
+    for op, name in ((Op.READ, "process_vm_readv"), (Op.WRITE, "process_vm_writev"))
+}
+
+
+def _cma_call(op: Op, nbytes: int) -> Any:
+    releasing, holding = _CALLS[op]
+    return holding if nbytes < GIL_HELD_BELOW else releasing
+
+
+def _cma_args(pid: int, local_ptr: int, remote_ptr: int, count: int) -> tuple[Any, ...]:
+    """``process_vm_*v``'s six arguments as C values, converted here once rather than at every call
+    (converting Python ints through ``argtypes`` costs as much as a small copy)."""
+    n = ctypes.c_ulong(count)
+    return ctypes.c_int(pid), ctypes.c_void_p(local_ptr), n, ctypes.c_void_p(remote_ptr), n, ctypes.c_ulong(0)
 
 
 def _raise_errno(what: str) -> None:
@@ -55,13 +87,12 @@ def _raise_errno(what: str) -> None:
 
 def cma_copier(pid: int, op: Op, local_addr: int, remote_addr: int, nbytes: int) -> Copier:
     """One contiguous range between this process and ``pid``, one syscall when it completes at once."""
-    call = _cma_call(op)
+    call = _cma_call(op, nbytes)
     iov = np.array([[local_addr, nbytes], [remote_addr, nbytes]], dtype=np.uint64)
-    local_ptr = int(iov.ctypes.data)
-    remote_ptr = local_ptr + 16
+    args = _cma_args(pid, int(iov.ctypes.data), int(iov.ctypes.data) + 16, 1)
 
     def copy() -> None:
-        moved = call(pid, local_ptr, 1, remote_ptr, 1, 0)
+        moved = call(*args)
         if moved != nbytes:  # partial (a page boundary the kernel stopped at) or an error: finish it
             _finish(call, pid, local_addr, remote_addr, nbytes, moved)
 
@@ -72,6 +103,7 @@ def cma_copier(pid: int, op: Op, local_addr: int, remote_addr: int, nbytes: int)
 def _finish(call: Callable[..., int], pid: int, local: int, remote: int, nbytes: int, moved: int) -> None:
     done = 0
     rest = np.zeros((2, 2), dtype=np.uint64)
+    args = _cma_args(pid, int(rest.ctypes.data), int(rest.ctypes.data) + 16, 1)
     while True:
         if moved < 0:
             _raise_errno("process_vm copy failed")
@@ -81,7 +113,7 @@ def _finish(call: Callable[..., int], pid: int, local: int, remote: int, nbytes:
         if done >= nbytes:
             return
         rest[:] = [[local + done, nbytes - done], [remote + done, nbytes - done]]
-        moved = call(pid, rest.ctypes.data, 1, rest.ctypes.data + 16, 1, 0)
+        moved = call(*args)
 
 
 def cma_batch_copier(pid: int, op: Op, local: np.ndarray, remote: np.ndarray) -> Copier:
@@ -89,18 +121,18 @@ def cma_batch_copier(pid: int, op: Op, local: np.ndarray, remote: np.ndarray) ->
 
     One syscall per IOV_MAX iovecs — the best a batched caller can do.
     """
-    call = _cma_call(op)
     local = np.ascontiguousarray(local, dtype=np.uint64)
     remote = np.ascontiguousarray(remote, dtype=np.uint64)
     windows = []
     for start in range(0, len(local), IOV_MAX):
         count = min(IOV_MAX, len(local) - start)
         expect = int(local[start : start + count, 1].sum())
-        windows.append((int(local.ctypes.data) + 16 * start, int(remote.ctypes.data) + 16 * start, count, expect))
+        args = _cma_args(pid, int(local.ctypes.data) + 16 * start, int(remote.ctypes.data) + 16 * start, count)
+        windows.append((_cma_call(op, expect), args, expect))
 
     def copy() -> None:
-        for local_ptr, remote_ptr, count, expect in windows:
-            moved = call(pid, local_ptr, count, remote_ptr, count, 0)
+        for call, args, expect in windows:
+            moved = call(*args)
             if moved != expect:
                 if moved < 0:
                     _raise_errno("batched process_vm copy failed")
@@ -111,10 +143,15 @@ def cma_batch_copier(pid: int, op: Op, local: np.ndarray, remote: np.ndarray) ->
 
 
 def memcpy_copier(dst: np.ndarray, src: np.ndarray) -> Copier:
-    """``numpy.copyto(dst, src)``: a plain in-process copy."""
+    """``dst[:] = src`` as a memoryview slice assignment: one ``memcpy``, and ~20x less call
+    overhead than ``numpy.copyto`` (60 ns against 1.2 µs for 8 bytes), which matters for the
+    latency baseline; at any size the same bytes move at the same speed."""
+    to, source = dst.data.cast("B"), src.data.cast("B")
+    if len(to) != len(source):
+        raise ValueError(f"memcpy_copier: {len(to)}-byte destination, {len(source)}-byte source")
 
     def copy() -> None:
-        np.copyto(dst, src)
+        to[:] = source
 
     return copy
 
@@ -135,31 +172,47 @@ def gather_copier(dst_blocks: np.ndarray, src_blocks: np.ndarray, order: np.ndar
 
 
 class RawStream:
-    """A plain socket to the bench target's raw server (see :mod:`hixl.bench.target`)."""
+    """A plain socket to the bench target's raw server (see :mod:`hixl.bench.target`).
+
+    Blocking, with no Python-level timeout: a socket with one polls before every call, and
+    the baseline should be the plainest stream there is. The kernel keeps the time instead
+    (``SO_RCVTIMEO``/``SO_SNDTIMEO``: no extra call): a call that waits ``timeout`` seconds
+    fails, and a copier raises :class:`TimeoutError` rather than hanging the bench.
+    """
 
     def __init__(self, address: tuple[str, int], timeout: float = 30.0, echo: bool = False) -> None:
         self.sock = socket.create_connection(address, timeout=timeout)
-        # Blocking from here on: a socket with a timeout polls before every call, and the
-        # baseline should be the plainest stream there is.
         self.sock.settimeout(None)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        limit = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))  # a struct timeval
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            self.sock.setsockopt(socket.SOL_SOCKET, option, limit)
+        tune_stream(self.sock)
+        self.timeout = timeout
         self.sock.sendall(ECHO if echo else STREAM)
 
     def round_trip(self) -> Copier:
-        """One 8-byte request and its 8-byte answer (a stream made with ``echo=True``)."""
-        sock = self.sock
+        """One 8-byte request and its 8-byte answer (a stream made with ``echo=True``).
+
+        ``send`` and ``recv_into(MSG_WAITALL)`` of one preallocated buffer: two syscalls,
+        nothing allocated, no poll; the far end is the same loop (``target._echo``)."""
+        sock, timeout = self.sock, self.timeout
         message = bytearray(ECHO_SIZE)
 
         def copy() -> None:
-            sock.send(message)
-            if sock.recv_into(message, ECHO_SIZE, socket.MSG_WAITALL) != ECHO_SIZE:
+            try:
+                sock.send(message)
+                got = sock.recv_into(message, ECHO_SIZE, socket.MSG_WAITALL)
+            except BlockingIOError as exc:
+                raise TimeoutError(f"raw server sent no echo within {timeout:g} s") from exc
+            if got != ECHO_SIZE:
                 raise ConnectionError("raw server closed the stream")
 
         return copy
 
     def copier(self, op: Op, local: memoryview, remote_addr: int) -> Copier:
-        """READ: ask for ``len(local)`` bytes and ``recv_into`` them; WRITE: send them, await one byte."""
-        sock = self.sock
+        """READ: ask for ``len(local)`` bytes and :func:`~hixl.bench.target.recv_exact` them;
+        WRITE: send them after the header in one ``sendmsg``, await one byte."""
+        sock, timeout = self.sock, self.timeout
         nbytes = len(local)
         header = RAW_HEADER.pack(b"R" if op is Op.READ else b"W", remote_addr, nbytes)
         ack = bytearray(1)
@@ -167,24 +220,28 @@ class RawStream:
         if op is Op.READ:
 
             def copy() -> None:
-                sock.sendall(header)
-                got = sock.recv_into(local, nbytes, socket.MSG_WAITALL)  # one call, unless a signal cut it
-                while got < nbytes:
-                    n = sock.recv_into(local[got:], nbytes - got, socket.MSG_WAITALL)
-                    if n == 0:
-                        raise ConnectionError("raw server closed the stream")
-                    got += n
+                try:
+                    sock.sendall(header)
+                    complete = recv_exact(sock, local)
+                except BlockingIOError as exc:
+                    raise TimeoutError(f"raw server sent no data within {timeout:g} s") from exc
+                if not complete:
+                    raise ConnectionError("raw server closed the stream")
 
         else:
 
             def copy() -> None:
-                sent = sock.sendmsg([header, local])  # header and data in one syscall when they fit
-                if sent < len(header) + nbytes:
-                    if sent < len(header):
-                        sock.sendall(header[sent:])
-                        sent = len(header)
-                    sock.sendall(local[sent - len(header) :])
-                if sock.recv_into(ack) != 1:
+                try:
+                    sent = sock.sendmsg([header, local])  # header and data in one syscall when they fit
+                    if sent < len(header) + nbytes:
+                        if sent < len(header):
+                            sock.sendall(header[sent:])
+                            sent = len(header)
+                        sock.sendall(local[sent - len(header) :])
+                    got = sock.recv_into(ack)
+                except BlockingIOError as exc:
+                    raise TimeoutError(f"raw server took no data or sent no ack within {timeout:g} s") from exc
+                if got != 1:
                     raise ConnectionError("raw server closed the stream")
 
         return copy

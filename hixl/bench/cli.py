@@ -7,14 +7,16 @@ import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from .._tools import plot as _plot
 from ..testing.hosts import hosts_unavailable
 from . import fleet_bench, kv_bench, soak_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
+from .peers import ENGINES, PeerResult, default_peers_dir, not_installed, read_peer_json, run_peer
 from .progress import Progress
-from .report import failed, format_table, summary, to_json, write_json
+from .report import failed, format_peers, format_table, summary, to_json, write_json
 from .results import Row
 from .scenarios import DEFAULT_SCENARIO, DEFAULT_TRANSPORTS, SCENARIOS
 
@@ -49,6 +51,12 @@ target in a network namespace of its own, reached over a veth pair and a
 bridge, and the raw socket stream over the same path: a 1500-byte MTU, as
 between hosts, next to loopback's 64 KiB (needs root; made and removed by the
 run, addresses in a private 10.213.x.0/24 seen nowhere else).
+
+--compare nixl,mooncake runs those engines' own benchmarks after hixl's (from
+--peers-dir, the folder with the peers' setup.sh and run.sh; they are never a
+dependency of hixl) and prints their figures in columns beside hixl's, at the
+same sizes and in the same units; an engine that is not installed is reported
+as such. --peer-json FILE shows the figures of a file run.sh wrote earlier.
 
 --scenario soak runs the soak test for --duration seconds (default 60;
 --quick: 5): --targets processes register and deregister memory under
@@ -180,6 +188,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(rows tcp-veth; needs root)",
     )
     parser.add_argument(
+        "--compare",
+        type=_names(ENGINES),
+        metavar="ENGINE[,ENGINE]",
+        help=f"engine scenario: also run these engines' benchmarks ({', '.join(ENGINES)}) after hixl's and show "
+        "their figures beside hixl's (one not installed is reported so)",
+    )
+    parser.add_argument(
+        "--peers-dir",
+        type=Path,
+        metavar="DIR",
+        help="the folder with the peers' setup.sh and run.sh (default: $HIXL_PEERS_DIR, else ../shared/peers "
+        "beside hixl's checkout); they install into $PEERS (default ~/.cache/hixl-peers)",
+    )
+    parser.add_argument(
+        "--peer-json",
+        action="append",
+        metavar="FILE",
+        help="engine scenario: show the figures of FILE, written by the peers' run.sh nixl|mooncake --json FILE, "
+        "beside hixl's (repeatable; that engine is then not run)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a smoke run of a few seconds: small sizes, few repeats, only size-independent targets judged",
@@ -286,6 +315,17 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and "engine" not in scenarios:
         print("hixl bench: error: --plot draws the engine scenario: add --scenario engine", file=sys.stderr)
         return 2
+    if (args.compare or args.peer_json) and "engine" not in scenarios:
+        print(
+            "hixl bench: error: --compare and --peer-json apply to the engine scenario: add --scenario engine",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        read = [read_peer_json(path) for path in args.peer_json or ()]
+    except ValueError as exc:
+        print(f"hixl bench: error: {exc}", file=sys.stderr)
+        return 2
     try:
         for name in scenarios:
             if name in kv_bench.PRESETS:
@@ -314,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     elapsed = time.perf_counter() - start
+    peers = _peers(args, config, read)
+    peers_s = time.perf_counter() - start - elapsed
     if config.quick:
         rows = [replace(row, smoke=True) for row in rows]
     out = sys.stderr if args.json == "-" else sys.stdout  # keep stdout pure JSON when it carries the JSON
@@ -325,15 +367,37 @@ def run(args: argparse.Namespace) -> int:
     print(_verdict_line(rows, args.check), file=out)
     for note in notes:
         print(f"note: {note}", file=out)
-    print(f"total {elapsed:.1f} s", file=out)
+    if peers:
+        print(file=out)
+        print(format_peers(rows, peers), file=out)
+    print(f"total {elapsed:.1f} s" + (f", and {peers_s:.0f} s for --compare" if args.compare else ""), file=out)
     if args.json:
-        write_json(args.json, to_json(rows, reported, scenarios, notes, elapsed))
+        write_json(args.json, to_json(rows, reported, scenarios, notes, elapsed, peers))
     if args.plot:
         from .plot import plot_engine
 
         plot_engine([r for r in rows if r.scenario == "engine"], latency_samples, args.plot, smoke=config.quick)
         print(f"plot written to {args.plot}", file=out)
     return 1 if args.check and failed(rows) else 0
+
+
+def _peers(args: argparse.Namespace, config: BenchConfig, read: list[PeerResult]) -> list[PeerResult]:
+    """``--peer-json`` files' figures, then those of each ``--compare`` engine no file gave: run now,
+    after hixl's measurements, one at a time (they must not share the machine with anything)."""
+    given = {peer.engine for peer in read}
+    peers_dir = args.peers_dir or default_peers_dir()
+    results = list(read)
+    for engine in args.compare or ():
+        if engine in given:
+            continue
+        reason = not_installed(engine, peers_dir)
+        if reason is not None:
+            results.append(PeerResult(engine, reason))
+            continue
+        print(f"hixl bench: running {engine}'s own benchmark ({peers_dir}/run.sh {engine}; minutes) ...",
+              file=sys.stderr)
+        results.append(run_peer(engine, peers_dir, quick=config.quick, sizes=config.sizes))
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,10 +11,11 @@ connection to the bench target (:mod:`hixl.bench.target`):
    bare ``process_vm_readv``/``writev`` loop (cma), a plain socket stream
    (tcp) over the *same* buffers, or a memcpy of the same bytes (shm: the
    initiator copies in its own process, through its mapping of the target's
-   pool memory; the baseline maps that very memory too and copies with numpy).
+   pool memory; the baseline maps that very memory too and copies it with one memcpy).
 3. **Alignment** (cma) — READ with the remote source shifted by a few bytes.
 4. **Latency** — every ``transfer_sync`` of 8 B / 4 KiB timed alone, against
-   one raw syscall (cma), one raw request/response (tcp) or one memcpy (shm).
+   one raw syscall (cma), one raw 8-byte request/response (tcp) or one memcpy
+   (shm), in alternating bursts (:func:`~hixl.bench.timing.interleaved_latency`).
 5. **Batch** — a paged KV cache in miniature: many 16 KiB blocks, shuffled
    on both sides so nothing merges, against IOV_MAX-per-call raw batches (cma),
    the same bytes streamed (tcp) or a numpy gather of the same blocks (shm).
@@ -173,7 +174,7 @@ def _memcpy_rows(config: BenchConfig, progress: Progress) -> list[Row]:
         times = interleaved_reps(copiers, iterations, config.repeat, config.warmup)
     aligned = _gib_per_s(n * iterations, median(times["aligned"]))
     reference = Row(
-        "memcpy", "local", "copy", n, aligned, "GiB/s", scenario=SCENARIO, note="numpy.copyto, page-aligned"
+        "memcpy", "local", "copy", n, aligned, "GiB/s", scenario=SCENARIO, note="memcpy, page-aligned"
     )
     return [reference, *_misaligned_rows(times, n, iterations, "local", "copy", "memcpy", config.align_offset)]
 

@@ -12,7 +12,8 @@ The child is a ``python -m hixl.bench._target_main`` process started through
 
 The raw server speaks the smallest protocol that can do the job: a 17-byte
 request ``op ('R'|'W'), addr, nbytes``; for ``R`` it ``sendall``\\s the bytes,
-for ``W`` it ``recv_into``\\s them and answers one byte.
+for ``W`` it ``recv_into``\\s them (:func:`recv_exact`) and answers one byte.
+Both ends of a raw stream set the same options (:func:`tune_stream`).
 """
 
 from __future__ import annotations
@@ -34,12 +35,31 @@ from .._tools.child import ChildProcess, serve_commands
 if TYPE_CHECKING:
     from ..testing.hosts import Host
 
-__all__ = ["ECHO", "ECHO_SIZE", "RAW_HEADER", "STREAM", "BenchTarget", "RemoteBuffer", "sample_bytes"]
+__all__ = [
+    "ECHO",
+    "ECHO_SIZE",
+    "RAW_HEADER",
+    "STREAM",
+    "STREAM_LOWAT",
+    "STREAM_LOWAT_FROM",
+    "BenchTarget",
+    "RemoteBuffer",
+    "recv_exact",
+    "sample_bytes",
+    "tune_stream",
+]
 
 RAW_HEADER = struct.Struct("<cQQ")
 STREAM, ECHO = b"S", b"E"
 """First byte of a raw connection: a READ/WRITE stream, or 8-byte echo (the round-trip baseline)."""
 ECHO_SIZE = 8
+STREAM_LOWAT = 256 << 10
+"""The low-water mark (``SO_RCVLOWAT``) a raw stream's receiver reads a large message at: see
+:func:`recv_exact`. hixl's own receiver asks for the same."""
+STREAM_LOWAT_FROM = 4 << 20
+"""The smallest message read at :data:`STREAM_LOWAT`: a 1 MiB READ ran at 0.6-0.9x of the plain
+read with the mark raised (it waits for a window the sender has not filled yet), 4 MiB alike,
+16-512 MiB mostly faster (docs/tools.md, "How the baselines are built")."""
 #: Bytes at the start of every target buffer that hold a seeded random pattern (for self-checks).
 SAMPLE = 64 << 10
 
@@ -76,7 +96,7 @@ class _RawServer:
                 sock, _ = self.listener.accept()
             except OSError:
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_stream(sock)
             threading.Thread(target=self._serve, args=(sock,), name="bench-raw-serve", daemon=True).start()
 
     def _view(self, addr: int, nbytes: int) -> memoryview:
@@ -101,13 +121,14 @@ class _RawServer:
 
     def _stream(self, sock: socket.socket) -> None:
         header = bytearray(RAW_HEADER.size)
-        while _recv_exact(sock, memoryview(header)):
+        while recv_exact(sock, memoryview(header)):
             op, addr, nbytes = RAW_HEADER.unpack(header)
             view = self._view(addr, nbytes)
             if op == b"R":
                 sock.sendall(view)
             else:
-                _recv_exact(sock, view)
+                if not recv_exact(sock, view):
+                    return
                 sock.sendall(b"\x01")
 
 
@@ -118,15 +139,45 @@ def _echo(sock: socket.socket) -> None:
         sock.send(message)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock`` (one ``MSG_WAITALL`` call in the normal case); False on a
-    clean EOF before the first byte."""
-    got = 0
+def tune_stream(sock: socket.socket) -> None:
+    """The options both ends of a raw connection set: ``TCP_NODELAY`` (an 8-byte echo or a
+    request header goes out at once, as hixl's frames do)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from the blocking ``sock``; False on a clean EOF before the first byte.
+
+    A blocking ``recv_into(..., MSG_WAITALL)`` is woken for every few segments that arrive;
+    with the socket's low-water mark raised to :data:`STREAM_LOWAT` it is woken once that
+    much has come, and a large message (from :data:`STREAM_LOWAT_FROM`) lands in far fewer
+    wake-ups (hixl's receiver does the same; over a veth the plain read reached 1.56 GiB/s
+    where this reaches 2-2.7). The mark is raised for all but the message's last
+    :data:`STREAM_LOWAT` bytes: a mark above what is still to come would never be reached,
+    and the read would wait for ever. It is 1 again before this returns, for whatever is
+    read next (a header, a WRITE's 1-byte ack).
+    """
+    nbytes = len(view)
+    if nbytes < STREAM_LOWAT_FROM:
+        return _fill(sock, view, started=False)
+    head = nbytes - STREAM_LOWAT
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, STREAM_LOWAT)
+    try:
+        if not _fill(sock, view[:head], started=False):
+            return False
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+    return _fill(sock, view[head:], started=True)
+
+
+def _fill(sock: socket.socket, view: memoryview, started: bool) -> bool:
+    """``recv_exact`` without the low-water mark: one ``MSG_WAITALL`` call in the normal case."""
+    got = sock.recv_into(view, len(view), socket.MSG_WAITALL)
     while got < len(view):
+        if got == 0 and not started:
+            return False
         n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
         if n == 0:
-            if got == 0:
-                return False
             raise ConnectionError("peer closed mid-message")
         got += n
     return True

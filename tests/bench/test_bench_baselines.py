@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -9,13 +13,15 @@ import pytest
 
 from hixl import Op, empty
 from hixl.bench.baselines import (
+    GIL_HELD_BELOW,
     RawStream,
+    _cma_call,
     cma_batch_copier,
     cma_copier,
     gather_copier,
     memcpy_copier,
 )
-from hixl.bench.target import BenchTarget, sample_bytes
+from hixl.bench.target import STREAM_LOWAT_FROM, BenchTarget, recv_exact, sample_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,3 +130,95 @@ def test_the_target_maps_its_pool_buffer_here(target: BenchTarget) -> None:
 def test_target_reports_failures(target: BenchTarget) -> None:
     with pytest.raises(RuntimeError, match="could not free"):
         target._do("free", 12345)
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected, blocking TCP sockets on 127.0.0.1 (the path the raw stream takes)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname(), timeout=10)
+        server, _ = listener.accept()
+    client.settimeout(10)
+    server.settimeout(10)
+    return client, server
+
+
+def _lowat(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+
+def test_recv_exact_fills_a_large_message_and_leaves_the_low_water_mark_at_one() -> None:
+    client, server = _tcp_pair()
+    with client, server:
+        message = np.random.default_rng(3).integers(0, 256, STREAM_LOWAT_FROM + 12345, dtype=np.uint8)
+        into = np.zeros_like(message)
+        sender = threading.Thread(target=server.sendall, args=(message.data,))
+        sender.start()
+        assert recv_exact(client, into.data)
+        sender.join()
+        assert np.array_equal(into, message)
+        assert _lowat(client) == 1  # a 1-byte ack read next must not wait for 256 KiB
+        server.sendall(b"\x01")
+        assert client.recv(1) == b"\x01"
+
+
+def test_recv_exact_tells_a_clean_end_from_one_mid_message() -> None:
+    client, server = _tcp_pair()
+    with client:
+        server.close()
+        assert recv_exact(client, memoryview(bytearray(8))) is False
+    for size in (8, STREAM_LOWAT_FROM + 1):  # below and above the size that raises the mark
+        client, server = _tcp_pair()
+        with client:
+            server.sendall(b"x" * (size // 2))
+            server.close()
+            with pytest.raises(ConnectionError, match="mid-message"):
+                recv_exact(client, memoryview(bytearray(size)))
+            assert _lowat(client) == 1
+
+
+def test_raw_stream_moves_transfers_larger_than_the_low_water_mark_both_ways(target: BenchTarget) -> None:
+    size = STREAM_LOWAT_FROM + 4099  # not a multiple of anything the stream chunks by
+    remote = target.alloc(size + 4096, SEED)
+    local = empty(size + 4096)
+    stream = RawStream(target.raw_address, timeout=10)  # a stuck read raises TimeoutError, not hangs
+    try:
+        stream.copier(Op.READ, local[:size].data, remote.addr)()
+        assert np.array_equal(local[: len(sample_bytes(SEED, size))], sample_bytes(SEED, size))
+        assert (local[len(sample_bytes(SEED, size)) : size] == 0x5A).all()
+        assert _lowat(stream.sock) == 1
+        pattern = np.random.default_rng(4).integers(0, 256, size, dtype=np.uint8)
+        local[:size] = pattern
+        stream.copier(Op.WRITE, local[:size].data, remote.addr)()  # its ack: read at mark 1
+        assert target.read(remote, 0, size) == pattern.tobytes()
+        stream.copier(Op.READ, local[:8].data, remote.addr + 8)()  # the server's mark is back at 1 too
+        assert local[:8].tobytes() == pattern[8:16].tobytes()
+    finally:
+        stream.close()
+        target.free(remote)
+
+
+def test_raw_stream_times_out_instead_of_hanging() -> None:
+    """A server that accepts and never answers (a fault: a stuck peer) costs the timeout, not the run."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        for echo in (True, False):
+            stream = RawStream(silent.getsockname(), timeout=0.3, echo=echo)
+            try:
+                copy = stream.round_trip() if echo else stream.copier(Op.READ, memoryview(bytearray(64)), 0)
+                start = time.monotonic()
+                with pytest.raises(TimeoutError, match="within 0.3 s"):
+                    copy()
+                assert time.monotonic() - start < 5
+            finally:
+                stream.close()
+
+
+def test_cma_copiers_hold_the_gil_only_for_small_copies() -> None:
+    assert _cma_call(Op.READ, GIL_HELD_BELOW - 1) is not _cma_call(Op.READ, GIL_HELD_BELOW)
+    assert isinstance(_cma_call(Op.WRITE, 8), ctypes._CFuncPtr)  # type: ignore[attr-defined]
+    assert _cma_call(Op.WRITE, 8).__class__._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
+    assert not _cma_call(Op.WRITE, 1 << 20).__class__._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
+
+
+def test_memcpy_copier_refuses_buffers_of_different_sizes() -> None:
+    with pytest.raises(ValueError, match="64-byte destination, 32-byte source"):
+        memcpy_copier(np.zeros(64, dtype=np.uint8), np.zeros(32, dtype=np.uint8))

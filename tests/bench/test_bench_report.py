@@ -14,6 +14,7 @@ from hixl.bench.config import BenchConfig, format_size, parse_size
 from hixl.bench.progress import Progress
 from hixl.bench.report import failed, format_number, format_table, summary, to_json, write_json
 from hixl.bench.results import Row, Target, median, percentile
+from hixl.bench.timing import interleaved_latency
 
 
 @pytest.mark.parametrize(
@@ -202,3 +203,15 @@ def test_progress_counts_a_failed_step() -> None:
     with pytest.raises(RuntimeError), progress.step("boom"):
         raise RuntimeError("boom")
     assert progress.done == 1
+
+
+def test_latency_contenders_alternate_in_bursts_whose_first_call_is_not_timed() -> None:
+    calls: list[str] = []
+    contenders = {name: (lambda name=name: calls.append(name)) for name in ("hixl", "raw")}
+    samples = interleaved_latency(contenders, iterations=7, warmup=2, burst=4)
+    assert {name: len(s) for name, s in samples.items()} == {"hixl": 7, "raw": 7}
+    # warm-up, then bursts of 4 (1 untimed + 3 timed), who goes first alternating, the last burst cut short
+    h, r = ["hixl"], ["raw"]
+    assert calls == 2 * h + 2 * r + 4 * h + 4 * r + 4 * r + 4 * h + 2 * h + 2 * r
+    with pytest.raises(ValueError, match="at least 2 calls"):
+        interleaved_latency(contenders, iterations=1, warmup=0, burst=1)
