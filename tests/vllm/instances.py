@@ -21,10 +21,11 @@ class Instance:
     """``python instance_main.py ROLE MODEL SETTINGS``; its log (stderr) goes to ``log_path``.
 
     ``cpu`` is the core vLLM binds its OpenMP threads to: two instances running
-    at once must not share one (both would take core 0).
+    at once must not share one (both would take core 0). A tensor-parallel
+    instance binds each rank to its own: ``"0|1"`` (vLLM's list, one entry per rank).
     """
 
-    def __init__(self, role: str, model: Path, log_path: Path, cpu: int, settings: dict[str, Any] | None = None) -> None:
+    def __init__(self, role: str, model: Path, log_path: Path, cpu: int | str, settings: dict[str, Any] | None = None) -> None:
         self.role = role
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]), VLLM_CPU_OMP_THREADS_BIND=str(cpu))
