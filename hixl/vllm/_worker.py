@@ -68,6 +68,7 @@ class _Pull:
     started: float
     tasks: list[CacheTask]  # layer-wise pulls only
     notify: list[Endpoint]  # prefill ranks this rank tells the request is done
+    sources: int = 0  # prefill ranks it reads from
     ended: float | None = None  # sync pulls only
     error: Exception | None = None
 
@@ -95,7 +96,7 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self._barrier = barrier
         self.heads = rank_heads(kv.num_kv_heads, kv.tp_size, tp_rank)
-        self._all_heads = [rank_heads(kv.num_kv_heads, kv.tp_size, r) for r in range(kv.tp_size)]
+        self._all_heads = [rank_heads(kv.num_kv_heads, kv.tp_size, r) for r in range(kv.tp_size)]  # this instance's ranks
         self.cluster_id = config.cluster_id + tp_rank
         role = LLMRole.MIX if serves_kv and pulls_kv else LLMRole.PROMPT if serves_kv else LLMRole.DECODER
         self.datadist = LLMDataDist(role, self.cluster_id)
@@ -164,12 +165,13 @@ class WorkerSide:
             try:
                 # Which prefill ranks this rank speaks for: computed before anything can fail,
                 # so that prefill hears even of a pull that never started.
-                decode_heads = [rank_heads(self.kv.num_kv_heads, self.kv.tp_size, r) for r in range(self.kv.tp_size)]
-                pull.notify = [remote.ranks[p] for p, d in notifiers(prefill_heads, decode_heads).items() if d == self.tp_rank]
+                pull.notify = [remote.ranks[p] for p, d in notifiers(prefill_heads, self._all_heads).items() if d == self.tp_rank]
                 mismatches = remote.kv.mismatches(self.kv)
                 if mismatches:
                     raise ValueError(f"prefill's and decode's KV caches differ ({'; '.join(mismatches)}): nothing pulled")
-                for read in plan_reads(prefill_heads, self.heads):
+                reads = plan_reads(prefill_heads, self.heads)
+                pull.sources = len(reads)
+                for read in reads:
                     task = self._pull_part(spec, remote.ranks[read.prefill_rank], read)
                     if task is not None:
                         pull.tasks.append(task)
@@ -251,10 +253,9 @@ class WorkerSide:
             first = last = pull.ended or pull.started  # a sync pull is usable all at once
         desc = self._local_cache().cache_desc
         blocks = len(pull.spec.local_blocks)
-        parts = len(plan_reads([r.head_range for r in pull.spec.remote.ranks], self.heads))
         log.info(
             "hixl: pulled request %s: %d blocks, %.2f MiB from %d prefill rank(s) in %.2f ms (%s), first layer usable after %.2f ms",
-            pull.spec.request_id, blocks, blocks * desc.row_bytes * desc.num_tensors / 2**20, parts,
+            pull.spec.request_id, blocks, blocks * desc.row_bytes * desc.num_tensors / 2**20, pull.sources,
             (last - pull.started) * 1e3, self.config.load_mode.value, (first - pull.started) * 1e3,
         )
 
