@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer")
 torch = pytest.importorskip("torch")
 
-from hixl.vllm import ConnectorConfig  # noqa: E402
+from hixl.vllm import ConnectorConfig, LoadMode  # noqa: E402
 from hixl.vllm._params import CPU_LAYOUT, KvSpec, LoadSpec, RemotePrefill  # noqa: E402
 from hixl.vllm._worker import WorkerSide  # noqa: E402
 
@@ -35,8 +35,8 @@ def spec(num_heads: int, tp: int, block_size: int = BLOCK_SIZE) -> KvSpec:
 class Ranks:
     """The workers of one instance, one per TP rank, with its KV tensors registered."""
 
-    def __init__(self, kv: KvSpec, serves: bool, cluster_id: int, seed: int) -> None:
-        config = ConnectorConfig(cluster_id=cluster_id, release_timeout=60)
+    def __init__(self, kv: KvSpec, serves: bool, cluster_id: int, seed: int, load_mode: LoadMode = LoadMode.LAYERWISE) -> None:
+        config = ConnectorConfig(cluster_id=cluster_id, release_timeout=60, load_mode=load_mode)
         barrier = threading.Barrier(kv.tp_size).wait if kv.tp_size > 1 else None
         self.workers = [WorkerSide(config, serves, not serves, BLOCKS, kv, r, barrier) for r in range(kv.tp_size)]
         gen = torch.Generator().manual_seed(seed)
@@ -101,13 +101,24 @@ def released_soon(worker: WorkerSide, request_id: str, timeout: float = 10) -> f
 
 
 @pytest.mark.parametrize(
-    ("heads", "prefill_tp", "decode_tp"),
-    [(2, 2, 1), (2, 1, 2), (1, 2, 1), (1, 1, 2), (2, 4, 2), (2, 2, 4)],
-    ids=lambda v: str(v),
+    ("heads", "prefill_tp", "decode_tp", "load_mode"),
+    [
+        (2, 2, 1, LoadMode.LAYERWISE),
+        (2, 1, 2, LoadMode.LAYERWISE),
+        (1, 2, 1, LoadMode.LAYERWISE),
+        (1, 1, 2, LoadMode.LAYERWISE),
+        (2, 4, 2, LoadMode.LAYERWISE),
+        (2, 2, 4, LoadMode.LAYERWISE),
+        (2, 2, 1, LoadMode.SYNC),
+        (2, 1, 2, LoadMode.SYNC),
+    ],
+    ids=lambda v: v.value if isinstance(v, LoadMode) else str(v),
 )
-def test_decode_ranks_get_their_heads_and_every_prefill_rank_hears_once(made: list[Ranks], heads: int, prefill_tp: int, decode_tp: int) -> None:
+def test_decode_ranks_get_their_heads_and_every_prefill_rank_hears_once(
+    made: list[Ranks], heads: int, prefill_tp: int, decode_tp: int, load_mode: LoadMode
+) -> None:
     prefill = Ranks(spec(heads, prefill_tp), True, 1000, seed=1)
-    decode = Ranks(spec(heads, decode_tp), False, 2000, seed=2)
+    decode = Ranks(spec(heads, decode_tp), False, 2000, seed=2, load_mode=load_mode)
     made += [prefill, decode]
     remote = transfer(prefill, 7)
     run_step(decode, LoadSpec("d7", remote, [1, 3], [0, 5]))
