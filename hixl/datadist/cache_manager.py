@@ -124,14 +124,23 @@ class CacheManager:
         *,
         req_id: int | None = None,
         timeout: float | None = None,
+        src_heads: range | None = None,
+        dst_heads: range | None = None,
     ) -> None:
         """Copy blocks ``src_blocks`` of the remote cache ``src_key`` into ``dst_blocks`` of ``dst_cache``.
 
         With ``req_id``, the source is told (:meth:`completed_requests`) once the
         data has landed, so it may free those blocks.
+
+        ``src_heads`` / ``dst_heads`` (both or neither) move only that range of
+        each block's second axis (``shape[1]``: the KV heads in a
+        ``[blocks, heads, tokens, ...]`` layout) into that range of the
+        destination's — e.g. between tensor-parallel ranks that hold different
+        heads. The two caches then need equal ``shape[2:]`` and dtype, not equal
+        ``shape[1]``; each block of each tensor moves as one descriptor.
         """
         timeout = self._timeout(timeout)
-        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=timeout)
+        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=timeout, remote_heads=src_heads, local_heads=dst_heads)
         self._run(plan, req_id, timeout, "pull_blocks")
 
     def pull_blocks_async(
@@ -146,15 +155,17 @@ class CacheManager:
         *,
         req_id: int | None = None,
         timeout: float | None = None,
+        src_heads: range | None = None,
+        dst_heads: range | None = None,
     ) -> CacheTask:
         """:meth:`pull_blocks` layer by layer: returns at once; ``task.wait_layer(i)`` waits for layer i.
 
         With ``req_id``, ``task.synchronize()`` (or ``await task``) sends the
         completion notification before it returns; a task nobody synchronizes
-        sends none.
+        sends none. ``src_heads`` / ``dst_heads`` as in :meth:`pull_blocks`.
         """
         timeout = self._timeout(timeout)
-        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=timeout, verify=False)
+        plan = self._blocks_plan(Op.READ, src_key, dst_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer, timeout=timeout, verify=False, remote_heads=src_heads, local_heads=dst_heads)
         return self._run_async(plan, req_id, timeout)
 
     def pull_cache(
@@ -289,6 +300,18 @@ class CacheManager:
         """Requests peers finished with since the last call: pulled from us, or pushed to us."""
         return self._state.take_done()
 
+    def notify_pulled(self, cluster_id: int, req_id: int) -> None:
+        """Tell the linked cluster ``cluster_id`` that ``req_id`` was pulled, as a pull with ``req_id`` would.
+
+        For a pull split between several pullers (tensor-parallel ranks, each
+        pulling its part without ``req_id``): one of them speaks for all once
+        every part has landed, so the source hears exactly once.
+        """
+        link = self._state.link(cluster_id)
+        if link is None:
+            raise LLMException(f"cluster {cluster_id} is not linked", LLMStatusCode.NOT_YET_LINK)
+        self._state.send_done(link.name, req_id, "pull")
+
     def _notify_done(self, plan: _Plan, req_id: int, op: str) -> None:
         self._state.send_done(plan.remote_engine, req_id, op)
 
@@ -317,6 +340,8 @@ class CacheManager:
         *,
         timeout: float,
         verify: bool = True,
+        remote_heads: range | None = None,
+        local_heads: range | None = None,
     ) -> _Plan:
         if not isinstance(remote_key, BlocksCacheKey):
             raise TypeError(f"a blocks transfer names its remote cache by BlocksCacheKey, not {type(remote_key).__name__}")
@@ -327,12 +352,20 @@ class CacheManager:
         remote_engine, remote, catalog = self._state.remote_cache(
             cluster, lambda cat: cat.blocks_cache(remote_key), remote_key, timeout, verify
         )
-        _check_compatible(local.cache_desc, remote.cache_desc)
         local_rows = rows_array(local_blocks, local.cache_desc.shape[0], "local block indices")
         remote_rows = rows_array(remote_blocks, remote.cache_desc.shape[0], "remote block indices")
         if len(local_rows) != len(remote_rows):
             raise ValueError(f"{len(remote_rows)} source blocks but {len(local_rows)} destination blocks")
-        return self._plan(op, remote_engine, local, remote, local_rows, remote_rows, local_layer_range, remote_layer_range, tensor_num_per_layer, local.cache_desc.row_bytes, catalog)
+        if remote_heads is None and local_heads is None:
+            _check_compatible(local.cache_desc, remote.cache_desc)
+            return self._plan(op, remote_engine, local, remote, local_rows, remote_rows, local_layer_range, remote_layer_range, tensor_num_per_layer, local.cache_desc.row_bytes, catalog)
+        local_start, remote_start, nbytes = _head_slices(local.cache_desc, remote.cache_desc, local_heads, remote_heads)
+        # Byte offsets, as _cache_plan does: each block's slice starts ``*_start`` bytes into its row.
+        local_offsets = local_rows * np.uint64(local.cache_desc.row_bytes) + np.uint64(local_start)
+        remote_offsets = remote_rows * np.uint64(remote.cache_desc.row_bytes) + np.uint64(remote_start)
+        plan = self._plan(op, remote_engine, local, remote, local_offsets, remote_offsets, local_layer_range, remote_layer_range, tensor_num_per_layer, 1, catalog)
+        plan.descs[:, 2] = nbytes
+        return plan
 
     def _cache_plan(
         self,
@@ -461,3 +494,22 @@ def _check_compatible(local: CacheDesc, remote: CacheDesc) -> None:
         raise TypeError(f"dtype mismatch: local {local.data_type.name}, remote {remote.data_type.name}")
     if local.shape[1:] != remote.shape[1:]:
         raise ValueError(f"block/entry shape mismatch: local {local.shape[1:]}, remote {remote.shape[1:]}")
+
+
+def _head_slices(local: CacheDesc, remote: CacheDesc, local_heads: range | None, remote_heads: range | None) -> tuple[int, int, int]:
+    """Byte offsets of the head ranges within a block on each side, and their length."""
+    if local_heads is None or remote_heads is None:
+        raise ValueError("a head-sliced transfer needs both src_heads and dst_heads")
+    if local.data_type is not remote.data_type:
+        raise TypeError(f"dtype mismatch: local {local.data_type.name}, remote {remote.data_type.name}")
+    if len(local.shape) < 2 or local.shape[2:] != remote.shape[2:]:
+        raise ValueError(f"per-head shape mismatch: local {local.shape[2:]}, remote {remote.shape[2:]}")
+    for heads, desc, side in ((local_heads, local, "destination"), (remote_heads, remote, "source")):
+        if not isinstance(heads, range) or heads.step != 1:
+            raise TypeError(f"{side} heads must be a range with step 1, not {heads!r}")
+        if len(heads) == 0 or heads.start < 0 or heads.stop > desc.shape[1]:
+            raise ValueError(f"{side} heads {heads} are outside its {desc.shape[1]} heads")
+    if len(local_heads) != len(remote_heads):
+        raise ValueError(f"{len(remote_heads)} source heads but {len(local_heads)} destination heads")
+    head_bytes = local.row_bytes // local.shape[1]
+    return local_heads.start * head_bytes, remote_heads.start * head_bytes, len(local_heads) * head_bytes

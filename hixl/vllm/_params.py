@@ -2,9 +2,12 @@
 
 * :class:`RemotePrefill` — the ``kv_transfer_params`` prefill returns with a
   finished request and decode receives with the same request: plain JSON
-  (strings, ints, lists), so any proxy can carry it.
-* :class:`Endpoint` — handshake metadata: the prefill worker's DataDist
-  address and cluster id, told to its scheduler once at start-up.
+  (strings, ints, lists), so any proxy can carry it. It lists every prefill
+  TP rank's endpoint with the KV heads it holds, and prefill's :class:`KvSpec`.
+* :class:`Endpoint` — handshake metadata: one prefill worker's DataDist
+  address, cluster id and KV heads, told to its scheduler once at start-up.
+* :class:`KvSpec` — what prefill's and decode's KV caches must agree on;
+  decode checks it before it pulls (:meth:`KvSpec.mismatches`).
 * :class:`LoadSpec` / :class:`StepMetadata` — the scheduler's orders to its
   worker for one step: requests to pull, and requests whose blocks to hold
   until decode reports them pulled.
@@ -12,35 +15,91 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
 )
 
-__all__ = ["Endpoint", "LoadSpec", "RemotePrefill", "StepMetadata"]
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["CPU_LAYOUT", "Endpoint", "KvSpec", "LoadSpec", "RemotePrefill", "StepMetadata"]
+
+# vLLM's CPU attention backend: one tensor per layer, K and V interleaved per head inside a block.
+CPU_LAYOUT = "[blocks, kv_heads, block_size, 2*head_size]"
 
 
 @dataclass(frozen=True)
 class Endpoint(KVConnectorHandshakeMetadata):
-    """Where a prefill worker's DataDist listens, and its cluster id."""
+    """Where one prefill worker's DataDist listens, its cluster id, and the KV heads ``[start, stop)`` it holds."""
 
     ip_info: str
     cluster_id: int
+    heads: tuple[int, int]
+
+    @property
+    def head_range(self) -> range:
+        """The model-wide KV heads this worker holds."""
+        return range(*self.heads)
+
+
+@dataclass(frozen=True)
+class KvSpec:
+    """What a KV cache is, as far as moving it between instances goes.
+
+    Everything but ``tp_size`` must be equal on both sides (``num_kv_heads``
+    counts the model's heads, not one rank's); different TP sizes are fine.
+    """
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    layout: str
+    tp_size: int
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig) -> KvSpec:
+        """This instance's KV cache, from vLLM's config."""
+        model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+        dtype = str(model.dtype) if cache.cache_dtype == "auto" else str(cache.cache_dtype)
+        return cls(
+            model=str(model.model),
+            dtype=dtype.removeprefix("torch."),
+            num_layers=model.get_num_layers(parallel),
+            num_kv_heads=model.get_total_num_kv_heads(),
+            head_size=model.get_head_size(),
+            block_size=cache.block_size,
+            layout=CPU_LAYOUT,
+            tp_size=parallel.tensor_parallel_size,
+        )
+
+    def mismatches(self, decode: KvSpec) -> list[str]:
+        """What differs between this (prefill's) spec and ``decode``'s, one phrase each; empty if compatible."""
+        return [
+            f"{f.name}: prefill {getattr(self, f.name)!r}, decode {getattr(decode, f.name)!r}"
+            for f in fields(self)
+            if f.name != "tp_size" and getattr(self, f.name) != getattr(decode, f.name)
+        ]
 
 
 @dataclass(frozen=True)
 class RemotePrefill:
     """A prefilled request's KV, as decode finds it in ``kv_transfer_params``.
 
-    ``transfer_id`` names the request on the prefill side (DataDist's
-    completion notification carries it back); ``num_tokens`` is how many
-    prompt tokens ``block_ids`` hold.
+    ``ranks`` are prefill's TP ranks in order; ``transfer_id`` names the
+    request on the prefill side (DataDist's completion notification carries it
+    back); ``num_tokens`` is how many prompt tokens ``block_ids`` hold (every
+    rank uses the same block ids, each for its own heads).
     """
 
-    endpoint: Endpoint
+    ranks: tuple[Endpoint, ...]
+    kv: KvSpec
     transfer_id: int
     block_ids: list[int]
     num_tokens: int
@@ -51,8 +110,8 @@ class RemotePrefill:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_engine": self.endpoint.ip_info,
-            "remote_cluster_id": self.endpoint.cluster_id,
+            "remote_ranks": [{"engine": r.ip_info, "cluster_id": r.cluster_id, "heads": list(r.heads)} for r in self.ranks],
+            "remote_kv": asdict(self.kv),
             "remote_transfer_id": self.transfer_id,
             "remote_block_ids": list(self.block_ids),
             "remote_num_tokens": self.num_tokens,
@@ -65,14 +124,26 @@ class RemotePrefill:
         if not params or not params.get("do_remote_prefill"):
             return None
         try:
+            ranks = tuple(
+                Endpoint(str(r["engine"]), int(r["cluster_id"]), (int(r["heads"][0]), int(r["heads"][1])))
+                for r in params["remote_ranks"]
+            )
+            if not ranks:
+                return None
+            kv = params["remote_kv"]
+            spec = KvSpec(
+                str(kv["model"]), str(kv["dtype"]), int(kv["num_layers"]), int(kv["num_kv_heads"]),
+                int(kv["head_size"]), int(kv["block_size"]), str(kv["layout"]), int(kv["tp_size"]),
+            )
             return cls(
-                Endpoint(str(params["remote_engine"]), int(params["remote_cluster_id"])),
+                ranks,
+                spec,
                 int(params["remote_transfer_id"]),
                 [int(b) for b in params["remote_block_ids"]],
                 int(params["remote_num_tokens"]),
                 str(params.get("remote_request_id", "")),
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, IndexError, TypeError, ValueError):
             return None
 
 

@@ -11,7 +11,9 @@ are still in flight.
 On **prefill**, a request sent with ``do_remote_decode`` keeps its blocks
 after it finishes: ``request_finished`` hands vLLM the ``kv_transfer_params``
 for decode and tells the worker (next step's metadata) to report the request
-as sent once decode's completion notification arrives.
+as sent once decode's completion notification arrives. With TP > 1 the
+params list every prefill rank's endpoint (``set_xfer_handshake_metadata``
+gives one per rank) and this instance's :class:`~._params.KvSpec`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ._params import Endpoint, LoadSpec, RemotePrefill, StepMetadata
+from ._params import Endpoint, KvSpec, LoadSpec, RemotePrefill, StepMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -39,9 +41,11 @@ def _cdiv(a: int, b: int) -> int:
 class SchedulerSide:
     """Decides loads and deferred frees; see the module docstring."""
 
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.endpoint: Endpoint | None = None
+    def __init__(self, kv: KvSpec) -> None:
+        self.kv = kv
+        self.block_size = kv.block_size
+        # Prefill only: every TP rank's endpoint, in rank order, once all have told theirs.
+        self.endpoints: tuple[Endpoint, ...] = ()
         self._transfer_ids = itertools.count(1)
         self._loads: list[LoadSpec] = []
         self._sends: dict[int, str] = {}
@@ -93,13 +97,23 @@ class SchedulerSide:
             return False, None  # aborted: decode will never ask for it
         if not block_ids:
             return False, None
-        if self.endpoint is None:
+        if not self.endpoints:
             log.error("hixl: request %s asks for remote decode, but this instance does not serve KV", request.request_id)
             return False, None
         transfer_id = next(self._transfer_ids)
         self._sends[transfer_id] = request.request_id
-        remote = RemotePrefill(self.endpoint, transfer_id, list(block_ids), request.num_computed_tokens, request.request_id)
+        remote = RemotePrefill(self.endpoints, self.kv, transfer_id, list(block_ids), request.num_computed_tokens, request.request_id)
         return True, remote.to_params()
+
+    def set_endpoints(self, metadata: dict[int, Endpoint]) -> None:
+        """Learn every TP rank's endpoint; all ranks must have told theirs (else none serve KV)."""
+        if not metadata:
+            return  # a decode-only instance: its workers serve nothing
+        ranks = sorted(metadata)
+        if ranks != list(range(self.kv.tp_size)):
+            log.error("hixl: DataDist endpoints of TP ranks %s, expected ranks 0..%d: this instance serves no KV", ranks, self.kv.tp_size - 1)
+            return
+        self.endpoints = tuple(metadata[r] for r in ranks)
 
     # -- every step --------------------------------------------------------------------------
     def build_metadata(self) -> StepMetadata:

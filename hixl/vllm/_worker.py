@@ -9,13 +9,28 @@ registered with the engine once, as the one span the views cover.
 
 Decode pulls by block id; prefill's worker only watches DataDist's completion
 notifications to tell vLLM which finished requests' blocks it may free.
+
+Tensor parallelism: every TP rank is a worker with its own DataDist (cluster
+id ``cluster_id + rank``) holding its own KV heads (:mod:`._heads`). A decode
+rank pulls each head it holds from the lowest prefill rank that holds it — a
+head range of the same block ids, one pull per prefill rank it reads from
+(see :meth:`CacheManager.pull_blocks`'s ``src_heads``). Completions: several
+decode ranks may read one prefill rank, and a prefill rank must not free
+blocks another decode rank still reads. So pulls carry no ``req_id``; at the
+end of the step every decode rank waits for the others (a barrier on vLLM's
+TP group, one per step that pulled), and then, for each prefill rank, only
+the lowest decode rank that read from it sends the completion
+(:meth:`CacheManager.notify_pulled`): exactly one per (prefill rank, request).
+It is sent whether or not the pulls succeeded — either way decode is done
+with prefill's blocks. A prefill rank decode never reads (it holds only
+replicas of heads a lower rank holds) releases its blocks at once.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +49,8 @@ from ..datadist import (
     LLMStatusCode,
 )
 from ._config import ConnectorConfig, LoadMode
-from ._params import Endpoint, LoadSpec
+from ._heads import HeadRead, is_read, notifiers, plan_reads, rank_heads
+from ._params import Endpoint, KvSpec, LoadSpec
 
 __all__ = ["WorkerSide"]
 
@@ -46,24 +62,44 @@ _TENSORS_PER_LAYER = 1  # K and V share a tensor (interleaved per head inside a 
 
 @dataclass
 class _Pull:
-    """One request's pull within the current step."""
+    """One request's pull within the current step: one part per prefill rank it reads from."""
 
     spec: LoadSpec
     started: float
-    task: CacheTask | None = None  # layer-wise pulls only
+    tasks: list[CacheTask]  # layer-wise pulls only
+    notify: list[Endpoint]  # prefill ranks this rank tells the request is done
+    sources: int = 0  # prefill ranks it reads from
     ended: float | None = None  # sync pulls only
     error: Exception | None = None
 
 
 class WorkerSide:
-    """One worker's DataDist instance and its in-flight pulls and held sends."""
+    """One worker's (TP rank's) DataDist instance and its in-flight pulls and held sends.
 
-    def __init__(self, config: ConnectorConfig, serves_kv: bool, pulls_kv: bool, num_blocks: int) -> None:
+    ``barrier`` waits for every TP rank of this instance (None with TP = 1).
+    """
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        serves_kv: bool,
+        pulls_kv: bool,
+        num_blocks: int,
+        kv: KvSpec,
+        tp_rank: int = 0,
+        barrier: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
         self.serves_kv = serves_kv
         self.num_blocks = num_blocks
+        self.kv = kv
+        self.tp_rank = tp_rank
+        self._barrier = barrier
+        self.heads = rank_heads(kv.num_kv_heads, kv.tp_size, tp_rank)
+        self._all_heads = [rank_heads(kv.num_kv_heads, kv.tp_size, r) for r in range(kv.tp_size)]  # this instance's ranks
+        self.cluster_id = config.cluster_id + tp_rank
         role = LLMRole.MIX if serves_kv and pulls_kv else LLMRole.PROMPT if serves_kv else LLMRole.DECODER
-        self.datadist = LLMDataDist(role, config.cluster_id)
+        self.datadist = LLMDataDist(role, self.cluster_id)
         self.datadist.init(
             LLMConfig(
                 listen_ip_info=f"{config.host}:{config.port}" if serves_kv else None,
@@ -77,7 +113,9 @@ class WorkerSide:
         self._pulls: list[_Pull] = []
         self._failed_blocks: set[int] = set()
         # Prefill side: transfer id -> (vLLM request id, release deadline), and ids
-        # decode reported pulled before this worker heard of them.
+        # decode reported pulled before this worker heard of them. A rank decode
+        # never reads from has nothing to wait for.
+        self._read_by_decode = is_read(self._all_heads, tp_rank)
         self._held: dict[int, tuple[str, float]] = {}
         self._early: set[int] = set()
         self._newest_held = 0
@@ -91,13 +129,14 @@ class WorkerSide:
         shape, dtype = tuple(tensors[0].shape), tensors[0].dtype
         if any(tuple(t.shape) != shape or t.dtype != dtype for t in tensors):
             raise ValueError("hixl needs every layer's KV tensor to have the same shape and dtype")
-        if shape[0] != self.num_blocks:
+        expected = (self.num_blocks, len(self.heads), self.kv.block_size, 2 * self.kv.head_size)
+        if shape != expected:
             raise ValueError(
-                f"hixl needs one KV tensor per layer with blocks as rows ({self.num_blocks} blocks); "
+                f"hixl needs one KV tensor per layer shaped {self.kv.layout} = {expected}; "
                 f"got shape {shape}: this vLLM backend's layout is not supported"
             )
         desc = CacheDesc(len(tensors), shape, DataType.of(tensors[0]))
-        key = BlocksCacheKey(self.config.cluster_id) if self.serves_kv else None
+        key = BlocksCacheKey(self.cluster_id) if self.serves_kv else None
         self._cache = self.datadist.cache_manager.register_blocks_cache(desc, tensors, key)
         self.layers = {name: i for i, name in enumerate(names)}
         log.info(
@@ -107,7 +146,9 @@ class WorkerSide:
 
     def endpoint(self) -> Endpoint | None:
         """Where peers pull from this worker, or None if it only pulls."""
-        return Endpoint(self.datadist.local_ip_info, self.config.cluster_id) if self.serves_kv else None
+        if not self.serves_kv:
+            return None
+        return Endpoint(self.datadist.local_ip_info, self.cluster_id, (self.heads.start, self.heads.stop))
 
     def close(self) -> None:
         """Finalize DataDist: links and registrations go."""
@@ -117,20 +158,38 @@ class WorkerSide:
     def start(self, specs: Iterable[LoadSpec]) -> None:
         """Issue this step's pulls: layer by layer (returns at once) or whole (returns when landed)."""
         for spec in specs:
-            pull = _Pull(spec, time.monotonic())
+            remote = spec.remote
+            prefill_heads = [r.head_range for r in remote.ranks]
+            pull = _Pull(spec, time.monotonic(), [], [])
             self._pulls.append(pull)
             try:
-                self._link(spec.remote.endpoint)
-                key, cache = BlocksCacheKey(spec.remote.endpoint.cluster_id), self._local_cache()
-                args = (key, cache, spec.remote_blocks, spec.local_blocks)
-                manager, tid = self.datadist.cache_manager, spec.remote.transfer_id
+                # Which prefill ranks this rank speaks for: computed before anything can fail,
+                # so that prefill hears even of a pull that never started.
+                pull.notify = [remote.ranks[p] for p, d in notifiers(prefill_heads, self._all_heads).items() if d == self.tp_rank]
+                mismatches = remote.kv.mismatches(self.kv)
+                if mismatches:
+                    raise ValueError(f"prefill's and decode's KV caches differ ({'; '.join(mismatches)}): nothing pulled")
+                reads = plan_reads(prefill_heads, self.heads)
+                pull.sources = len(reads)
+                for read in reads:
+                    task = self._pull_part(spec, remote.ranks[read.prefill_rank], read)
+                    if task is not None:
+                        pull.tasks.append(task)
                 if self.config.load_mode is LoadMode.SYNC:
-                    manager.pull_blocks(*args, tensor_num_per_layer=_TENSORS_PER_LAYER, req_id=tid)
                     pull.ended = time.monotonic()
-                else:
-                    pull.task = manager.pull_blocks_async(*args, tensor_num_per_layer=_TENSORS_PER_LAYER, req_id=tid)
             except (HixlError, ValueError, TypeError) as exc:
                 pull.error = exc
+
+    def _pull_part(self, spec: LoadSpec, endpoint: Endpoint, read: HeadRead) -> CacheTask | None:
+        """Pull ``read``'s heads of the request's blocks from one prefill rank; the task if layer-wise."""
+        self._link(endpoint)
+        args = (BlocksCacheKey(endpoint.cluster_id), self._local_cache(), spec.remote_blocks, spec.local_blocks)
+        kwargs: dict[str, Any] = {"tensor_num_per_layer": _TENSORS_PER_LAYER, "src_heads": read.src_heads, "dst_heads": read.dst_heads}
+        manager = self.datadist.cache_manager
+        if self.config.load_mode is LoadMode.SYNC:
+            manager.pull_blocks(*args, **kwargs)
+            return None
+        return manager.pull_blocks_async(*args, **kwargs)
 
     def wait_layer(self, layer_name: str) -> None:
         """Return once ``layer_name`` has landed for every pull of this step (or its pull failed)."""
@@ -138,30 +197,47 @@ class WorkerSide:
         if layer is None:
             return
         for pull in self._pulls:
-            if pull.task is not None and pull.error is None:
-                try:
-                    pull.task.wait_layer(layer)
-                except LLMException as exc:
-                    pull.error = exc
+            for task in pull.tasks:
+                if pull.error is None:
+                    try:
+                        task.wait_layer(layer)
+                    except LLMException as exc:
+                        pull.error = exc
 
     def loading_blocks(self) -> list[int]:
         """Local block ids this step's pulls write into."""
         return [b for pull in self._pulls for b in pull.spec.local_blocks]
 
     def end_step(self) -> None:
-        """Settle this step's pulls: record timings, or the blocks of those that failed."""
+        """Settle this step's pulls (timings, or the blocks of those that failed), then tell prefill."""
+        if not self._pulls:
+            return
         for pull in self._pulls:
-            if pull.task is not None and pull.error is None:
-                try:
-                    pull.task.synchronize()
-                except LLMException as exc:
-                    pull.error = exc
+            for task in pull.tasks:
+                if pull.error is None:
+                    try:
+                        task.synchronize()
+                    except LLMException as exc:
+                        pull.error = exc
             if pull.error is not None:
                 self._failed_blocks.update(pull.spec.local_blocks)
                 log.warning("hixl: pull of request %s failed: %s", pull.spec.request_id, pull.error)
             else:
                 self._record(pull)
+        if self._barrier is not None:
+            self._barrier()  # every rank's pulls of this step are over: prefill may free its blocks
+        for pull in self._pulls:
+            for endpoint in pull.notify:
+                self._notify(pull.spec, endpoint)
         self._pulls.clear()
+
+    def _notify(self, spec: LoadSpec, endpoint: Endpoint) -> None:
+        """Tell one prefill rank that decode is done with the request's blocks."""
+        try:
+            self._link(endpoint)  # a pull that failed early may not have linked
+            self.datadist.cache_manager.notify_pulled(endpoint.cluster_id, spec.remote.transfer_id)
+        except (HixlError, ValueError) as exc:
+            log.warning("hixl: cannot tell prefill %s that request %s is done: %s", endpoint.ip_info, spec.request_id, exc)
 
     def take_failed_blocks(self) -> set[int]:
         """Local blocks whose pull failed since the last call (vLLM then fails or recomputes them)."""
@@ -169,18 +245,18 @@ class WorkerSide:
         return failed
 
     def _record(self, pull: _Pull) -> None:
-        """Log the pull's figures: its KV transfer time and when its first layer was usable."""
-        if pull.task is not None:
-            first, last = pull.task.landed_at(pull.task.layers[0]), pull.task.landed_at(pull.task.layers[-1])
+        """Log the pull's figures: its KV transfer time and when its first layer was usable (on all parts)."""
+        if pull.tasks:
+            first = max(t.landed_at(t.layers[0]) or pull.started for t in pull.tasks)
+            last = max(t.landed_at(t.layers[-1]) or pull.started for t in pull.tasks)
         else:
-            first = last = pull.ended  # a sync pull is usable all at once
+            first = last = pull.ended or pull.started  # a sync pull is usable all at once
         desc = self._local_cache().cache_desc
         blocks = len(pull.spec.local_blocks)
         log.info(
-            "hixl: pulled request %s: %d blocks, %.2f MiB in %.2f ms (%s), first layer usable after %.2f ms",
-            pull.spec.request_id, blocks, blocks * desc.row_bytes * desc.num_tensors / 2**20,
-            ((last or pull.started) - pull.started) * 1e3, self.config.load_mode.value,
-            ((first or pull.started) - pull.started) * 1e3,
+            "hixl: pulled request %s: %d blocks, %.2f MiB from %d prefill rank(s) in %.2f ms (%s), first layer usable after %.2f ms",
+            pull.spec.request_id, blocks, blocks * desc.row_bytes * desc.num_tensors / 2**20, pull.sources,
+            (last - pull.started) * 1e3, self.config.load_mode.value, (first - pull.started) * 1e3,
         )
 
     def _local_cache(self) -> Cache:
@@ -205,6 +281,8 @@ class WorkerSide:
         for transfer_id, request_id in sends.items():
             self._held[transfer_id] = (request_id, deadline)
             self._newest_held = max(self._newest_held, transfer_id)
+            if not self._read_by_decode:
+                self._early.add(transfer_id)  # released at once: decode reads these heads elsewhere
 
     def released(self) -> set[str]:
         """Request ids whose blocks vLLM may free now: pulled by decode, or held past the timeout."""

@@ -1,10 +1,11 @@
 """``HixlConnector``: vLLM's KV-connector interface (v1, as in vLLM 0.32), on hixl's DataDist.
 
-vLLM builds one connector in its scheduler and one in each worker, with a
-role; each half delegates to :class:`~._scheduler.SchedulerSide` or
-:class:`~._worker.WorkerSide`. The scheduler half learns the worker's DataDist
-address through vLLM's handshake metadata (``get_handshake_metadata`` ->
-``set_xfer_handshake_metadata``), so no port has to be configured.
+vLLM builds one connector in its scheduler and one in each worker (one per
+TP rank), with a role; each half delegates to :class:`~._scheduler.SchedulerSide`
+or :class:`~._worker.WorkerSide`. The scheduler half learns every worker's
+DataDist address and KV heads through vLLM's handshake metadata
+(``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``), so no port
+has to be configured. Prefill and decode may run different TP sizes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ._config import ConnectorConfig
-from ._params import Endpoint, StepMetadata
+from ._params import Endpoint, KvSpec, StepMetadata
 from ._scheduler import SchedulerSide
 from ._worker import WorkerSide
 
@@ -46,16 +47,29 @@ class HixlConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
-        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ValueError("the hixl connector supports one worker per instance (TP=1, PP=1)")
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"the hixl connector does not support pipeline parallelism "
+                f"(pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size}); use PP=1"
+            )
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        kv = KvSpec.of(vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config.cache_config.block_size)
+            self._scheduler = SchedulerSide(kv)
         else:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            tp = get_tp_group()
             self._worker = WorkerSide(
-                self.config, transfer.is_kv_producer, transfer.is_kv_consumer, kv_cache_config.num_blocks
+                self.config,
+                transfer.is_kv_producer,
+                transfer.is_kv_consumer,
+                kv_cache_config.num_blocks,
+                kv,
+                tp.rank_in_group,
+                tp.barrier if tp.world_size > 1 else None,
             )
 
     @property
@@ -76,7 +90,7 @@ class HixlConnector(KVConnectorBase_V1):
         self.worker.register(kv_caches)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        """This worker's DataDist endpoint, for its scheduler (None if it only pulls)."""
+        """This worker's DataDist endpoint and KV heads, for its scheduler (None if it only pulls)."""
         return self.worker.endpoint()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -116,10 +130,8 @@ class HixlConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        """Learn the worker's DataDist endpoint (TP rank 0; there is only one)."""
-        endpoint = metadata.get(0)
-        if isinstance(endpoint, Endpoint):
-            self.scheduler.endpoint = endpoint
+        """Learn every worker's DataDist endpoint (one per TP rank)."""
+        self.scheduler.set_endpoints({rank: m for rank, m in metadata.items() if isinstance(m, Endpoint)})
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Prompt tokens decode takes from prefill; loaded within the step (not async)."""

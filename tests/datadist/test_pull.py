@@ -348,3 +348,77 @@ def test_cancelled_pull_lands_nothing_after_cancel_returns(transport, remote, lo
         task.synchronize()
     assert info.value.status_code is LLMStatusCode.CANCELLED
     assert remote.completed_requests() == []  # the source is not told to free what was not pulled
+
+
+# -- head slices (tensor-parallel ranks holding different KV heads) -----------------------------
+WIDE = CacheDesc(LAYERS, (BLOCKS, 4, 8, 16), DataType.DT_FLOAT16)  # blocks, heads, tokens, head dim
+NARROW = CacheDesc(LAYERS, (BLOCKS, 2, 8, 16), DataType.DT_FLOAT16)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["sync", "layerwise"])
+def test_pull_a_head_slice_of_each_block(remote, local, make_remote, make_local, layerwise):
+    """Heads 1..2 of a 4-head source land in heads 0..1 of a 2-head destination; nothing else moves."""
+    key = new_blocks_key()
+    name = make_remote(WIDE, key, seed=40)
+    mine = make_local(NARROW, seed=41)
+    before = mine.read()
+    src, dst = [3, 9, 4], [0, 7, 1]
+    args = (key, mine.cache, src, dst)
+    kwargs = dict(tensor_num_per_layer=1, src_heads=range(1, 3), dst_heads=range(0, 2))
+    if layerwise:
+        task = local.cache_manager.pull_blocks_async(*args, **kwargs)
+        for layer in range(LAYERS):
+            task.wait_layer(layer)
+        task.synchronize()
+    else:
+        local.cache_manager.pull_blocks(*args, **kwargs)
+    got, held = mine.read(), remote.read(name)
+    np.testing.assert_array_equal(got[:, dst], held[:, src][:, :, 1:3])
+    untouched = [b for b in range(BLOCKS) if b not in dst]
+    np.testing.assert_array_equal(got[:, untouched], before[:, untouched])
+
+
+def test_pull_one_head_into_the_middle_of_a_block(remote, local, make_remote, make_local):
+    key = new_blocks_key()
+    name = make_remote(NARROW, key, seed=42)
+    mine = make_local(WIDE, seed=43)
+    before = mine.read()
+    local.cache_manager.pull_blocks(key, mine.cache, [5], [2], tensor_num_per_layer=1, src_heads=range(1, 2), dst_heads=range(2, 3))
+    got, held = mine.read(), remote.read(name)
+    np.testing.assert_array_equal(got[:, 2, 2], held[:, 5, 1])
+    for head in (0, 1, 3):  # the block's other heads are as they were
+        np.testing.assert_array_equal(got[:, 2, head], before[:, 2, head])
+
+
+@pytest.mark.parametrize(
+    ("src_heads", "dst_heads", "error", "match"),
+    [
+        (range(0, 2), None, ValueError, "both src_heads and dst_heads"),
+        (range(0, 3), range(0, 2), ValueError, "3 source heads but 2 destination heads"),
+        (range(3, 5), range(0, 2), ValueError, "outside its 4 heads"),
+        (range(0, 2, 2), range(0, 1), TypeError, "step 1"),
+    ],
+)
+def test_head_slice_errors(remote, local, make_remote, make_local, src_heads, dst_heads, error, match):
+    key = new_blocks_key()
+    make_remote(WIDE, key, seed=44)
+    mine = make_local(NARROW)
+    with pytest.raises(error, match=match):
+        local.cache_manager.pull_blocks(key, mine.cache, [0], [0], tensor_num_per_layer=1, src_heads=src_heads, dst_heads=dst_heads)
+
+
+def test_head_slice_needs_the_same_per_head_shape(remote, local, make_remote, make_local):
+    key = new_blocks_key()
+    make_remote(WIDE, key, seed=45)
+    mine = make_local(CacheDesc(LAYERS, (BLOCKS, 2, 16, 16), DataType.DT_FLOAT16))  # twice the tokens a block
+    with pytest.raises(ValueError, match=r"per-head shape mismatch: local \(16, 16\), remote \(8, 16\)"):
+        local.cache_manager.pull_blocks(key, mine.cache, [0], [0], tensor_num_per_layer=1, src_heads=range(2), dst_heads=range(2))
+
+
+def test_notify_pulled_tells_the_source_without_a_pull(remote, local):
+    remote.completed_requests()
+    local.cache_manager.notify_pulled(remote.cluster_id, 51)
+    assert remote.completed_requests() == [TransferDone(LOCAL_ID, 51, "pull")]
+    with pytest.raises(LLMException) as err:
+        local.cache_manager.notify_pulled(fresh_id(), 52)
+    assert err.value.status_code is LLMStatusCode.NOT_YET_LINK

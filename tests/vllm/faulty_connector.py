@@ -5,6 +5,8 @@ request; this connector reads it at every layer it waits for:
 
 * ``zeros`` — pull as usual, then zero the pulled blocks of that layer before
   attention reads them: the control that shows the pulled KV matters.
+  ``zeros:H`` zeroes only KV head ``H`` (the model's index; only the TP rank
+  holding it acts): with TP, the heads one prefill rank sent.
 * ``die`` — SIGKILL this whole process while it waits for layer 1 of a
   layer-by-layer pull: a decode dying mid-pull. Its completion notifications
   are dropped first: DataDist may send one the moment the last layer lands,
@@ -54,6 +56,10 @@ class FaultyConnector(HixlConnector):
         if self._fault() == "die" and self.loading_block_ids() and self.worker.layers[layer_name] == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         super().wait_for_layer_load(layer_name)
-        blocks = self.loading_block_ids()
-        if self._fault() == "zeros" and blocks:
+        blocks, fault = self.loading_block_ids(), self._fault()
+        if fault == "zeros" and blocks:
             self.kv_caches[layer_name][blocks] = 0
+        elif fault.startswith("zeros:") and blocks:
+            head, held = int(fault.removeprefix("zeros:")), self.worker.heads
+            if head in held:
+                self.kv_caches[layer_name][blocks, head - held.start] = 0

@@ -2,8 +2,10 @@
 
 ``python instance_main.py ROLE MODEL_DIR [JSON_SETTINGS]`` — ROLE is
 ``prefill``, ``decode`` or ``reference``; SETTINGS become the connector's
-extra config, except ``connector`` / ``module`` (another connector class) and
-``kv_load_failure_policy``. It prints ``{"ready": ..., "startup_s": ...}``
+extra config, except ``connector`` / ``module`` (another connector class),
+``kv_load_failure_policy``, ``tp`` (tensor-parallel size, 1 by default: more
+runs vLLM's multiprocessing executor, one worker process per rank) and
+``block_size`` (32 by default). It prints ``{"ready": ..., "startup_s": ...}``
 once the engine is up, then answers each JSON line
 ``{"prompts": [...], "max_tokens": n, "params": [kv_transfer_params or null, ...]}``
 with one JSON line listing, per prompt: token ids, text, ``num_cached_tokens``
@@ -37,6 +39,8 @@ if __name__ == "__main__":
     started = time.monotonic()
     from vllm import LLM, SamplingParams
 
+    tp = int(settings.pop("tp", 1))
+    block_size = int(settings.pop("block_size", 32))
     kwargs = {}
     if role != "reference":
         kwargs["kv_transfer_config"] = {
@@ -50,11 +54,12 @@ if __name__ == "__main__":
         model=model,
         dtype="float32",
         max_model_len=512,
-        block_size=32,
+        block_size=block_size,
+        tensor_parallel_size=tp,
         kv_cache_memory_bytes=64 << 20,
         enforce_eager=True,
         enable_prefix_caching=False,  # so num_cached_tokens counts only what the connector loaded
-        distributed_executor_backend="uni",
+        distributed_executor_backend="uni" if tp == 1 else "mp",
         **kwargs,
     )
     answer({"ready": True, "startup_s": time.monotonic() - started})

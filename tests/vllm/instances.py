@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +23,11 @@ class Instance:
     """``python instance_main.py ROLE MODEL SETTINGS``; its log (stderr) goes to ``log_path``.
 
     ``cpu`` is the core vLLM binds its OpenMP threads to: two instances running
-    at once must not share one (both would take core 0).
+    at once must not share one (both would take core 0). A tensor-parallel
+    instance binds each rank to its own: ``"0|1"`` (vLLM's list, one entry per rank).
     """
 
-    def __init__(self, role: str, model: Path, log_path: Path, cpu: int, settings: dict[str, Any] | None = None) -> None:
+    def __init__(self, role: str, model: Path, log_path: Path, cpu: int | str, settings: dict[str, Any] | None = None) -> None:
         self.role = role
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]), VLLM_CPU_OMP_THREADS_BIND=str(cpu))
@@ -88,3 +91,31 @@ class Instance:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+def prefill_params(prefill: Instance, prompts: list[str]) -> list[dict[str, Any]]:
+    """Prefill ``prompts`` on ``prefill`` for remote decode; returns the kv_transfer_params decode needs."""
+    outs = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    params = [o["kv_transfer_params"] for o in outs]
+    for p in params:
+        # vLLM reports prefill's own cache hits through this key as decode's cached tokens;
+        # without it, decode's count is what *it* did not compute: the connector's tokens.
+        p.pop("remote_prefill_cached_tokens", None)
+    return params
+
+
+@contextlib.contextmanager
+def started_together(model: Path, logs: Path, specs: dict[str, tuple[str, int | str, dict[str, Any]]]) -> Iterator[dict[str, Instance]]:
+    """Start every instance of ``specs`` (name -> role, cpu, settings) at once, wait for all, close all after.
+
+    All at once because each takes tens of seconds to start; the start-up times are printed.
+    """
+    started = {name: Instance(role, model, logs / f"{name}.log", cpu, settings) for name, (role, cpu, settings) in specs.items()}
+    try:
+        for instance in started.values():
+            instance.wait_ready()
+        print(f"\nvLLM start-up (all {len(started)} starting at once):", {n: round(i.startup_s or 0, 1) for n, i in started.items()})
+        yield started
+    finally:
+        for instance in started.values():
+            instance.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,7 @@ pytest.importorskip("vllm.distributed.kv_transfer")
 
 import hixl.vllm  # noqa: E402
 from hixl.vllm import ConnectorConfig, LoadMode  # noqa: E402
-from hixl.vllm._params import Endpoint, RemotePrefill  # noqa: E402
+from hixl.vllm._params import CPU_LAYOUT, Endpoint, KvSpec, RemotePrefill  # noqa: E402
 
 
 def test_public_surface() -> None:
@@ -33,11 +34,26 @@ def test_settings_are_parsed_and_checked() -> None:
             ConnectorConfig.from_extra(bad)
 
 
+KV = KvSpec("tiny", "float32", 4, 2, 64, 32, CPU_LAYOUT, 2)
+
+
 def test_transfer_params_are_plain_json_and_round_trip() -> None:
-    remote = RemotePrefill(Endpoint("127.0.0.1:4242", 17), 3, [5, 9, 2], 70, "req-1")
+    ranks = (Endpoint("127.0.0.1:4242", 17, (0, 1)), Endpoint("127.0.0.1:4243", 18, (1, 2)))
+    remote = RemotePrefill(ranks, KV, 3, [5, 9, 2], 70, "req-1")
     params = json.loads(json.dumps(remote.to_params()))
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_ranks"][1] == {"engine": "127.0.0.1:4243", "cluster_id": 18, "heads": [1, 2]}
     assert RemotePrefill.from_params(params) == remote
+    del params["remote_kv"]  # no spec to check against: not a whole remote prefill
+    assert RemotePrefill.from_params(params) is None
+
+
+def test_kv_specs_name_every_difference_but_tp() -> None:
+    assert KV.mismatches(replace(KV, tp_size=1)) == []
+    assert KV.mismatches(replace(KV, block_size=64, dtype="float16")) == [
+        "dtype: prefill 'float32', decode 'float16'",
+        "block_size: prefill 32, decode 64",
+    ]
 
 
 @pytest.mark.parametrize(

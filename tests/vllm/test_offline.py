@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer")
 pytest.importorskip("transformers")
 
-from instances import Instance  # noqa: E402
+from instances import Instance, prefill_params, started_together  # noqa: E402
 from tiny_model import BLOCK_SIZE, build, words  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -48,7 +48,7 @@ def vllms(tmp_path_factory: pytest.TempPathFactory, fault_file: Path) -> Iterato
     """Every instance of this module, started together (each takes tens of seconds to start)."""
     model = build(tmp_path_factory.mktemp("model"))
     logs = tmp_path_factory.mktemp("logs")
-    specs: dict[str, tuple[str, int, dict[str, Any]]] = {
+    specs: dict[str, tuple[str, int | str, dict[str, Any]]] = {
         # Prefill's engine steps on its own while it holds blocks: give it a core of its own.
         "prefill": ("prefill", 0, {"release_timeout": RELEASE_TIMEOUT}),
         "decode": ("decode", 1, {}),  # every default: layer-wise, fail on load errors
@@ -56,15 +56,8 @@ def vllms(tmp_path_factory: pytest.TempPathFactory, fault_file: Path) -> Iterato
         "faulty": ("decode", 1, {"connector": "FaultyConnector", "module": "faulty_connector", "fault_file": str(fault_file)}),
         "reference": ("reference", 1, {}),
     }
-    started = {name: Instance(role, model, logs / f"{name}.log", cpu, settings) for name, (role, cpu, settings) in specs.items()}
-    try:
-        for instance in started.values():
-            instance.wait_ready()
-        print("\nvLLM start-up (all five starting at once):", {n: round(i.startup_s or 0, 1) for n, i in started.items()})
+    with started_together(model, logs, specs) as started:
         yield started
-    finally:
-        for instance in started.values():
-            instance.close()
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +67,7 @@ def reference(vllms: dict[str, Instance]) -> list[dict[str, Any]]:
 
 def prefill(vllms: dict[str, Instance], prompts: list[str] = PROMPTS) -> list[dict[str, Any]]:
     """Prefill ``prompts`` for remote decode; returns the kv_transfer_params decode needs."""
-    outs = vllms["prefill"].generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
-    params = [o["kv_transfer_params"] for o in outs]
-    for p in params:
-        # vLLM reports prefill's own cache hits through this key as decode's cached tokens;
-        # without it, decode's count is what *it* did not compute: the connector's tokens.
-        p.pop("remote_prefill_cached_tokens", None)
-    return params
+    return prefill_params(vllms["prefill"], prompts)
 
 
 def assert_loaded_externally(decode: Instance, outs: list[dict[str, Any]], params: list[dict[str, Any]]) -> None:
@@ -98,7 +85,9 @@ def test_prefill_returns_plain_json_params(vllms: dict[str, Instance]) -> None:
     (params,) = prefill(vllms, PROMPTS[4:])
     assert json.loads(json.dumps(params)) == params
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-    host, port = params["remote_engine"].rsplit(":", 1)
+    (rank,) = params["remote_ranks"]  # TP 1: one rank, holding both KV heads
+    assert rank["heads"] == [0, 2]
+    host, port = rank["engine"].rsplit(":", 1)
     assert host == "127.0.0.1" and int(port) > 0  # picked by the OS: nothing configured
     assert params["remote_num_tokens"] == 100 and len(params["remote_block_ids"]) == 4
 
@@ -137,7 +126,7 @@ def test_zeroed_kv_gives_different_tokens(vllms: dict[str, Instance], reference:
 def test_failed_pull_fails_the_request(vllms: dict[str, Instance]) -> None:
     """A pull that cannot happen (nobody at that address) fails that request, promptly, under policy=fail."""
     (params,) = prefill(vllms, PROMPTS[1:2])
-    dead = dict(params, remote_engine="127.0.0.1:1", remote_cluster_id=7)
+    dead = dict(params, remote_ranks=[{"engine": "127.0.0.1:1", "cluster_id": 7, "heads": [0, 2]}])
     (out,) = vllms["decode"].generate(PROMPTS[1:2], MAX_TOKENS, [dead])
     assert len(out["token_ids"]) < MAX_TOKENS
     vllms["decode"].wait_for_log(r"hixl: pull of request \S+ failed", 5)
@@ -145,7 +134,7 @@ def test_failed_pull_fails_the_request(vllms: dict[str, Instance]) -> None:
 
 def test_failed_pull_recomputes_under_recompute_policy(vllms: dict[str, Instance], reference: list[dict[str, Any]]) -> None:
     (params,) = prefill(vllms, PROMPTS[4:])
-    dead = dict(params, remote_engine="127.0.0.1:1", remote_cluster_id=7)
+    dead = dict(params, remote_ranks=[{"engine": "127.0.0.1:1", "cluster_id": 7, "heads": [0, 2]}])
     (out,) = vllms["decode_sync"].generate(PROMPTS[4:], MAX_TOKENS, [dead])
     assert out["token_ids"] == reference[4]["token_ids"]
 

@@ -1,0 +1,160 @@
+"""The worker half with TP ranks as real DataDist instances in this process (no vLLM engine).
+
+Each :class:`WorkerSide` is one TP rank with its own engine on 127.0.0.1, as in
+vLLM; decode ranks that run "at once" are threads sharing a barrier, as vLLM's
+TP group would. These cover what the two-head model of the end-to-end tests
+cannot: replicated heads (TP > KV heads) on either side — who reads, who is
+told, and that a replica nobody reads frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+# Not just "vllm": where vLLM is missing, this folder itself would import under that name.
+pytest.importorskip("vllm.distributed.kv_transfer")
+torch = pytest.importorskip("torch")
+
+from hixl.vllm import ConnectorConfig, LoadMode  # noqa: E402
+from hixl.vllm._params import CPU_LAYOUT, KvSpec, LoadSpec, RemotePrefill  # noqa: E402
+from hixl.vllm._worker import WorkerSide  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYERS, BLOCKS, BLOCK_SIZE, HEAD_SIZE = 2, 8, 32, 4
+
+
+def spec(num_heads: int, tp: int, block_size: int = BLOCK_SIZE) -> KvSpec:
+    return KvSpec("tiny", "float32", LAYERS, num_heads, HEAD_SIZE, block_size, CPU_LAYOUT, tp)
+
+
+class Ranks:
+    """The workers of one instance, one per TP rank, with its KV tensors registered."""
+
+    def __init__(self, kv: KvSpec, serves: bool, cluster_id: int, seed: int, load_mode: LoadMode = LoadMode.LAYERWISE) -> None:
+        config = ConnectorConfig(cluster_id=cluster_id, release_timeout=60, load_mode=load_mode)
+        barrier = threading.Barrier(kv.tp_size).wait if kv.tp_size > 1 else None
+        self.workers = [WorkerSide(config, serves, not serves, BLOCKS, kv, r, barrier) for r in range(kv.tp_size)]
+        gen = torch.Generator().manual_seed(seed)
+        self.caches = []
+        for w in self.workers:
+            shape = (BLOCKS, len(w.heads), kv.block_size, 2 * HEAD_SIZE)
+            layers = {f"layer.{i}": torch.randn(shape, generator=gen) for i in range(LAYERS)}
+            w.register(layers)
+            self.caches.append(layers)
+
+    def head(self, model_head: int, layer: str, block: int) -> torch.Tensor:
+        """What the instance holds for ``model_head`` (from its lowest rank holding it)."""
+        for w, cache in zip(self.workers, self.caches):
+            if model_head in w.heads:
+                return cache[layer][block, model_head - w.heads.start]
+        raise AssertionError(f"no rank holds head {model_head}")
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+
+@pytest.fixture
+def made() -> Iterator[list[Ranks]]:
+    instances: list[Ranks] = []
+    yield instances
+    for instance in instances:
+        instance.close()
+
+
+def transfer(prefill: Ranks, transfer_id: int) -> RemotePrefill:
+    """The params prefill would return for a request in blocks 1 and 3."""
+    ranks = tuple(w.endpoint() for w in prefill.workers)
+    assert all(r is not None for r in ranks)
+    return RemotePrefill(ranks, prefill.workers[0].kv, transfer_id, [1, 3], 40, f"req{transfer_id}")  # type: ignore[arg-type]
+
+
+def run_step(decode: Ranks, load: LoadSpec) -> None:
+    """One vLLM step on every decode rank at once: start, wait for each layer, end."""
+
+    def step(worker: WorkerSide) -> None:
+        worker.start([load])
+        for layer in range(LAYERS):
+            worker.wait_layer(f"layer.{layer}")
+        worker.end_step()
+
+    threads = [threading.Thread(target=step, args=(w,)) for w in decode.workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+
+
+def released_soon(worker: WorkerSide, request_id: str, timeout: float = 10) -> float:
+    """Seconds until ``worker`` releases ``request_id``."""
+    started = time.monotonic()
+    while request_id not in worker.released():
+        assert time.monotonic() - started < timeout, f"{request_id} not released"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    ("heads", "prefill_tp", "decode_tp", "load_mode"),
+    [
+        (2, 2, 1, LoadMode.LAYERWISE),
+        (2, 1, 2, LoadMode.LAYERWISE),
+        (1, 2, 1, LoadMode.LAYERWISE),
+        (1, 1, 2, LoadMode.LAYERWISE),
+        (2, 4, 2, LoadMode.LAYERWISE),
+        (2, 2, 4, LoadMode.LAYERWISE),
+        (2, 2, 1, LoadMode.SYNC),
+        (2, 1, 2, LoadMode.SYNC),
+    ],
+    ids=lambda v: v.value if isinstance(v, LoadMode) else str(v),
+)
+def test_decode_ranks_get_their_heads_and_every_prefill_rank_hears_once(
+    made: list[Ranks], heads: int, prefill_tp: int, decode_tp: int, load_mode: LoadMode
+) -> None:
+    prefill = Ranks(spec(heads, prefill_tp), True, 1000, seed=1)
+    decode = Ranks(spec(heads, decode_tp), False, 2000, seed=2, load_mode=load_mode)
+    made += [prefill, decode]
+    remote = transfer(prefill, 7)
+    run_step(decode, LoadSpec("d7", remote, [1, 3], [0, 5]))
+    for w, cache in zip(decode.workers, decode.caches):
+        assert not w.take_failed_blocks()
+        for layer, tensor in cache.items():
+            for src, dst in ((1, 0), (3, 5)):
+                for i, model_head in enumerate(w.heads):
+                    assert torch.equal(tensor[dst, i], prefill.head(model_head, layer, src))
+    # A prefill rank that is some head's lowest holder is read, and hears exactly once, from its
+    # lowest reader; a replica nobody reads is never told (it releases at once, next test).
+    primary = {h: min(r for r, p in enumerate(prefill.workers) if h in p.heads) for h in range(heads)}
+    for rank, w in enumerate(prefill.workers):
+        readers = [d for d, dw in enumerate(decode.workers) if any(primary[h] == rank for h in dw.heads)]
+        done = [(d.cluster_id, d.req_id, d.op) for d in w.datadist.cache_manager.completed_requests()]
+        assert done == ([(decode.workers[readers[0]].cluster_id, 7, "pull")] if readers else [])
+
+
+def test_a_replica_nobody_reads_releases_at_once(made: list[Ranks]) -> None:
+    prefill = Ranks(spec(1, 2), True, 3000, seed=3)  # both ranks hold the one head: rank 1 is never read
+    made.append(prefill)
+    prefill.workers[1].hold({9: "req9"})
+    assert prefill.workers[1].released() == {"req9"}
+    prefill.workers[0].hold({9: "req9"})
+    assert prefill.workers[0].released() == set()  # rank 0 waits for decode
+
+
+def test_a_block_size_mismatch_fails_the_load_and_still_tells_prefill(made: list[Ranks]) -> None:
+    prefill = Ranks(spec(2, 2), True, 4000, seed=4)
+    decode = Ranks(spec(2, 1, block_size=64), False, 5000, seed=5)
+    made += [prefill, decode]
+    for w in prefill.workers:
+        w.hold({8: "req8"})
+    before = {name: t.clone() for name, t in decode.caches[0].items()}
+    run_step(decode, LoadSpec("d8", transfer(prefill, 8), [1, 3], [0, 5]))
+    assert decode.workers[0].take_failed_blocks() == {0, 5}
+    assert all(torch.equal(before[n], t) for n, t in decode.caches[0].items())  # nothing pulled
+    for w in prefill.workers:  # each rank is told, and frees the blocks well before its 60 s timeout
+        assert released_soon(w, "req8") < 5
