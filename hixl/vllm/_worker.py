@@ -35,6 +35,7 @@ from ..datadist import (
 )
 from ._config import ConnectorConfig, LoadMode
 from ._params import Endpoint, LoadSpec
+from ._stats import HixlKVConnectorStats
 
 __all__ = ["WorkerSide"]
 
@@ -81,6 +82,7 @@ class WorkerSide:
         self._held: dict[int, tuple[str, float]] = {}
         self._early: set[int] = set()
         self._newest_held = 0
+        self.stats = HixlKVConnectorStats()  # vLLM takes it after each step (HixlConnector.get_kv_connector_stats)
 
     # -- set-up ------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -158,6 +160,7 @@ class WorkerSide:
                     pull.error = exc
             if pull.error is not None:
                 self._failed_blocks.update(pull.spec.local_blocks)
+                self.stats.record_failed_pull()
                 log.warning("hixl: pull of request %s failed: %s", pull.spec.request_id, pull.error)
             else:
                 self._record(pull)
@@ -176,11 +179,12 @@ class WorkerSide:
             first = last = pull.ended  # a sync pull is usable all at once
         desc = self._local_cache().cache_desc
         blocks = len(pull.spec.local_blocks)
+        nbytes, seconds = blocks * desc.row_bytes * desc.num_tensors, (last or pull.started) - pull.started
+        first_seconds = (first or pull.started) - pull.started
+        self.stats.record_pull(nbytes, seconds, first_seconds)
         log.info(
             "hixl: pulled request %s: %d blocks, %.2f MiB in %.2f ms (%s), first layer usable after %.2f ms",
-            pull.spec.request_id, blocks, blocks * desc.row_bytes * desc.num_tensors / 2**20,
-            ((last or pull.started) - pull.started) * 1e3, self.config.load_mode.value,
-            ((first or pull.started) - pull.started) * 1e3,
+            pull.spec.request_id, blocks, nbytes / 2**20, seconds * 1e3, self.config.load_mode.value, first_seconds * 1e3,
         )
 
     def _local_cache(self) -> Cache:
@@ -220,11 +224,13 @@ class WorkerSide:
             if transfer_id in self._early:
                 self._early.discard(transfer_id)
                 log.info("hixl: request %s was pulled by decode; its blocks are released", request_id)
+                self.stats.record_release(expired=False)
             elif now >= deadline:
                 log.warning(
                     "hixl: request %s was not pulled within %.0f s; releasing its blocks anyway",
                     request_id, self.config.release_timeout,
                 )
+                self.stats.record_release(expired=True)
             else:
                 continue
             del self._held[transfer_id]
