@@ -204,7 +204,7 @@ def test_readme_block_waits_then_answers_its_example_request(servers: Servers) -
     assert "not ready" not in output, output
     answer = json.loads(output.strip().splitlines()[-1])  # curl's answer, after the wait's (silent) loop
     assert answer["object"] == "text_completion" and answer["model"] == str(servers.model)
-    assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 16
+    assert answer["choices"][0]["text"] and 1 <= answer["usage"]["completion_tokens"] <= 16
     assert servers.log("decode").count(PULLED) >= 1  # decode took the example's KV over hixl
 
 
