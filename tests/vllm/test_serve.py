@@ -14,6 +14,7 @@ series agreeing with its log lines, and the proxy's the requests it routed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -152,11 +153,13 @@ class Servers:
                 assert time.monotonic() < deadline, f"the README's stop line left ports open: {[p for p in ports if listening(p)]}"
                 time.sleep(0.5)
         finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.reference.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.reference.wait(30)
             for proc in (self.shell, self.reference):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the group outlives its leader: what the stop missed
-                except ProcessLookupError:
-                    pass
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # the group outlives its leader: whatever is left
                 proc.wait(10)
             self._shell_log.close()
 
