@@ -12,7 +12,7 @@ from typing import Any
 
 from .._tools import plot as _plot
 from ..testing.hosts import hosts_unavailable
-from . import fleet_bench, kv_bench, soak_bench
+from . import fleet_bench, kv_bench, soak_bench, vllm_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
 from .peers import ENGINES, PeerResult, default_peers_dir, not_installed, read_peer_json, run_peer
 from .progress import Progress
@@ -74,6 +74,15 @@ reports the target's threads, RSS growth and idle CPU with all of them idle,
 register_mem/deregister_mem times, one peer's 8-byte READ latency against
 the same with one peer connected, and --readers peers reading at once:
 aggregate throughput against one peer alone, and the slowest peer's share.
+
+--scenario vllm serves --model (default: a tiny random Llama built locally)
+with one prefill and one decode vLLM server behind hixl proxy, once with
+hixl's connector and once with vLLM's NIXL connector (if NIXL is installed:
+the 'nixl' extra; else hixl alone, said in a note), sends both the same
+--requests streamed completions of --tokens prompt tokens, and reports per
+connector the KV transfer time (from decode's /metrics), time to first token
+and decode throughput; hixl's rows have NIXL's as baseline. Needs the 'vllm'
+extra; each connector's servers take a minute or more to start.
 """
 
 
@@ -154,7 +163,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--layers", type=_positive_int, metavar="N", help="kv: layers of the KV cache (default: 80; --quick: 4)"
     )
     parser.add_argument(
-        "--tokens", type=_positive_int, metavar="N", help="kv: prompt length in tokens (default: 4096; --quick: 1024)"
+        "--tokens",
+        type=_positive_int,
+        metavar="N",
+        help="kv: prompt length in tokens (default: 4096; --quick: 1024); vllm: the same (default: 256; --quick: 64)",
+    )
+    parser.add_argument(
+        "--requests", type=_positive_int, metavar="N", help="vllm: measured requests per connector (default: 10; --quick: 2)"
+    )
+    parser.add_argument(
+        "--model", metavar="PATH", help="vllm: the model the servers load (default: a tiny random Llama built locally)"
     )
     parser.add_argument(
         "--block-sizes",
@@ -263,6 +281,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         "fleet_peers": args.peers,
         "fleet_processes": args.peer_processes,
         "fleet_readers": args.readers,
+        "vllm_prompt_tokens": args.tokens,
+        "vllm_requests": args.requests,
+        "vllm_model": args.model,
     }
     config = replace(config, extra={**config.extra, **{k: v for k, v in knobs.items() if v is not None}})
     return config
@@ -278,7 +299,9 @@ def _header(config: BenchConfig, scenarios: tuple[str, ...]) -> str:
         parts.append(soak_bench.describe(config))
     if "fleet" in scenarios:
         parts.append(fleet_bench.describe(config))
-    if set(scenarios) - {"soak", "fleet"}:
+    if "vllm" in scenarios:
+        parts.append(vllm_bench.describe(config))
+    if set(scenarios) - {"soak", "fleet", "vllm"}:
         parts.append(f"median of {config.repeat} (+{config.warmup} warm-up)")
     if "engine" in scenarios:
         parts.append(f"latency over {config.iterations} calls")
@@ -330,6 +353,9 @@ def run(args: argparse.Namespace) -> int:
         for name in scenarios:
             if name in kv_bench.PRESETS:
                 kv_bench.shape_of(config, name)
+        if "vllm" in scenarios:
+            vllm_bench.knobs(config)
+            vllm_bench.contenders(config)
     except ValueError as exc:
         print(f"hixl bench: error: {exc}", file=sys.stderr)
         return 2

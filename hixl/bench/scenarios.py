@@ -8,15 +8,16 @@ with a ``run`` function and add it below; the CLI, table and JSON pick it up.
 Scenario-specific knobs can travel in ``BenchConfig.extra`` — as the ``kv``
 scenario's (:mod:`hixl.bench.kv_bench`, a KV cache on :mod:`hixl.datadist`)
 ``kv_layers`` / ``kv_tokens`` / ``kv_block_sizes`` do (for ``kv-vllm`` too), and
-the ``soak`` scenario's ``soak_*`` (:mod:`hixl.bench.soak_bench`) and the ``fleet``
-scenario's ``fleet_*`` (:mod:`hixl.bench.fleet_bench`).
+the ``soak`` scenario's ``soak_*`` (:mod:`hixl.bench.soak_bench`), the ``fleet``
+scenario's ``fleet_*`` (:mod:`hixl.bench.fleet_bench`), and the ``vllm`` scenario's ``vllm_*``
+(:mod:`hixl.bench.vllm_bench`: vLLM servers with hixl's connector and NIXL's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import engine_bench, fleet_bench, kv_bench, soak_bench
+from . import engine_bench, fleet_bench, kv_bench, soak_bench, vllm_bench
 from .config import BenchConfig
 from .progress import Progress
 from .results import ScenarioResult
@@ -31,6 +32,7 @@ SCENARIOS: dict[str, Scenario] = {
     "kv-vllm": kv_bench.run_vllm,
     "soak": soak_bench.run,
     "fleet": fleet_bench.run,
+    "vllm": vllm_bench.run,
 }
 
 DEFAULT_SCENARIO = "engine"
@@ -40,6 +42,7 @@ DEFAULT_TRANSPORTS: dict[str, tuple[str, ...]] = {
     "kv": ("cma", "tcp"),
     "kv-vllm": ("cma", "tcp"),
     "soak": ("cma", "tcp"),
+    "vllm": vllm_bench.AUTO,
 }
 """What each scenario measures unless ``--transport`` says: shm needs the peer's memory to come from the
 shared pool, which only the engine scenario's target allocates."""

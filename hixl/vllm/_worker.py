@@ -51,6 +51,7 @@ from ..datadist import (
 from ._config import ConnectorConfig, LoadMode
 from ._heads import HeadRead, is_read, notifiers, plan_reads, rank_heads
 from ._params import Endpoint, KvSpec, LoadSpec
+from ._stats import HixlKVConnectorStats
 
 __all__ = ["WorkerSide"]
 
@@ -119,6 +120,7 @@ class WorkerSide:
         self._held: dict[int, tuple[str, float]] = {}
         self._early: set[int] = set()
         self._newest_held = 0
+        self.stats = HixlKVConnectorStats()  # vLLM takes it after each step (HixlConnector.get_kv_connector_stats)
 
     # -- set-up ------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -221,6 +223,7 @@ class WorkerSide:
                         pull.error = exc
             if pull.error is not None:
                 self._failed_blocks.update(pull.spec.local_blocks)
+                self.stats.record_failed_pull()
                 log.warning("hixl: pull of request %s failed: %s", pull.spec.request_id, pull.error)
             else:
                 self._record(pull)
@@ -253,10 +256,12 @@ class WorkerSide:
             first = last = pull.ended or pull.started  # a sync pull is usable all at once
         desc = self._local_cache().cache_desc
         blocks = len(pull.spec.local_blocks)
+        nbytes, seconds, first_seconds = blocks * desc.row_bytes * desc.num_tensors, last - pull.started, first - pull.started
+        self.stats.record_pull(nbytes, seconds, first_seconds)
         log.info(
             "hixl: pulled request %s: %d blocks, %.2f MiB from %d prefill rank(s) in %.2f ms (%s), first layer usable after %.2f ms",
-            pull.spec.request_id, blocks, blocks * desc.row_bytes * desc.num_tensors / 2**20, pull.sources,
-            (last - pull.started) * 1e3, self.config.load_mode.value, (first - pull.started) * 1e3,
+            pull.spec.request_id, blocks, nbytes / 2**20, pull.sources, seconds * 1e3, self.config.load_mode.value,
+            first_seconds * 1e3,
         )
 
     def _local_cache(self) -> Cache:
@@ -298,11 +303,13 @@ class WorkerSide:
             if transfer_id in self._early:
                 self._early.discard(transfer_id)
                 log.info("hixl: request %s was pulled by decode; its blocks are released", request_id)
+                self.stats.record_release(expired=False)
             elif now >= deadline:
                 log.warning(
                     "hixl: request %s was not pulled within %.0f s; releasing its blocks anyway",
                     request_id, self.config.release_timeout,
                 )
+                self.stats.record_release(expired=True)
             else:
                 continue
             del self._held[transfer_id]

@@ -22,11 +22,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ._config import ConnectorConfig
 from ._params import Endpoint, KvSpec, StepMetadata
 from ._scheduler import SchedulerSide
+from ._stats import HixlKVConnectorStats, HixlPromMetrics
 from ._worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -122,6 +124,26 @@ class HixlConnector(KVConnectorBase_V1):
     def loading_block_ids(self) -> list[int]:
         """Local block ids this step's pulls write into."""
         return self.worker.loading_blocks()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This worker's pulls and releases since the last step (None in the scheduler: it records none)."""
+        return self._worker.stats.take() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """Rebuild the stats from the dict the front end receives (empty stats if ``data`` is None)."""
+        return HixlKVConnectorStats(data=data) if data is not None else HixlKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> HixlPromMetrics:
+        """The ``vllm:hixl_*`` series on vLLM's ``/metrics``."""
+        return HixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Finalize the worker's DataDist."""

@@ -1,0 +1,66 @@
+"""``hixl bench --scenario vllm``: its choices and refusals, and one quick real run (vLLM servers and the proxy).
+
+The quick run measures hixl's connector, and NIXL's where NIXL is installed
+(the ``nixl`` extra); without NIXL it must say so and measure hixl alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hixl.bench import vllm_bench
+from hixl.bench.cli import main
+from hixl.bench.config import BenchConfig
+
+QUICK = BenchConfig.quick_run()
+HAVE_NIXL = vllm_bench.nixl_missing() is None
+
+
+def test_contenders_are_hixl_then_nixl_where_installed() -> None:
+    connectors, notes = vllm_bench.contenders(replace(QUICK, transports=vllm_bench.AUTO))
+    assert [c.name for c in connectors] == (["hixl", "nixl"] if HAVE_NIXL else ["hixl"])
+    assert bool(notes) != HAVE_NIXL and all("NIXL is not installed" in n for n in notes)
+    forced, _ = vllm_bench.contenders(replace(QUICK, transports=("cma", "tcp")))
+    assert [c.name for c in forced][:2] == ["hixl-cma", "hixl-tcp"]
+    assert json.loads(forced[1].transfer_config(prefill=False)) == {
+        "kv_connector": "HixlConnector",
+        "kv_connector_module_path": "hixl.vllm",
+        "kv_connector_extra_config": {"transport": "tcp"},
+        "kv_role": "kv_consumer",
+    }
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--transport", "shm"], "runs over cma or tcp, not shm"),
+        (["--tokens", "1000"], "exceed the servers' --max-model-len 1024"),
+    ],
+)
+def test_impossible_runs_are_refused_before_anything_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--scenario", "vllm", "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_quick_run_reports_every_connector(tmp_path: Path) -> None:
+    pytest.importorskip("vllm.distributed.kv_transfer")
+    out = tmp_path / "vllm.json"
+    assert main(["--scenario", "vllm", "--quick", "--no-progress", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    names = ["hixl", "nixl"] if HAVE_NIXL else ["hixl"]
+    labels = ["KV transfer, median", "KV transfer, p90", "time to first token, median", "decode throughput, median"]
+    assert [(r["name"], r["transport"]) for r in doc["rows"]] == [(label, n) for n in names for label in labels]
+    for row in doc["rows"]:
+        assert row["value"] is not None and math.isfinite(row["value"]) and row["value"] > 0, row
+        assert row["note"] == f"{vllm_bench.QUICK['vllm_requests']} requests"
+        assert (row["baseline_name"] == "nixl") == (HAVE_NIXL and row["transport"] == "hixl")
+    assert any("NIXL is not installed" in n for n in doc["notes"]) == (not HAVE_NIXL)
