@@ -70,7 +70,7 @@ from .admission import Admission
 from .backend import NetworkBackend
 from .outbox import Outbox
 from .pool import WorkerPool
-from .wire import CHUNK, Wire
+from .wire import CHUNK, SENDMSG_RANGES, Wire
 
 __all__ = ["ServerLimits", "TargetServer", "check_fd_limit"]
 
@@ -88,7 +88,6 @@ _MAX_IDLE_PING = 60.0
 """The longest idle silence a peer may announce (idle_ping): a peer that says more gets this."""
 _LOWAT = 256 << 10
 """Most bytes a landing WRITE waits to have arrived before its next ``readv`` (see _landing_window)."""
-_SENDMSG_RANGES = 8
 """Most ranges of a READ's data queued as buffers behind its frame (one sendmsg); more: an iovec cursor."""
 _DROPPED = bytearray(64 << 10)
 _DROPPED_VIEW = memoryview(_DROPPED)
@@ -787,7 +786,7 @@ class _ServedConnection:
         memory) from where they lie; ``release()`` once they all went out, or the connection ended."""
         with self.wire.conn_lock:
             frame = self.wire.frame_of(self.conn.send, message)
-        if len(ranges) <= _SENDMSG_RANGES:  # a small reply: one segment, read by the peer in one recv
+        if len(ranges) <= SENDMSG_RANGES:  # a small reply: one segment, read by the peer in one recv
             views = [memory_view(int(a), int(n)) for a, n in ranges.tolist()]
             self._outbox.put([frame, *views], data=True, done=release)
         else:

@@ -51,7 +51,8 @@ READ_SIZE = 16 * 1024
 """Bytes asked of the socket per frame read."""
 CHUNK = 4 << 20
 """Most bytes one ``readv`` may land; deadlines and cancellation are checked between chunks."""
-_SENDMSG_RANGES = 8
+SENDMSG_RANGES = 8
+"""Most data ranges sent with their frame in one ``sendmsg`` (a small reply: one segment, one ``recv``)."""
 _LOWAT = 256 * 1024
 """Most bytes a data wait asks the kernel to gather first (small enough to show a slow peer's progress)."""
 _POLLIN = select.POLLIN
@@ -363,7 +364,7 @@ class Wire:
         try:
             with self.conn_lock:
                 frame = self.frame_of(self.conn.send, message)
-            if data is not None and data.count <= _SENDMSG_RANGES:
+            if data is not None and data.count <= SENDMSG_RANGES:
                 self._send_parts(frame, data.pending_ranges(), deadline)
                 return
             self._send_frame(frame, deadline)

@@ -68,14 +68,15 @@ VETH = "tcp-veth"
 MiB = 1 << 20
 OPS = (Op.READ, Op.WRITE)
 
-# The issue's targets: hixl may cost this much relative to the raw calls.
-CMA_BANDWIDTH = Target(">=", 0.9)  # single transfers >= 1 MiB
-CMA_BANDWIDTH_FROM = 1 * MiB
-# TCP against a plain socket stream, by size (the smallest size a target applies from):
-TCP_BANDWIDTH = ((16 * MiB, Target(">=", 0.9)), (1 * MiB, Target(">=", 0.8)), (64 * 1024, Target(">=", 0.5)))
+# The issues' targets: hixl may cost this much relative to the raw calls (issue 14's for cma and tcp).
+# cma against one raw process_vm_* call of the same bytes, by size (the smallest size a target
+# applies from): from 16 MiB the copy lanes must beat one syscall.
+CMA_BANDWIDTH = ((16 * MiB, Target(">=", 1.4)), (1 * MiB, Target(">=", 0.9)), (64 * 1024, Target(">=", 0.9)), (4096, Target(">=", 0.7)))
+# TCP against a plain socket stream, by size:
+TCP_BANDWIDTH = ((16 * MiB, Target(">=", 0.95)), (1 * MiB, Target(">=", 0.8)), (64 * 1024, Target(">=", 0.5)))
 TCP_LATENCY = Target("<=", 2.0)  # transfer_sync 8 B / 4 KiB against an 8-byte socket round trip
 CMA_BATCH = Target(">=", 0.85)
-CMA_LATENCY = Target("<=", 1.5)
+CMA_LATENCY = Target("<=", 1.3)
 SHM_BANDWIDTH = Target(">=", 0.9)  # single transfers >= 1 MiB, against a memcpy of the same bytes
 SHM_BANDWIDTH_FROM = 1 * MiB
 SHM_BATCH = Target(">=", 0.85)  # against a numpy gather of the same blocks
@@ -355,7 +356,7 @@ class _TransportBench:
                 self.config.warmup,
             )
         if self.transport == "cma":
-            target = CMA_BANDWIDTH if nbytes >= CMA_BANDWIDTH_FROM else None
+            target = next((t for floor, t in CMA_BANDWIDTH if nbytes >= floor), None)
         elif self.transport == "shm":
             target = SHM_BANDWIDTH if nbytes >= SHM_BANDWIDTH_FROM else None
         else:

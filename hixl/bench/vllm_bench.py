@@ -17,7 +17,7 @@ generated tokens (``ignore_eos``). Per request:
   the transfer to its completion);
 * **time to first token** — from sending the request to the proxy to its
   first streamed token;
-* **decode throughput** — the tokens after the first over the time after it.
+* **decode throughput** — the tokens after the first over the time from it to the stream's end.
 
 ``--transport cma`` (or ``tcp``, or both) forces the hixl connector's
 transport (one deployment each); by default it picks its own (``auto``).
@@ -272,6 +272,7 @@ def one_request(deployment: Deployment, model: str, prompt: list[int], max_token
                 last = time.perf_counter()
                 first = first or last
             tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    end = time.perf_counter()  # (the stream may deliver its tokens in one burst: timed to its end)
     if first is None or last is None or tokens < 2:
         raise RuntimeError(f"{deployment.connector.name}: the proxy's stream had {tokens} tokens")
     # The stats reach /metrics with the step's output, by the first token; allow for a slow scrape.
@@ -280,7 +281,7 @@ def one_request(deployment: Deployment, model: str, prompt: list[int], max_token
         if time.monotonic() > deadline:
             raise RuntimeError(f"{deployment.connector.name}: decode's {metric} counted no transfer for the request")
         time.sleep(0.1)
-    return Sample(figures[0] - before, first - start, (tokens - 1) / (last - first) if last > first else float("nan"))
+    return Sample(figures[0] - before, first - start, (tokens - 1) / (end - first))
 
 
 def _measure(

@@ -92,6 +92,7 @@ def test_default_options() -> None:
         "max_connections_per_peer": 64,
         "serve_threads": 4,
         "max_inflight": 4096,
+        "copy_lanes": min(4, os.cpu_count() or 1),
         "auth_secret": None,
         "allow_unauthenticated": False,
         "allowed_networks": None,
