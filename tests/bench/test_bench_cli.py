@@ -101,10 +101,12 @@ def test_targets_are_attached_where_the_issue_sets_them(quick_run: tuple[dict[st
     doc, _ = quick_run
     targets = {(r["name"], r["transport"], r["op"], r["size"]): r["target"] for r in doc["rows"]}
     if "cma" in _measured(doc, ["cma", "tcp"]):
+        # Issue 14's: by size against one raw syscall (16 MiB and more, with copy lanes, is not in a --quick run).
         assert targets[("bandwidth", "cma", "READ", 1 << 20)]["text"] == ">=0.9x"
-        assert targets[("bandwidth", "cma", "READ", 4 << 10)] is None
+        assert targets[("bandwidth", "cma", "READ", 64 << 10)]["text"] == ">=0.9x"
+        assert targets[("bandwidth", "cma", "READ", 4 << 10)]["text"] == ">=0.7x"
         assert targets[("batch", "cma", "WRITE", QUICK.batch_blocks * QUICK.batch_block_size)]["text"] == ">=0.85x"
-        assert targets[("latency median", "cma", "READ", 8)]["text"] == "<=1.5x"
+        assert targets[("latency median", "cma", "READ", 8)]["text"] == "<=1.3x"
     assert targets[("bandwidth", "shm", "WRITE", 1 << 20)]["text"] == ">=0.9x"
     assert targets[("bandwidth", "shm", "READ", 64 << 10)] is None
     assert targets[("batch", "shm", "READ", QUICK.batch_blocks * QUICK.batch_block_size)]["text"] == ">=0.85x"
