@@ -7,8 +7,11 @@ a layer is one contiguous row, and the whole cache is a DataDist blocks cache
 of ``num_layers`` tensors, one per layer (``tensor_num_per_layer=1``),
 registered with the engine once, as the one span the views cover.
 
-Decode pulls by block id; prefill's worker only watches DataDist's completion
-notifications to tell vLLM which finished requests' blocks it may free.
+Decode pulls by block id, only from a prefill its :class:`~._leases.LeaseKeeper`
+has linked to and only while the request's lease is usable; prefill's worker
+keeps its held requests in a :class:`~._leases.LeaseTable` (fed by DataDist's
+completion notifications and decode's lease messages) to tell vLLM which
+finished requests' blocks it may free.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from ..datadist import (
     CacheDesc,
     CacheTask,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -34,7 +36,8 @@ from ..datadist import (
     LLMStatusCode,
 )
 from ._config import ConnectorConfig, LoadMode
-from ._params import Endpoint, LoadSpec
+from ._leases import LEASE_NOTIFY, LeaseKeeper, LeaseTable
+from ._params import Endpoint, LinkReport, LoadSpec, StepMetadata
 
 __all__ = ["WorkerSide"]
 
@@ -42,6 +45,7 @@ __all__ = ["WorkerSide"]
 log = logging.getLogger("vllm.hixl")
 
 _TENSORS_PER_LAYER = 1  # K and V share a tensor (interleaved per head inside a block)
+_IDLE_PACE_S = 0.05  # an idle step waits this long for a link to come up (instead of spinning)
 
 
 @dataclass
@@ -76,11 +80,10 @@ class WorkerSide:
         self._cache: Cache | None = None
         self._pulls: list[_Pull] = []
         self._failed_blocks: set[int] = set()
-        # Prefill side: transfer id -> (vLLM request id, release deadline), and ids
-        # decode reported pulled before this worker heard of them.
-        self._held: dict[int, tuple[str, float]] = {}
-        self._early: set[int] = set()
-        self._newest_held = 0
+        self.leases = LeaseTable(config.lease_s, config.release_timeout) if serves_kv else None
+        if self.leases is not None:
+            self.datadist.engine.handle_notifies(LEASE_NOTIFY, self.leases.on_notify)
+        self.keeper = LeaseKeeper(self.datadist) if pulls_kv else None
 
     # -- set-up ------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -110,8 +113,25 @@ class WorkerSide:
         return Endpoint(self.datadist.local_ip_info, self.config.cluster_id) if self.serves_kv else None
 
     def close(self) -> None:
-        """Finalize DataDist: links and registrations go."""
+        """Stop keeping leases, finalize DataDist: links and registrations go."""
+        if self.keeper is not None:
+            self.keeper.close()
         self.datadist.finalize()
+
+    # -- every step --------------------------------------------------------------------------
+    def take_orders(self, meta: StepMetadata) -> None:
+        """This step's orders: hold newly finished requests, keep or release leases, then start pulls."""
+        self.hold(meta.sends)
+        if self.keeper is not None:
+            self.keeper.watch(meta.watch)
+            self.keeper.drop(meta.drop, release=True)
+            if meta.idle and not meta.loads:
+                self.keeper.wait_for_link(_IDLE_PACE_S)
+        self.start(meta.loads)
+
+    def link_report(self) -> LinkReport | None:
+        """For the scheduler: the prefills this worker is linked to (None on a prefill-only worker)."""
+        return LinkReport(self.keeper.ready()) if self.keeper is not None else None
 
     # -- decode: pulls -----------------------------------------------------------------------
     def start(self, specs: Iterable[LoadSpec]) -> None:
@@ -120,7 +140,7 @@ class WorkerSide:
             pull = _Pull(spec, time.monotonic())
             self._pulls.append(pull)
             try:
-                self._link(spec.remote.endpoint)
+                self._check_pullable(spec)
                 key, cache = BlocksCacheKey(spec.remote.endpoint.cluster_id), self._local_cache()
                 args = (key, cache, spec.remote_blocks, spec.local_blocks)
                 manager, tid = self.datadist.cache_manager, spec.remote.transfer_id
@@ -131,6 +151,18 @@ class WorkerSide:
                     pull.task = manager.pull_blocks_async(*args, tensor_num_per_layer=_TENSORS_PER_LAYER, req_id=tid)
             except (HixlError, ValueError, TypeError) as exc:
                 pull.error = exc
+
+    def _check_pullable(self, spec: LoadSpec) -> None:
+        """Raise unless the link to the request's prefill is up and its blocks are surely still held."""
+        assert self.keeper is not None, "a pull on a worker that does not pull KV"
+        endpoint = spec.remote.endpoint
+        if not self.keeper.linked(endpoint):
+            raise LLMException(f"not linked to prefill {endpoint.ip_info} (cluster {endpoint.cluster_id})", LLMStatusCode.LINK_FAILED)
+        if not self.keeper.usable(spec.request_id):
+            raise LLMException(
+                f"the lease on request {spec.request_id}'s blocks at {endpoint.ip_info} may have run out; not pulling",
+                LLMStatusCode.KV_CACHE_NOT_EXIST,
+            )
 
     def wait_layer(self, layer_name: str) -> None:
         """Return once ``layer_name`` has landed for every pull of this step (or its pull failed)."""
@@ -156,11 +188,15 @@ class WorkerSide:
                     pull.task.synchronize()
                 except LLMException as exc:
                     pull.error = exc
+            assert self.keeper is not None
             if pull.error is not None:
                 self._failed_blocks.update(pull.spec.local_blocks)
                 log.warning("hixl: pull of request %s failed: %s", pull.spec.request_id, pull.error)
+                self.keeper.check(pull.spec.remote.endpoint)
             else:
                 self._record(pull)
+            # Pulled: DataDist's completion frees the blocks. Failed: release them now.
+            self.keeper.drop([pull.spec.request_id], release=pull.error is not None)
         self._pulls.clear()
 
     def take_failed_blocks(self) -> set[int]:
@@ -188,45 +224,16 @@ class WorkerSide:
             raise LLMException("vLLM has not registered its KV cache yet", LLMStatusCode.NOT_INITIALIZED)
         return self._cache
 
-    def _link(self, endpoint: Endpoint) -> None:
-        linked = self.datadist.linked_clusters().get(endpoint.cluster_id)
-        if linked is not None and linked != endpoint.ip_info:  # that id lives elsewhere: a prefill restarted with it
-            self.datadist.unlink_clusters([LLMClusterInfo(endpoint.cluster_id, linked)], force=True)
-        # Also when linked at this address: DataDist answers ALREADY_LINK for a live link and links
-        # anew to a prefill restarted there (a new incarnation), whose old link is dead.
-        (status,) = self.datadist.link_clusters([LLMClusterInfo(endpoint.cluster_id, endpoint.ip_info)])
-        if status not in (LLMStatusCode.SUCCESS, LLMStatusCode.ALREADY_LINK):
-            raise LLMException(f"cannot link to prefill {endpoint.ip_info} (cluster {endpoint.cluster_id})", status)
-
     # -- prefill: releases -------------------------------------------------------------------
     def hold(self, sends: dict[int, str]) -> None:
-        """Hold the blocks of newly finished requests until decode pulled them or the timeout passes."""
-        deadline = time.monotonic() + self.config.release_timeout
-        for transfer_id, request_id in sends.items():
-            self._held[transfer_id] = (request_id, deadline)
-            self._newest_held = max(self._newest_held, transfer_id)
+        """Hold the blocks of newly finished requests under a lease each (see :mod:`._leases`)."""
+        if sends:
+            assert self.leases is not None, "a send on a worker that does not serve KV"
+            self.leases.grant(sends)
 
     def released(self) -> set[str]:
-        """Request ids whose blocks vLLM may free now: pulled by decode, or held past the timeout."""
-        if not self.serves_kv:
+        """Request ids whose blocks vLLM may free now: pulled, released by decode, or their lease ran out."""
+        if self.leases is None:
             return set()
-        for done in self.datadist.cache_manager.completed_requests():
-            # Ids are issued in order: one not newer than every held id was released already.
-            if done.op == "pull" and (done.req_id in self._held or done.req_id > self._newest_held):
-                self._early.add(done.req_id)
-        out: set[str] = set()
-        now = time.monotonic()
-        for transfer_id, (request_id, deadline) in list(self._held.items()):
-            if transfer_id in self._early:
-                self._early.discard(transfer_id)
-                log.info("hixl: request %s was pulled by decode; its blocks are released", request_id)
-            elif now >= deadline:
-                log.warning(
-                    "hixl: request %s was not pulled within %.0f s; releasing its blocks anyway",
-                    request_id, self.config.release_timeout,
-                )
-            else:
-                continue
-            del self._held[transfer_id]
-            out.add(request_id)
-        return out
+        self.leases.pulled(done.req_id for done in self.datadist.cache_manager.completed_requests() if done.op == "pull")
+        return self.leases.due()

@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from ._config import ConnectorConfig
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["HixlConnector"]
@@ -52,7 +54,7 @@ class HixlConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config.cache_config.block_size)
+            self._scheduler = SchedulerSide(vllm_config.cache_config.block_size, self.config)
         else:
             self._worker = WorkerSide(
                 self.config, transfer.is_kv_producer, transfer.is_kv_consumer, kv_cache_config.num_blocks
@@ -80,11 +82,10 @@ class HixlConnector(KVConnectorBase_V1):
         return self.worker.endpoint()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Take this step's orders: hold finished requests' blocks, start pulls."""
+        """Take this step's orders: hold finished requests' blocks, keep leases, start pulls."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, StepMetadata)
-        self.worker.hold(meta.sends)
-        self.worker.start(meta.loads)
+        self.worker.take_orders(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Return once this layer's KV has landed (at once for a sync load)."""
@@ -100,6 +101,10 @@ class HixlConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose blocks prefill may free (pulls finish within their step: nothing to report)."""
         return self.worker.released() or None, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Tell the scheduler which prefills this worker is linked to (it holds requests back for a link)."""
+        return self.worker.link_report()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose pull failed this step: vLLM fails or recomputes their requests."""
@@ -121,8 +126,17 @@ class HixlConnector(KVConnectorBase_V1):
         if isinstance(endpoint, Endpoint):
             self.scheduler.endpoint = endpoint
 
+    def on_new_request(self, request: Request) -> None:
+        """Decode: start keeping the request's lease at prefill alive, and linking to that prefill."""
+        self.scheduler.arrived(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Learn from the worker which prefills it is linked to."""
+        self.scheduler.worker_report(connector_output)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Prompt tokens decode takes from prefill; loaded within the step (not async)."""
+        """Prompt tokens decode takes from prefill, loaded within the step (not async); None while the
+        request waits for its link to prefill (vLLM asks again next step)."""
         return self.scheduler.num_new_matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -131,8 +145,9 @@ class HixlConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's orders for the worker."""
-        return self.scheduler.build_metadata()
+        return self.scheduler.build_metadata(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Keep a prefilled request's blocks for decode and return where to find them."""
+        """Keep a prefilled request's blocks for decode and return where to find them; on decode,
+        release the lease of a request that finished before its pull."""
         return self.scheduler.finished(request, block_ids)
