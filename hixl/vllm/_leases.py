@@ -31,8 +31,9 @@ the two instances. A request whose lease is no longer usable fails its load
 Links. The keeper also links to each prefill in the background as soon as a
 request naming it arrives, retrying with backoff; decode's scheduler holds such
 a request back (:meth:`~hixl.vllm._scheduler.SchedulerSide.num_new_matched_tokens`
-answers None) until the worker reports the link up (:class:`~._params.LinkReport`)
-or the request's lease is no longer surely alive.
+answers None) until the worker reports the link up (:class:`~._params.LinkReport`),
+or the prefill down (several attempts in a row failed: nobody listens there), or
+the request's lease is no longer surely alive.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ _USABLE_FOR = 0.5
 _NOTIFY_TIMEOUT_S = 2.0
 _LINK_TIMEOUT_S = 5.0
 _LINK_BACKOFF_S = (0.05, 2.0)  # first pause between link attempts, longest
+# Failed attempts in a row after which a prefill counts as down: its requests are no longer held
+# back (their loads fail now, not half a lease later). A refused connection fails an attempt in a
+# fraction of a second, so a dead prefill is down within about a second; a slow handshake takes
+# seconds an attempt, and such a prefill is still waited for.
+_DOWN_AFTER = 3
 
 
 def new_transfer_id() -> int:
@@ -335,6 +341,11 @@ class LeaseKeeper:
         """Endpoints whose links are up."""
         with self._cond:
             return self._up_locked()
+
+    def down(self) -> frozenset[Endpoint]:
+        """Endpoints whose last few link attempts all failed (still retried, with backoff)."""
+        with self._cond:
+            return frozenset(e for e, link in self._links.items() if link.attempts >= _DOWN_AFTER)
 
     def check(self, endpoint: Endpoint) -> None:
         """A pull from ``endpoint`` failed: link again (a no-op round trip if the link is fine)."""

@@ -10,7 +10,7 @@
   until decode reports them pulled, leases to keep alive or release
   (:class:`WatchedLease`, see :mod:`._leases`).
 * :class:`LinkReport` — the worker's answer to its scheduler every step: the
-  prefill endpoints it is linked to.
+  prefill endpoints it is linked to, and those it finds down.
 """
 
 from __future__ import annotations
@@ -141,12 +141,14 @@ class StepMetadata(KVConnectorMetadata):
 
 @dataclass(frozen=True)
 class LinkReport(KVConnectorWorkerMetadata):
-    """The worker's report to its scheduler: the prefill endpoints it is linked to now."""
+    """The worker's report to its scheduler: the prefill endpoints it is linked to now, and those
+    its recent link attempts all failed for (nobody listens there: waiting for them is pointless)."""
 
     ready: frozenset[Endpoint]
+    down: frozenset[Endpoint] = frozenset()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> LinkReport:
-        """Several workers: an endpoint is ready when every worker is linked to it."""
+        """Several workers: an endpoint is ready when every worker is linked to it, down when one finds it down."""
         if not isinstance(other, LinkReport):
             return self
-        return LinkReport(self.ready & other.ready)
+        return LinkReport(self.ready & other.ready, self.down | other.down)

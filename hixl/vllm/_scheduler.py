@@ -60,6 +60,7 @@ class SchedulerSide:
         # linked to, and this step's new leases and drops for the worker.
         self._waiting: dict[str, WatchedLease] = {}
         self._ready: frozenset[Endpoint] = frozenset()
+        self._down: frozenset[Endpoint] = frozenset()
         self._watch: list[WatchedLease] = []
         self._drop: list[str] = []
 
@@ -74,10 +75,10 @@ class SchedulerSide:
         self._watch.append(lease)
 
     def worker_report(self, output: KVConnectorOutput) -> None:
-        """vLLM's ``update_connector_output``: learn which prefills the worker is linked to."""
+        """vLLM's ``update_connector_output``: learn which prefills the worker is linked to (or finds down)."""
         report = output.kv_connector_worker_meta
         if isinstance(report, LinkReport):
-            self._ready = report.ready
+            self._ready, self._down = report.ready, report.down
 
     def loadable_tokens(self, request: Request) -> int:
         """Prompt tokens the remote prefill holds that vLLM may take instead of computing."""
@@ -93,12 +94,20 @@ class SchedulerSide:
         """vLLM's ``get_num_new_matched_tokens``: loadable tokens beyond the locally cached ones,
         or None (ask again later) while the request waits for its link to prefill."""
         lease = self._waiting.get(request.request_id)
-        if lease is not None and lease.remote.endpoint not in self._ready:
-            # Not past half a lease: after that the load goes ahead and fails (the worker cannot
-            # vouch for the blocks), so vLLM's kv_load_failure_policy decides, and nothing hangs.
-            if time.monotonic() < lease.arrived + lease.remote.lease_s / 2:
-                return None
+        if lease is not None and self._waits_for_link(lease):
+            return None
         return max(0, self.loadable_tokens(request) - num_computed_tokens)
+
+    def _waits_for_link(self, lease: WatchedLease) -> bool:
+        """Hold the request back: its prefill is not linked yet, not found down, and its lease is surely
+        alive (half a lease from arrival). Past that the load goes ahead and fails (the worker cannot
+        vouch for the blocks), so vLLM's ``kv_load_failure_policy`` decides, and nothing hangs."""
+        endpoint = lease.remote.endpoint
+        return (
+            endpoint not in self._ready
+            and endpoint not in self._down
+            and time.monotonic() < lease.arrived + lease.remote.lease_s / 2
+        )
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Queue the pull of the blocks just allocated for the request's remote tokens."""
@@ -152,9 +161,7 @@ class SchedulerSide:
     # -- every step --------------------------------------------------------------------------
     def build_metadata(self, scheduler_output: SchedulerOutput) -> StepMetadata:
         """This step's orders for the worker; starts collecting the next step's."""
-        idle = scheduler_output.total_num_scheduled_tokens == 0 and any(
-            lease.remote.endpoint not in self._ready for lease in self._waiting.values()
-        )
+        idle = scheduler_output.total_num_scheduled_tokens == 0 and any(map(self._waits_for_link, self._waiting.values()))
         meta = StepMetadata(self._loads, self._sends, self._watch, self._drop, idle)
         self._loads, self._sends, self._watch, self._drop = [], {}, [], []
         return meta

@@ -130,8 +130,9 @@ class WorkerSide:
         self.start(meta.loads)
 
     def link_report(self) -> LinkReport | None:
-        """For the scheduler: the prefills this worker is linked to (None on a prefill-only worker)."""
-        return LinkReport(self.keeper.ready()) if self.keeper is not None else None
+        """For the scheduler: the prefills this worker is linked to, and those it finds down
+        (None on a prefill-only worker)."""
+        return LinkReport(self.keeper.ready(), self.keeper.down()) if self.keeper is not None else None
 
     # -- decode: pulls -----------------------------------------------------------------------
     def start(self, specs: Iterable[LoadSpec]) -> None:

@@ -125,7 +125,8 @@ def test_lease_settings_are_checked() -> None:
 
 def test_link_reports_aggregate_to_what_every_worker_has() -> None:
     a, b, c = Endpoint("127.0.0.1:1", 1), Endpoint("127.0.0.1:2", 2), Endpoint("127.0.0.1:3", 3)
-    assert LinkReport(frozenset({a, b})).aggregate(LinkReport(frozenset({b, c}))) == LinkReport(frozenset({b}))
+    both = LinkReport(frozenset({a, b}), frozenset()).aggregate(LinkReport(frozenset({b, c}), frozenset({a})))
+    assert both == LinkReport(frozenset({b}), frozenset({a}))
 
 
 # -- decode's keeper against a real prefill ------------------------------------------------------------
@@ -212,12 +213,13 @@ def test_keeper_retries_a_link_until_the_prefill_is_up(decode: tuple[LLMDataDist
     port = free_port()
     endpoint = Endpoint(f"127.0.0.1:{port}", 79)
     keeper.watch([lease("r", endpoint, 31, 30.0)])
-    time.sleep(1.0)  # a few attempts fail: nobody listens yet
+    wait_until(lambda: keeper.down() == {endpoint}, timeout=5.0)  # a few attempts were refused: nobody listens yet
     assert keeper.ready() == frozenset()
     started: list[Prefill] = []
     threading.Thread(target=lambda: started.append(Prefill(79, port, lease_s=30.0))).start()
     try:
         wait_until(lambda: keeper.ready() == {endpoint}, timeout=10.0)
+        assert keeper.down() == frozenset()
         wait_until(lambda: bool(started))
         started[0].table.grant({31: "r"})
         before = time.monotonic()
