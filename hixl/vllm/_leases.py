@@ -157,7 +157,7 @@ class LeaseTable:
         self.lease_s = lease_s
         self.cap_s = cap_s
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified when a peer ends a lease (wait_for_end)
         self._held: dict[int, _Held] = {}
         self._early: collections.OrderedDict[int, tuple[Ending, float]] = collections.OrderedDict()
         self._ended: list[tuple[int, _Held, Ending]] = []  # ended by a peer, not yet reported by due()
@@ -204,11 +204,20 @@ class LeaseTable:
             held = self._held.pop(transfer_id, None)
             if held is not None:
                 self._ended.append((transfer_id, held, why))
+                self._lock.notify_all()
                 return
             # Perhaps heard before the grant: remember it, boundedly (a peer can make up ids).
             while self._early and (len(self._early) >= _MAX_EARLY or next(iter(self._early.values()))[1] < now - _EARLY_TTL_S):
                 self._early.popitem(last=False)
             self._early[transfer_id] = (why, now)
+
+    def wait_for_end(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` or until decode releases a lease: paces an engine that steps only to
+        hear about its held blocks (vLLM steps without pause while a finished request holds blocks, and its
+        worker busy-waits between steps; see :mod:`._affinity`). Completions are seen at the next step."""
+        with self._lock:
+            if self._held and not self._ended:
+                self._lock.wait(timeout)
 
     def due(self) -> set[str]:
         """Request ids whose blocks vLLM may free now (each logged with why); drains."""
@@ -356,8 +365,11 @@ class LeaseKeeper:
                 self._cond.notify_all()
 
     def wait_for_link(self, timeout: float) -> None:
-        """Sleep up to ``timeout`` or until a link comes up: paces an engine that has only link-waiting requests."""
+        """Sleep up to ``timeout`` or until a link comes up (at once if none is being made): paces an
+        engine whose only requests wait for links."""
         with self._cond:
+            if all(link.state is LinkState.UP for link in self._links.values()):
+                return
             up = self._up_locked()
             self._cond.wait_for(lambda: self._closed or self._up_locked() != up, timeout)
 

@@ -128,8 +128,8 @@ class StepMetadata(KVConnectorMetadata):
     or the lease runs out. On decode, ``watch`` lists newly arrived requests
     whose leases to keep alive (and whose prefills to link to), ``drop`` the
     requests that finished at decode unpulled (their leases are released), and
-    ``idle`` says the step runs nothing while requests wait for links (the
-    worker then paces the engine's loop).
+    ``idle`` says the step runs no model (the worker then paces vLLM's loop
+    while it only waits: for links on decode, for held blocks on prefill).
     """
 
     loads: list[LoadSpec] = field(default_factory=list)

@@ -161,7 +161,7 @@ class SchedulerSide:
     # -- every step --------------------------------------------------------------------------
     def build_metadata(self, scheduler_output: SchedulerOutput) -> StepMetadata:
         """This step's orders for the worker; starts collecting the next step's."""
-        idle = scheduler_output.total_num_scheduled_tokens == 0 and any(map(self._waits_for_link, self._waiting.values()))
+        idle = scheduler_output.total_num_scheduled_tokens == 0
         meta = StepMetadata(self._loads, self._sends, self._watch, self._drop, idle)
         self._loads, self._sends, self._watch, self._drop = [], {}, [], []
         return meta

@@ -35,6 +35,7 @@ from ..datadist import (
     LLMRole,
     LLMStatusCode,
 )
+from ._affinity import unpinned
 from ._config import ConnectorConfig, LoadMode
 from ._leases import LEASE_NOTIFY, LeaseKeeper, LeaseTable
 from ._params import Endpoint, LinkReport, LoadSpec, StepMetadata
@@ -45,7 +46,10 @@ __all__ = ["WorkerSide"]
 log = logging.getLogger("vllm.hixl")
 
 _TENSORS_PER_LAYER = 1  # K and V share a tensor (interleaved per head inside a block)
-_IDLE_PACE_S = 0.05  # an idle step waits this long for a link to come up (instead of spinning)
+# A step that runs nothing waits this long for what it steps for (instead of spinning): decode, for a
+# link its requests wait on; prefill, for decode to finish with the blocks it holds.
+_LINK_PACE_S = 0.05
+_HOLD_PACE_S = 0.01
 
 
 @dataclass
@@ -68,14 +72,16 @@ class WorkerSide:
         self.num_blocks = num_blocks
         role = LLMRole.MIX if serves_kv and pulls_kv else LLMRole.PROMPT if serves_kv else LLMRole.DECODER
         self.datadist = LLMDataDist(role, config.cluster_id)
-        self.datadist.init(
-            LLMConfig(
-                listen_ip_info=f"{config.host}:{config.port}" if serves_kv else None,
-                local_ip=config.host,
-                sync_kv_timeout=config.transfer_timeout,
-                transport=config.transport,
+        with unpinned():  # DataDist's and the keeper's threads, not on vLLM's compute core (see _affinity)
+            self.datadist.init(
+                LLMConfig(
+                    listen_ip_info=f"{config.host}:{config.port}" if serves_kv else None,
+                    local_ip=config.host,
+                    sync_kv_timeout=config.transfer_timeout,
+                    transport=config.transport,
+                )
             )
-        )
+            self.keeper = LeaseKeeper(self.datadist) if pulls_kv else None
         self.layers: dict[str, int] = {}
         self._cache: Cache | None = None
         self._pulls: list[_Pull] = []
@@ -83,7 +89,6 @@ class WorkerSide:
         self.leases = LeaseTable(config.lease_s, config.release_timeout) if serves_kv else None
         if self.leases is not None:
             self.datadist.engine.handle_notifies(LEASE_NOTIFY, self.leases.on_notify)
-        self.keeper = LeaseKeeper(self.datadist) if pulls_kv else None
 
     # -- set-up ------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -126,7 +131,9 @@ class WorkerSide:
             self.keeper.watch(meta.watch)
             self.keeper.drop(meta.drop, release=True)
             if meta.idle and not meta.loads:
-                self.keeper.wait_for_link(_IDLE_PACE_S)
+                self.keeper.wait_for_link(_LINK_PACE_S)
+        if self.leases is not None and meta.idle and not meta.loads:
+            self.leases.wait_for_end(_HOLD_PACE_S)
         self.start(meta.loads)
 
     def link_report(self) -> LinkReport | None:

@@ -8,6 +8,7 @@ notifications to a real table, as the connector's workers do.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ pytest.importorskip("vllm.distributed.kv_transfer")
 from hixl import AccessDenied, ParamInvalid  # noqa: E402
 from hixl._types import NotifyDesc  # noqa: E402
 from hixl.datadist import LLMConfig, LLMDataDist, LLMRole  # noqa: E402
+from hixl.vllm._affinity import unpinned  # noqa: E402
 from hixl.vllm._leases import LEASE_NOTIFY, LeaseKeeper, LeaseMessage, LeaseOp, LeaseTable, new_transfer_id  # noqa: E402
 from hixl.vllm._params import Endpoint, LinkReport, RemotePrefill, WatchedLease  # noqa: E402
 
@@ -247,3 +249,35 @@ def test_a_hostile_peer_cannot_touch_leases_it_was_not_given() -> None:
     finally:
         peer.finalize()
         prefill.datadist.finalize()
+
+
+def test_a_release_wakes_a_prefill_pacing_its_idle_steps() -> None:
+    table = LeaseTable(10.0, 100.0)
+    started = time.monotonic()
+    table.wait_for_end(0.2)  # nothing held: no pacing at all
+    assert time.monotonic() - started < 0.1
+    table.grant({1: "a"})
+    threading.Timer(0.1, table.on_notify, [notify("release", 1)]).start()
+    started = time.monotonic()
+    table.wait_for_end(5.0)
+    assert 0.05 < time.monotonic() - started < 2.0
+    assert table.due() == {"a"}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs 2 CPUs and affinity")
+def test_threads_started_unpinned_may_use_every_cpu_and_the_caller_stays_pinned() -> None:
+    seen: list[set[int]] = []
+    everything = os.sched_getaffinity(0)
+
+    def pinned_caller() -> None:
+        os.sched_setaffinity(0, {min(everything)})  # as vLLM binds its main thread
+        with unpinned():
+            thread = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+            thread.start()
+            thread.join()
+        seen.append(os.sched_getaffinity(0))
+
+    caller = threading.Thread(target=pinned_caller)
+    caller.start()
+    caller.join()
+    assert seen == [everything, {min(everything)}]
