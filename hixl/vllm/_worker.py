@@ -79,6 +79,7 @@ class WorkerSide:
                     local_ip=config.host,
                     sync_kv_timeout=config.transfer_timeout,
                     transport=config.transport,
+                    link_retry_count=0,  # the keeper retries links itself, with backoff
                 )
             )
             self.keeper = LeaseKeeper(self.datadist) if pulls_kv else None

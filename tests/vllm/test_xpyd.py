@@ -3,7 +3,8 @@
 Four vLLM servers, shared by every test here (each start costs a minute or
 two on two cores): prefills P1 and P2, decodes D1 and D2 (D2 runs one request
 at a time, so that a second one waits in its queue), and two proxies over
-them — **2P1D** (P1, P2 -> D1) and **1P2D** (P1 -> D1, D2). The reference text
+them — **2P1D** (P1, P2 -> D1) and **1P2D** (P1 -> D1, D2); D1 recomputes a
+prompt whose KV it cannot pull (``kv_load_failure_policy="recompute"``). The reference text
 is D1's own, for the same request without ``kv_transfer_params`` (computed
 there, no connector involved). Leases are short (:data:`LEASE_S`), so that
 expiries show within seconds. The tests run in file order: the cold-link
@@ -46,12 +47,14 @@ FLAGS = (
     "--dtype float32 --max-model-len 512 --block-size 32 --kv-cache-memory-bytes 64M "
     "--distributed-executor-backend uni --enforce-eager"
 )
-# name -> (role, the core vLLM binds its OpenMP threads to, extra flags)
+# name -> (role, the core vLLM binds its OpenMP threads to, extra flags, kv_load_failure_policy).
+# D1 recomputes a prompt whose KV it cannot pull: in 2P1D it is the only decode, so when P2 dies
+# under a request D1 was about to pull, the proxy has no other decode to retry it on.
 VLLMS = {
-    "p1": ("kv_producer", 0, ""),
-    "p2": ("kv_producer", 1, ""),
-    "d1": ("kv_consumer", 1, ""),
-    "d2": ("kv_consumer", 0, "--max-num-seqs 1"),
+    "p1": ("kv_producer", 0, "", "fail"),
+    "p2": ("kv_producer", 1, "", "fail"),
+    "d1": ("kv_consumer", 1, "", "recompute"),
+    "d2": ("kv_consumer", 0, "--max-num-seqs 1", "fail"),
 }
 PROXIES = {"proxy_2p1d": (["p1", "p2"], ["d1"]), "proxy_1p2d": (["p1"], ["d1", "d2"])}
 PULLED = "was pulled by decode; its blocks are released"
@@ -65,11 +68,12 @@ class Fleet:
         self.ports = {name: free_port() for name in [*VLLMS, *PROXIES]}
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        for name, (role, cpu, flags) in VLLMS.items():
+        for name, (role, cpu, flags, policy) in VLLMS.items():
             config = {
                 "kv_connector": "HixlConnector",
                 "kv_connector_module_path": "hixl.vllm",
                 "kv_role": role,
+                "kv_load_failure_policy": policy,
                 "kv_connector_extra_config": {"lease_s": LEASE_S},
             }
             cmd = (
