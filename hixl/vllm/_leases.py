@@ -46,7 +46,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .._exceptions import AccessDenied, HixlError, ParamInvalid
 from .._types import NotifyDesc
@@ -285,7 +285,7 @@ class _Kept:
     lease: WatchedLease
     basis: float  # when the last accepted extension was sent (the request's arrival, before any)
     next_extend: float = 0.0
-    release: bool = field(default=False)
+    release: bool = False  # decode dropped it unpulled: the thread sends a release, then forgets it
 
 
 class LeaseKeeper:
