@@ -422,8 +422,10 @@ class LeaseKeeper:
             if link is None:
                 return
             if status in (LLMStatusCode.SUCCESS, LLMStatusCode.ALREADY_LINK):
-                if link.attempts:
-                    log.info("hixl: linked to prefill %s after %d failed attempts", endpoint.ip_info, link.attempts)
+                log.info(
+                    "hixl: linked to prefill %s (cluster %d) in %.1f ms, after %d failed attempts",
+                    endpoint.ip_info, endpoint.cluster_id, (self._clock() - started) * 1e3, link.attempts,
+                )
                 link.state, link.attempts = LinkState.UP, 0
                 self._cond.notify_all()
                 return

@@ -206,6 +206,10 @@ def test_first_requests_through_every_prefill_and_decode_succeed(fleet: Fleet) -
     assert fleet.log("d1").count("hixl: pulled request") >= 1 and fleet.log("d2").count("hixl: pulled request") >= 1
     for name in VLLMS:
         assert "pull of request" not in fleet.log(name) and "no complete handshake" not in fleet.log(name), name
+    # Each decode linked (in the background, while its first requests were held back) once per prefill.
+    for decode, prefills in (("d1", ["p1", "p2"]), ("d2", ["p1"])):
+        linked = re.findall(r"hixl: linked to prefill 127\.0\.0\.1:\d+ \(cluster \d+\) in [\d.]+ ms, after 0 failed", fleet.log(decode))
+        assert len(linked) == len(prefills), fleet.log(decode)[-3000:]
     retries = urllib.request.urlopen(fleet.url("proxy_2p1d") + "/metrics").read().decode()
     assert not re.search(r"^hixl_proxy_retries_total\{[^}]*\} [1-9]", retries, re.M)  # none needed a second try
 
