@@ -30,7 +30,8 @@ class ConnectorConfig:
     (another host's decode needs a routable one); ``port``: 0 picks a free one;
     ``cluster_id``: this instance's DataDist cluster id (random by default);
     ``load_mode``: ``"layerwise"`` or ``"sync"``; ``transfer_timeout``: seconds
-    a pull may take before the request's load fails; ``lease_s``: prefill holds
+    a pull may take before the request's load fails (at most half the prefill's
+    lease: the pull must end while its blocks are surely held); ``lease_s``: prefill holds
     a finished request's blocks this long unless decode extends the lease
     (decode does, every quarter lease, while the request waits in its queue;
     a decode that died stops, and the blocks go a lease later); decode holds a

@@ -153,11 +153,15 @@ class WorkerSide:
                 key, cache = BlocksCacheKey(spec.remote.endpoint.cluster_id), self._local_cache()
                 args = (key, cache, spec.remote_blocks, spec.local_blocks)
                 manager, tid = self.datadist.cache_manager, spec.remote.transfer_id
+                # A usable lease is held at least half a lease more: the pull must end within it.
+                timeout = min(self.config.transfer_timeout, spec.remote.lease_s / 2)
                 if self.config.load_mode is LoadMode.SYNC:
-                    manager.pull_blocks(*args, tensor_num_per_layer=_TENSORS_PER_LAYER, req_id=tid)
+                    manager.pull_blocks(*args, tensor_num_per_layer=_TENSORS_PER_LAYER, req_id=tid, timeout=timeout)
                     pull.ended = time.monotonic()
                 else:
-                    pull.task = manager.pull_blocks_async(*args, tensor_num_per_layer=_TENSORS_PER_LAYER, req_id=tid)
+                    pull.task = manager.pull_blocks_async(
+                        *args, tensor_num_per_layer=_TENSORS_PER_LAYER, req_id=tid, timeout=timeout
+                    )
             except (HixlError, ValueError, TypeError) as exc:
                 pull.error = exc
 
