@@ -5,7 +5,7 @@ lease of ``lease_s`` seconds (:class:`LeaseTable`). Decode's worker
 (:class:`LeaseKeeper`) extends it while the request waits in decode's queue —
 one small engine notification (:data:`LEASE_NOTIFY`, a :class:`LeaseMessage`)
 every quarter lease — and releases it when decode drops the request unpulled
-(aborted, or its pull failed). The blocks go when decode's DataDist completion
+(aborted). The blocks go when decode's DataDist completion
 notification says they were pulled, when decode releases them, when the lease
 runs out (decode died, or stopped extending), or at the hard cap
 ``release_timeout`` after they were first held, however often they were

@@ -36,7 +36,7 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer")
 
 from instances import HERE, ROOT  # noqa: E402
-from test_serve import free_port  # noqa: E402
+from test_serve import free_port, healthy  # noqa: E402
 from tiny_model import build, words  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -113,11 +113,7 @@ class Fleet:
         return ready
 
     def healthy(self, name: str) -> bool:
-        try:
-            with urllib.request.urlopen(self.url(name) + "/health", timeout=2) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
+        return healthy(self.url(name))
 
     def all_up(self, proxy: str) -> bool:
         try:
