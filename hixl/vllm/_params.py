@@ -206,7 +206,7 @@ class StepMetadata(KVConnectorMetadata):
     """The scheduler's orders to its worker for one step.
 
     ``sends`` maps the transfer id of each newly finished prefill request to
-    its vLLM request id: the worker holds its blocks under a lease until
+    its vLLM request id: each worker (TP rank) holds its blocks under a lease until
     decode's completion notification for that id arrives, decode releases it,
     or the lease runs out. On decode, ``watch`` lists newly arrived requests
     whose leases to keep alive (and whose prefills to link to), ``drop`` the
@@ -231,7 +231,8 @@ class LinkReport(KVConnectorWorkerMetadata):
     down: frozenset[Endpoint] = frozenset()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> LinkReport:
-        """Several workers: an endpoint is ready when every worker is linked to it, down when one finds it down."""
+        """Several workers (decode TP ranks, each linking to every prefill rank a request needs): an endpoint is
+        ready when every worker is linked to it, down when one finds it down."""
         if not isinstance(other, LinkReport):
             return self
         return LinkReport(self.ready & other.ready, self.down | other.down)

@@ -6,13 +6,15 @@ one token to sample from, so the last is recomputed — its block is still
 pulled whole if it was partial). The load is *synchronous* in vLLM's terms:
 the request is scheduled and its blocks are pulled inside the same step —
 layer by layer, so attention on layer 0 can start while later layers are
-still in flight. From its arrival (``on_new_request``) the worker keeps the
-request's lease at prefill alive and links to that prefill in the background
-(see :mod:`._leases`); until the worker reports the link up, the request is
-held back (``get_num_new_matched_tokens`` answers None: vLLM asks again next
-step and schedules others meanwhile) — as long as its lease is surely alive
-without extensions (half a lease from arrival). A request that finishes at
-decode before its pull (aborted) has its lease released.
+still in flight. From its arrival (``on_new_request``) every worker keeps the
+request's leases alive at the prefill ranks holding its blocks and links to
+them in the background (see :mod:`._leases`); until the workers report all of
+those links up (their reports aggregated: a link counts once every worker has
+it), the request is held back (``get_num_new_matched_tokens`` answers None:
+vLLM asks again next step and schedules others meanwhile) — as long as its
+lease is surely alive without extensions (half a lease from arrival). A
+request that finishes at decode before its pull (aborted) has its leases
+released.
 
 On **prefill**, a request sent with ``do_remote_decode`` keeps its blocks
 after it finishes: ``request_finished`` hands vLLM the ``kv_transfer_params``
@@ -61,8 +63,8 @@ class SchedulerSide:
         self.endpoints: tuple[Endpoint, ...] = ()
         self._loads: list[LoadSpec] = []
         self._sends: dict[int, str] = {}
-        # Decode: requests not pulled yet (with their arrival time), the prefills the worker is
-        # linked to, and this step's new leases and drops for the worker.
+        # Decode: requests not pulled yet (with their arrival time), the prefill ranks the workers are
+        # linked to, and this step's new leases and drops for the workers.
         self._waiting: dict[str, WatchedLease] = {}
         self._ready: frozenset[Endpoint] = frozenset()
         self._down: frozenset[Endpoint] = frozenset()
@@ -80,7 +82,7 @@ class SchedulerSide:
         self._watch.append(lease)
 
     def worker_report(self, output: KVConnectorOutput) -> None:
-        """vLLM's ``update_connector_output``: learn which prefills the worker is linked to (or finds down)."""
+        """vLLM's ``update_connector_output``: learn which prefill ranks every worker is linked to (or one finds down)."""
         report = output.kv_connector_worker_meta
         if isinstance(report, LinkReport):
             self._ready, self._down = report.ready, report.down
@@ -97,7 +99,7 @@ class SchedulerSide:
 
     def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """vLLM's ``get_num_new_matched_tokens``: loadable tokens beyond the locally cached ones,
-        or None (ask again later) while the request waits for its link to prefill."""
+        or None (ask again later) while the request waits for its links to prefill."""
         lease = self._waiting.get(request.request_id)
         if lease is not None and self._waits_for_link(lease):
             return None

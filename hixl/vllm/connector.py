@@ -119,7 +119,7 @@ class HixlConnector(KVConnectorBase_V1):
         return self.worker.released() or None, None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """Tell the scheduler which prefills this worker is linked to (it holds requests back for a link)."""
+        """Tell the scheduler which prefill ranks this worker is linked to (it holds requests back for links)."""
         return self.worker.link_report()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -266,7 +266,7 @@ def test_metrics_agree_with_the_logs_and_the_proxy_counts_what_it_routed(servers
     deadline = time.monotonic() + 20
     while True:
         decode, prefill, proxy = scrape(servers, "decode"), scrape(servers, "prefill"), scrape(servers, "proxy")
-        pulls = re.findall(r"pulled request \S+: (\d+) blocks, [\d.]+ MiB in ([\d.]+) ms \(\w+\), first layer usable after ([\d.]+) ms", servers.log("decode"))
+        pulls = re.findall(r"pulled request \S+: (\d+) blocks, [\d.]+ MiB from \d+ prefill rank\(s\) in ([\d.]+) ms \(\w+\), first layer usable after ([\d.]+) ms", servers.log("decode"))
         released = servers.log("prefill").count(RELEASED)
         if total(decode, "vllm:hixl_pull_seconds_count") == len(pulls) and total(prefill, "vllm:hixl_released_requests_total") == released:
             break
