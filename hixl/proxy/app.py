@@ -16,8 +16,9 @@ How a request is routed, and what happens when an upstream fails:
   them before failing, after which prefill frees them and vLLM reuses them,
   so a second pull would read some other request's KV with no error at all.
   A fresh prefill costs one more prompt computation; the first prefill's
-  blocks are freed by the failed decode's pull or after prefill's
-  ``release_timeout``.
+  blocks are freed by the failed decode's pull, its release of their lease,
+  or when the lease runs out (the connector's ``lease_s`` after the failed
+  decode's last extension).
 - After the first byte of decode's answer went to the client nothing is
   retried (the client has part of an answer): an upstream failure then ends
   the stream with an OpenAI-shaped error event and no ``[DONE]``.

@@ -30,9 +30,17 @@ class ConnectorConfig:
     (another host's decode needs a routable one); ``port``: 0 picks a free one;
     ``cluster_id``: this instance's DataDist cluster id (random by default);
     ``load_mode``: ``"layerwise"`` or ``"sync"``; ``transfer_timeout``: seconds
-    a pull may take before the request's load fails; ``release_timeout``:
-    seconds prefill keeps a finished request's blocks for a decode that never
-    reports it pulled them; ``transport``: ``"auto"``, ``"cma"`` or ``"tcp"``.
+    a pull may take before the request's load fails (at most half the prefill's
+    lease: the pull must end while its blocks are surely held); ``lease_s``: prefill holds
+    a finished request's blocks this long unless decode extends the lease
+    (decode does, every quarter lease, while the request waits in its queue;
+    a decode that died stops, and the blocks go a lease later); decode holds a
+    request back for its link to prefill for up to half of it;
+    ``release_timeout``: the hard cap — the longest prefill holds a request's
+    blocks however often decode extends the lease (a decode that keeps
+    extending and never pulls ties up blocks at most this long);
+    ``transport``: ``"auto"``, ``"cma"`` or ``"tcp"``. Decode takes the lease
+    figures from the prefill's ``kv_transfer_params``, not from its own settings.
     """
 
     host: str = "127.0.0.1"
@@ -40,7 +48,8 @@ class ConnectorConfig:
     cluster_id: int = 0
     load_mode: LoadMode = LoadMode.LAYERWISE
     transfer_timeout: float = 30.0
-    release_timeout: float = 120.0
+    lease_s: float = 30.0
+    release_timeout: float = 300.0
     transport: str = "auto"
 
     @classmethod
@@ -60,6 +69,7 @@ class ConnectorConfig:
                 cluster_id=int(extra.get("cluster_id", 1 + secrets.randbelow(2**31 - 1))),
                 load_mode=LoadMode(extra.get("load_mode", LoadMode.LAYERWISE.value)),
                 transfer_timeout=float(extra.get("transfer_timeout", cls.transfer_timeout)),
+                lease_s=float(extra.get("lease_s", cls.lease_s)),
                 release_timeout=float(extra.get("release_timeout", cls.release_timeout)),
                 transport=str(extra.get("transport", cls.transport)),
             )
@@ -67,6 +77,11 @@ class ConnectorConfig:
             raise ValueError(f"bad hixl connector setting: {exc}") from exc
         if not 0 <= config.port < 65536 or config.cluster_id < 0:
             raise ValueError(f"bad hixl connector port {config.port} or cluster id {config.cluster_id}")
-        if config.transfer_timeout <= 0 or config.release_timeout <= 0:
+        if not (config.transfer_timeout > 0 and config.lease_s > 0 and config.release_timeout > 0):  # NaN too
             raise ValueError("hixl connector timeouts must be positive")
+        if config.release_timeout < config.lease_s or config.release_timeout > 86400:
+            raise ValueError(
+                f"hixl connector release_timeout ({config.release_timeout} s) must be at least lease_s "
+                f"({config.lease_s} s) and at most a day"
+            )
         return config

@@ -9,8 +9,11 @@
 * :class:`KvSpec` — what prefill's and decode's KV caches must agree on;
   decode checks it before it pulls (:meth:`KvSpec.mismatches`).
 * :class:`LoadSpec` / :class:`StepMetadata` — the scheduler's orders to its
-  worker for one step: requests to pull, and requests whose blocks to hold
-  until decode reports them pulled.
+  worker for one step: requests to pull, requests whose blocks to hold
+  until decode reports them pulled, leases to keep alive or release
+  (:class:`WatchedLease`, see :mod:`._leases`).
+* :class:`LinkReport` — the worker's answer to its scheduler every step: the
+  prefill endpoints it is linked to, and those it finds down.
 """
 
 from __future__ import annotations
@@ -21,15 +24,20 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
+
+from ._heads import is_read
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["CPU_LAYOUT", "Endpoint", "KvSpec", "LoadSpec", "RemotePrefill", "StepMetadata"]
+__all__ = ["CPU_LAYOUT", "Endpoint", "KvSpec", "LinkReport", "LoadSpec", "RemotePrefill", "StepMetadata", "WatchedLease"]
 
 # vLLM's CPU attention backend: one tensor per layer, K and V interleaved per head inside a block.
 CPU_LAYOUT = "[blocks, kv_heads, block_size, 2*head_size]"
+# Bounds on the lease figures a prefill's params may carry (decode trusts nothing bigger).
+_MAX_LEASE_S = 86400.0
 
 
 @dataclass(frozen=True)
@@ -94,8 +102,11 @@ class RemotePrefill:
 
     ``ranks`` are prefill's TP ranks in order; ``transfer_id`` names the
     request on the prefill side (DataDist's completion notification carries it
-    back); ``num_tokens`` is how many prompt tokens ``block_ids`` hold (every
-    rank uses the same block ids, each for its own heads).
+    back, and it names the request's lease at every rank: random, see
+    :mod:`._leases`); ``num_tokens`` is how many prompt tokens ``block_ids``
+    hold (every rank uses the same block ids, each for its own heads);
+    ``lease_s`` and ``hold_cap_s`` are prefill's lease length and hard cap
+    (its ``lease_s`` and ``release_timeout``).
     """
 
     ranks: tuple[Endpoint, ...]
@@ -104,6 +115,18 @@ class RemotePrefill:
     block_ids: list[int]
     num_tokens: int
     request_id: str
+    lease_s: float
+    hold_cap_s: float
+
+    @property
+    def leased(self) -> tuple[Endpoint, ...]:
+        """The prefill ranks that hold this request's blocks under a lease: those decode reads from.
+
+        A rank holding only replicas of heads a lower rank holds is never read
+        and released its blocks at once (:func:`~._heads.is_read`).
+        """
+        heads = [r.head_range for r in self.ranks]
+        return tuple(r for i, r in enumerate(self.ranks) if is_read(heads, i))
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` prefill returns (NIXL's key names where they mean the same)."""
@@ -116,11 +139,14 @@ class RemotePrefill:
             "remote_block_ids": list(self.block_ids),
             "remote_num_tokens": self.num_tokens,
             "remote_request_id": self.request_id,
+            "remote_lease_s": self.lease_s,
+            "remote_hold_cap_s": self.hold_cap_s,
         }
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> RemotePrefill | None:
-        """Parse decode's ``kv_transfer_params``; None unless they ask for a remote prefill and are whole."""
+        """Parse decode's ``kv_transfer_params``; None unless they ask for a remote prefill and are whole
+        (lease figures included, each positive and at most a day, the cap no shorter than the lease)."""
         if not params or not params.get("do_remote_prefill"):
             return None
         try:
@@ -135,16 +161,21 @@ class RemotePrefill:
                 str(kv["model"]), str(kv["dtype"]), int(kv["num_layers"]), int(kv["num_kv_heads"]),
                 int(kv["head_size"]), int(kv["block_size"]), str(kv["layout"]), int(kv["tp_size"]),
             )
-            return cls(
+            remote = cls(
                 ranks,
                 spec,
                 int(params["remote_transfer_id"]),
                 [int(b) for b in params["remote_block_ids"]],
                 int(params["remote_num_tokens"]),
                 str(params.get("remote_request_id", "")),
+                float(params["remote_lease_s"]),
+                float(params["remote_hold_cap_s"]),
             )
         except (KeyError, IndexError, TypeError, ValueError):
             return None
+        if not 0 < remote.lease_s <= remote.hold_cap_s <= _MAX_LEASE_S:  # also refuses NaN
+            return None
+        return remote
 
 
 @dataclass(frozen=True)
@@ -157,14 +188,51 @@ class LoadSpec:
     local_blocks: list[int]
 
 
+@dataclass(frozen=True)
+class WatchedLease:
+    """A request that arrived at decode with a remote prefill: its lease is kept alive until it is pulled.
+
+    ``arrived`` is the scheduler's ``time.monotonic()`` when vLLM added the
+    request (one host, one clock for both halves).
+    """
+
+    request_id: str
+    remote: RemotePrefill
+    arrived: float
+
+
 @dataclass
 class StepMetadata(KVConnectorMetadata):
     """The scheduler's orders to its worker for one step.
 
     ``sends`` maps the transfer id of each newly finished prefill request to
-    its vLLM request id: the worker holds its blocks until decode's completion
-    notification for that id arrives (or the release timeout passes).
+    its vLLM request id: each worker (TP rank) holds its blocks under a lease until
+    decode's completion notification for that id arrives, decode releases it,
+    or the lease runs out. On decode, ``watch`` lists newly arrived requests
+    whose leases to keep alive (and whose prefills to link to), ``drop`` the
+    requests that finished at decode unpulled (their leases are released), and
+    ``idle`` says the step runs no model (the worker then paces vLLM's loop
+    while it only waits: for links on decode, for held blocks on prefill).
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
     sends: dict[int, str] = field(default_factory=dict)
+    watch: list[WatchedLease] = field(default_factory=list)
+    drop: list[str] = field(default_factory=list)
+    idle: bool = False
+
+
+@dataclass(frozen=True)
+class LinkReport(KVConnectorWorkerMetadata):
+    """The worker's report to its scheduler: the prefill endpoints it is linked to now, and those
+    its recent link attempts all failed for (nobody listens there: waiting for them is pointless)."""
+
+    ready: frozenset[Endpoint]
+    down: frozenset[Endpoint] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> LinkReport:
+        """Several workers (decode TP ranks, each linking to every prefill rank a request needs): an endpoint is
+        ready when every worker is linked to it, down when one finds it down."""
+        if not isinstance(other, LinkReport):
+            return self
+        return LinkReport(self.ready & other.ready, self.down | other.down)

@@ -11,8 +11,9 @@ metrics (``build_prom_metrics``), which vLLM's ``/metrics`` serves. So
 (``model_name``, ``engine``).
 
 Decode records each pull (bytes, transfer time, first layer usable) and each
-failed pull; prefill records each request whose blocks it released, pulled by
-decode or given up on after ``release_timeout``.
+failed pull; prefill records each request whose blocks it released: pulled by
+decode (or never read: a TP rank holding only replicas), or unpulled — decode
+released the lease, the lease ran out, or it reached ``release_timeout``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class HixlKVConnectorStats(KVConnectorStats):
         self.data["failed_pulls"] += 1
 
     def record_release(self, expired: bool) -> None:
-        """Prefill: one request's blocks were released, pulled by decode or (``expired``) after ``release_timeout``."""
+        """Prefill: one request's blocks were released, pulled by decode or (``expired``) unpulled: decode released
+        the lease, the lease ran out, or the hard cap ``release_timeout``."""
         self.data["expired" if expired else "released"] += 1
 
     def take(self) -> HixlKVConnectorStats | None:
@@ -149,7 +151,7 @@ class HixlPromMetrics(KVConnectorPromMetrics):
         self.expired = per_engine(
             counter,
             "vllm:hixl_expired_requests",
-            "Prefill: requests whose blocks were released unpulled, after release_timeout.",
+            "Prefill: requests whose blocks were released unpulled: decode released them, their lease ran out, or release_timeout.",
         )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

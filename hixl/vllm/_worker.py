@@ -7,23 +7,30 @@ a layer is one contiguous row, and the whole cache is a DataDist blocks cache
 of ``num_layers`` tensors, one per layer (``tensor_num_per_layer=1``),
 registered with the engine once, as the one span the views cover.
 
-Decode pulls by block id; prefill's worker only watches DataDist's completion
-notifications to tell vLLM which finished requests' blocks it may free.
+Decode pulls by block id, only from prefill ranks its
+:class:`~._leases.LeaseKeeper` has linked to and only while the request's
+leases are usable; prefill's worker keeps its held requests in a
+:class:`~._leases.LeaseTable` (fed by DataDist's completion notifications and
+decode's lease messages) to tell vLLM which finished requests' blocks it may
+free.
 
 Tensor parallelism: every TP rank is a worker with its own DataDist (cluster
-id ``cluster_id + rank``) holding its own KV heads (:mod:`._heads`). A decode
-rank pulls each head it holds from the lowest prefill rank that holds it — a
-head range of the same block ids, one pull per prefill rank it reads from
-(see :meth:`CacheManager.pull_blocks`'s ``src_heads``). Completions: several
-decode ranks may read one prefill rank, and a prefill rank must not free
-blocks another decode rank still reads. So pulls carry no ``req_id``; at the
-end of the step every decode rank waits for the others (a barrier on vLLM's
-TP group, one per step that pulled), and then, for each prefill rank, only
-the lowest decode rank that read from it sends the completion
-(:meth:`CacheManager.notify_pulled`): exactly one per (prefill rank, request).
-It is sent whether or not the pulls succeeded — either way decode is done
-with prefill's blocks. A prefill rank decode never reads (it holds only
-replicas of heads a lower rank holds) releases its blocks at once.
+id ``cluster_id + rank``) holding its own KV heads (:mod:`._heads`), and on
+prefill its own lease table. A decode rank pulls each head it holds from the
+lowest prefill rank that holds it — a head range of the same block ids, one
+pull per prefill rank it reads from (see :meth:`CacheManager.pull_blocks`'s
+``src_heads``). Completions: several decode ranks may read one prefill rank,
+and a prefill rank must not free blocks another decode rank still reads. So
+pulls carry no ``req_id``; at the end of the step every decode rank waits for
+the others (a barrier on vLLM's TP group, one per step that pulled), and
+then, for each prefill rank, only the lowest decode rank that read from it
+sends the completion (:meth:`CacheManager.notify_pulled`): exactly one per
+(prefill rank, request). It is sent whether or not the pulls succeeded —
+either way decode is done with prefill's blocks. A prefill rank decode never
+reads (it holds only replicas of heads a lower rank holds) releases its blocks
+at once. Leases: every decode rank's keeper extends (and, for a request
+dropped unpulled, releases) the lease at every prefill rank that holds one,
+see :mod:`._leases`.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._exceptions import HixlError
@@ -41,16 +48,17 @@ from ..datadist import (
     CacheDesc,
     CacheTask,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
     LLMRole,
     LLMStatusCode,
 )
+from ._affinity import unpinned
 from ._config import ConnectorConfig, LoadMode
 from ._heads import HeadRead, is_read, notifiers, plan_reads, rank_heads
-from ._params import Endpoint, KvSpec, LoadSpec
+from ._leases import LEASE_NOTIFY, LeaseKeeper, LeaseTable
+from ._params import Endpoint, KvSpec, LinkReport, LoadSpec, StepMetadata
 from ._stats import HixlKVConnectorStats
 
 __all__ = ["WorkerSide"]
@@ -59,6 +67,10 @@ __all__ = ["WorkerSide"]
 log = logging.getLogger("vllm.hixl")
 
 _TENSORS_PER_LAYER = 1  # K and V share a tensor (interleaved per head inside a block)
+# A step that runs nothing waits this long for what it steps for (instead of spinning): decode, for a
+# link its requests wait on; prefill, for decode to finish with the blocks it holds.
+_LINK_PACE_S = 0.05
+_HOLD_PACE_S = 0.01
 
 
 @dataclass
@@ -67,15 +79,15 @@ class _Pull:
 
     spec: LoadSpec
     started: float
-    tasks: list[CacheTask]  # layer-wise pulls only
-    notify: list[Endpoint]  # prefill ranks this rank tells the request is done
-    sources: int = 0  # prefill ranks it reads from
+    tasks: list[CacheTask] = field(default_factory=list)  # layer-wise pulls only
+    notify: list[Endpoint] = field(default_factory=list)  # prefill ranks this rank tells the request is done
+    sources: list[Endpoint] = field(default_factory=list)  # prefill ranks it reads from
     ended: float | None = None  # sync pulls only
     error: Exception | None = None
 
 
 class WorkerSide:
-    """One worker's (TP rank's) DataDist instance and its in-flight pulls and held sends.
+    """One worker's (TP rank's) DataDist instance, its in-flight pulls and kept leases, and its held sends.
 
     ``barrier`` waits for every TP rank of this instance (None with TP = 1).
     """
@@ -101,25 +113,26 @@ class WorkerSide:
         self.cluster_id = config.cluster_id + tp_rank
         role = LLMRole.MIX if serves_kv and pulls_kv else LLMRole.PROMPT if serves_kv else LLMRole.DECODER
         self.datadist = LLMDataDist(role, self.cluster_id)
-        self.datadist.init(
-            LLMConfig(
-                listen_ip_info=f"{config.host}:{config.port}" if serves_kv else None,
-                local_ip=config.host,
-                sync_kv_timeout=config.transfer_timeout,
-                transport=config.transport,
+        with unpinned():  # DataDist's and the keeper's threads, not on vLLM's compute core (see _affinity)
+            self.datadist.init(
+                LLMConfig(
+                    listen_ip_info=f"{config.host}:{config.port}" if serves_kv else None,
+                    local_ip=config.host,
+                    sync_kv_timeout=config.transfer_timeout,
+                    transport=config.transport,
+                    link_retry_count=0,  # the keeper retries links itself, with backoff
+                )
             )
-        )
+            self.keeper = LeaseKeeper(self.datadist) if pulls_kv else None
         self.layers: dict[str, int] = {}
         self._cache: Cache | None = None
         self._pulls: list[_Pull] = []
         self._failed_blocks: set[int] = set()
-        # Prefill side: transfer id -> (vLLM request id, release deadline), and ids
-        # decode reported pulled before this worker heard of them. A rank decode
-        # never reads from has nothing to wait for.
+        # Prefill side: a rank decode never reads from has nothing to wait for.
         self._read_by_decode = is_read(self._all_heads, tp_rank)
-        self._held: dict[int, tuple[str, float]] = {}
-        self._early: set[int] = set()
-        self._newest_held = 0
+        self.leases = LeaseTable(config.lease_s, config.release_timeout) if serves_kv else None
+        if self.leases is not None:
+            self.datadist.engine.handle_notifies(LEASE_NOTIFY, self.leases.on_notify)
         self.stats = HixlKVConnectorStats()  # vLLM takes it after each step (HixlConnector.get_kv_connector_stats)
 
     # -- set-up ------------------------------------------------------------------------------
@@ -153,8 +166,28 @@ class WorkerSide:
         return Endpoint(self.datadist.local_ip_info, self.cluster_id, (self.heads.start, self.heads.stop))
 
     def close(self) -> None:
-        """Finalize DataDist: links and registrations go."""
+        """Stop keeping leases, finalize DataDist: links and registrations go."""
+        if self.keeper is not None:
+            self.keeper.close()
         self.datadist.finalize()
+
+    # -- every step --------------------------------------------------------------------------
+    def take_orders(self, meta: StepMetadata) -> None:
+        """This step's orders: hold newly finished requests, keep or release leases, then start pulls."""
+        self.hold(meta.sends)
+        if self.keeper is not None:
+            self.keeper.watch(meta.watch)
+            self.keeper.drop(meta.drop, release=True)
+            if meta.idle and not meta.loads:
+                self.keeper.wait_for_link(_LINK_PACE_S)
+        if self.leases is not None and meta.idle and not meta.loads:
+            self.leases.wait_for_end(_HOLD_PACE_S)
+        self.start(meta.loads)
+
+    def link_report(self) -> LinkReport | None:
+        """For the scheduler: the prefill ranks this worker is linked to, and those it finds down
+        (None on a prefill-only worker)."""
+        return LinkReport(self.keeper.ready(), self.keeper.down()) if self.keeper is not None else None
 
     # -- decode: pulls -----------------------------------------------------------------------
     def start(self, specs: Iterable[LoadSpec]) -> None:
@@ -162,7 +195,7 @@ class WorkerSide:
         for spec in specs:
             remote = spec.remote
             prefill_heads = [r.head_range for r in remote.ranks]
-            pull = _Pull(spec, time.monotonic(), [], [])
+            pull = _Pull(spec, time.monotonic())
             self._pulls.append(pull)
             try:
                 # Which prefill ranks this rank speaks for: computed before anything can fail,
@@ -172,9 +205,10 @@ class WorkerSide:
                 if mismatches:
                     raise ValueError(f"prefill's and decode's KV caches differ ({'; '.join(mismatches)}): nothing pulled")
                 reads = plan_reads(prefill_heads, self.heads)
-                pull.sources = len(reads)
-                for read in reads:
-                    task = self._pull_part(spec, remote.ranks[read.prefill_rank], read)
+                pull.sources = [remote.ranks[read.prefill_rank] for read in reads]
+                self._check_pullable(spec, pull.sources)
+                for read, endpoint in zip(reads, pull.sources):
+                    task = self._pull_part(spec, endpoint, read)
                     if task is not None:
                         pull.tasks.append(task)
                 if self.config.load_mode is LoadMode.SYNC:
@@ -182,11 +216,26 @@ class WorkerSide:
             except (HixlError, ValueError, TypeError) as exc:
                 pull.error = exc
 
+    def _check_pullable(self, spec: LoadSpec, sources: list[Endpoint]) -> None:
+        """Raise unless the links to the prefill ranks read from are up and the blocks surely still held."""
+        assert self.keeper is not None, "a pull on a worker that does not pull KV"
+        for endpoint in sources:
+            if not self.keeper.linked(endpoint):
+                raise LLMException(f"not linked to prefill {endpoint.ip_info} (cluster {endpoint.cluster_id})", LLMStatusCode.LINK_FAILED)
+        if not self.keeper.usable(spec.request_id):
+            raise LLMException(
+                f"the lease on request {spec.request_id}'s blocks at prefill may have run out; not pulling",
+                LLMStatusCode.KV_CACHE_NOT_EXIST,
+            )
+
     def _pull_part(self, spec: LoadSpec, endpoint: Endpoint, read: HeadRead) -> CacheTask | None:
         """Pull ``read``'s heads of the request's blocks from one prefill rank; the task if layer-wise."""
-        self._link(endpoint)
         args = (BlocksCacheKey(endpoint.cluster_id), self._local_cache(), spec.remote_blocks, spec.local_blocks)
-        kwargs: dict[str, Any] = {"tensor_num_per_layer": _TENSORS_PER_LAYER, "src_heads": read.src_heads, "dst_heads": read.dst_heads}
+        # A usable lease is held at least half a lease more: the pull must end within it.
+        timeout = min(self.config.transfer_timeout, spec.remote.lease_s / 2)
+        kwargs: dict[str, Any] = {
+            "tensor_num_per_layer": _TENSORS_PER_LAYER, "src_heads": read.src_heads, "dst_heads": read.dst_heads, "timeout": timeout,
+        }
         manager = self.datadist.cache_manager
         if self.config.load_mode is LoadMode.SYNC:
             manager.pull_blocks(*args, **kwargs)
@@ -214,6 +263,7 @@ class WorkerSide:
         """Settle this step's pulls (timings, or the blocks of those that failed), then tell prefill."""
         if not self._pulls:
             return
+        assert self.keeper is not None, "a pull on a worker that does not pull KV"
         for pull in self._pulls:
             for task in pull.tasks:
                 if pull.error is None:
@@ -225,8 +275,12 @@ class WorkerSide:
                 self._failed_blocks.update(pull.spec.local_blocks)
                 self.stats.record_failed_pull()
                 log.warning("hixl: pull of request %s failed: %s", pull.spec.request_id, pull.error)
+                for endpoint in pull.sources:
+                    self.keeper.check(endpoint)
             else:
                 self._record(pull)
+            # Stop extending: the completion below frees the blocks, pulled or not.
+            self.keeper.drop([pull.spec.request_id], release=False)
         if self._barrier is not None:
             self._barrier()  # every rank's pulls of this step are over: prefill may free its blocks
         for pull in self._pulls:
@@ -235,11 +289,10 @@ class WorkerSide:
         self._pulls.clear()
 
     def _notify(self, spec: LoadSpec, endpoint: Endpoint) -> None:
-        """Tell one prefill rank that decode is done with the request's blocks."""
+        """Tell one prefill rank that decode is done with the request's blocks (its lease then ends)."""
         try:
-            self._link(endpoint)  # a pull that failed early may not have linked
             self.datadist.cache_manager.notify_pulled(endpoint.cluster_id, spec.remote.transfer_id)
-        except (HixlError, ValueError) as exc:
+        except (HixlError, ValueError) as exc:  # e.g. never linked: its lease runs out instead
             log.warning("hixl: cannot tell prefill %s that request %s is done: %s", endpoint.ip_info, spec.request_id, exc)
 
     def take_failed_blocks(self) -> set[int]:
@@ -260,7 +313,7 @@ class WorkerSide:
         self.stats.record_pull(nbytes, seconds, first_seconds)
         log.info(
             "hixl: pulled request %s: %d blocks, %.2f MiB from %d prefill rank(s) in %.2f ms (%s), first layer usable after %.2f ms",
-            pull.spec.request_id, blocks, nbytes / 2**20, pull.sources, seconds * 1e3, self.config.load_mode.value,
+            pull.spec.request_id, blocks, nbytes / 2**20, len(pull.sources), seconds * 1e3, self.config.load_mode.value,
             first_seconds * 1e3,
         )
 
@@ -269,49 +322,20 @@ class WorkerSide:
             raise LLMException("vLLM has not registered its KV cache yet", LLMStatusCode.NOT_INITIALIZED)
         return self._cache
 
-    def _link(self, endpoint: Endpoint) -> None:
-        linked = self.datadist.linked_clusters().get(endpoint.cluster_id)
-        if linked is not None and linked != endpoint.ip_info:  # that id lives elsewhere: a prefill restarted with it
-            self.datadist.unlink_clusters([LLMClusterInfo(endpoint.cluster_id, linked)], force=True)
-        # Also when linked at this address: DataDist answers ALREADY_LINK for a live link and links
-        # anew to a prefill restarted there (a new incarnation), whose old link is dead.
-        (status,) = self.datadist.link_clusters([LLMClusterInfo(endpoint.cluster_id, endpoint.ip_info)])
-        if status not in (LLMStatusCode.SUCCESS, LLMStatusCode.ALREADY_LINK):
-            raise LLMException(f"cannot link to prefill {endpoint.ip_info} (cluster {endpoint.cluster_id})", status)
-
     # -- prefill: releases -------------------------------------------------------------------
     def hold(self, sends: dict[int, str]) -> None:
-        """Hold the blocks of newly finished requests until decode pulled them or the timeout passes."""
-        deadline = time.monotonic() + self.config.release_timeout
-        for transfer_id, request_id in sends.items():
-            self._held[transfer_id] = (request_id, deadline)
-            self._newest_held = max(self._newest_held, transfer_id)
-            if not self._read_by_decode:
-                self._early.add(transfer_id)  # released at once: decode reads these heads elsewhere
+        """Hold the blocks of newly finished requests under a lease each (see :mod:`._leases`); a rank
+        decode never reads releases them at once."""
+        if sends:
+            assert self.leases is not None, "a send on a worker that does not serve KV"
+            self.leases.grant(sends, read=self._read_by_decode)
 
     def released(self) -> set[str]:
-        """Request ids whose blocks vLLM may free now: pulled by decode, or held past the timeout."""
-        if not self.serves_kv:
+        """Request ids whose blocks vLLM may free now: pulled, released by decode, or their lease ran out."""
+        if self.leases is None:
             return set()
-        for done in self.datadist.cache_manager.completed_requests():
-            # Ids are issued in order: one not newer than every held id was released already.
-            if done.op == "pull" and (done.req_id in self._held or done.req_id > self._newest_held):
-                self._early.add(done.req_id)
-        out: set[str] = set()
-        now = time.monotonic()
-        for transfer_id, (request_id, deadline) in list(self._held.items()):
-            if transfer_id in self._early:
-                self._early.discard(transfer_id)
-                log.info("hixl: request %s was pulled by decode; its blocks are released", request_id)
-                self.stats.record_release(expired=False)
-            elif now >= deadline:
-                log.warning(
-                    "hixl: request %s was not pulled within %.0f s; releasing its blocks anyway",
-                    request_id, self.config.release_timeout,
-                )
-                self.stats.record_release(expired=True)
-            else:
-                continue
-            del self._held[transfer_id]
-            out.add(request_id)
-        return out
+        self.leases.pulled(done.req_id for done in self.datadist.cache_manager.completed_requests() if done.op == "pull")
+        due = self.leases.due()
+        for why in due.values():
+            self.stats.record_release(expired=not why.pulled)
+        return set(due)

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from ._config import ConnectorConfig
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["HixlConnector"]
@@ -59,7 +61,7 @@ class HixlConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(kv)
+            self._scheduler = SchedulerSide(kv, self.config)
         else:
             from vllm.distributed.parallel_state import get_tp_group
 
@@ -96,11 +98,10 @@ class HixlConnector(KVConnectorBase_V1):
         return self.worker.endpoint()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Take this step's orders: hold finished requests' blocks, start pulls."""
+        """Take this step's orders: hold finished requests' blocks, keep leases, start pulls."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, StepMetadata)
-        self.worker.hold(meta.sends)
-        self.worker.start(meta.loads)
+        self.worker.take_orders(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Return once this layer's KV has landed (at once for a sync load)."""
@@ -116,6 +117,10 @@ class HixlConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose blocks prefill may free (pulls finish within their step: nothing to report)."""
         return self.worker.released() or None, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Tell the scheduler which prefill ranks this worker is linked to (it holds requests back for links)."""
+        return self.worker.link_report()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose pull failed this step: vLLM fails or recomputes their requests."""
@@ -155,8 +160,18 @@ class HixlConnector(KVConnectorBase_V1):
         """Learn every worker's DataDist endpoint (one per TP rank)."""
         self.scheduler.set_endpoints({rank: m for rank, m in metadata.items() if isinstance(m, Endpoint)})
 
+    def on_new_request(self, request: Request) -> None:
+        """Decode: start keeping the request's leases at prefill (every rank holding its blocks) alive, and
+        linking to those ranks."""
+        self.scheduler.arrived(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Learn from the workers (their reports aggregated) which prefill ranks they are linked to."""
+        self.scheduler.worker_report(connector_output)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Prompt tokens decode takes from prefill; loaded within the step (not async)."""
+        """Prompt tokens decode takes from prefill, loaded within the step (not async); None while the
+        request waits for its links to prefill (vLLM asks again next step)."""
         return self.scheduler.num_new_matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -165,8 +180,9 @@ class HixlConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's orders for the worker."""
-        return self.scheduler.build_metadata()
+        return self.scheduler.build_metadata(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Keep a prefilled request's blocks for decode and return where to find them."""
+        """Keep a prefilled request's blocks for decode and return where to find them; on decode,
+        release the lease of a request that finished before its pull."""
         return self.scheduler.finished(request, block_ids)

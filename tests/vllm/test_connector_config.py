@@ -27,9 +27,13 @@ def test_defaults_need_no_settings() -> None:
 
 
 def test_settings_are_parsed_and_checked() -> None:
-    config = ConnectorConfig.from_extra({"load_mode": "sync", "port": "5000", "release_timeout": 3, "cluster_id": 9})
-    assert (config.load_mode, config.port, config.release_timeout, config.cluster_id) == (LoadMode.SYNC, 5000, 3.0, 9)
-    for bad in ({"load_mod": "sync"}, {"load_mode": "eager"}, {"port": 70000}, {"transfer_timeout": 0}, {"port": "x"}):
+    config = ConnectorConfig.from_extra({"load_mode": "sync", "port": "5000", "lease_s": 2, "release_timeout": 3, "cluster_id": 9})
+    assert (config.load_mode, config.port, config.lease_s, config.release_timeout, config.cluster_id) == (LoadMode.SYNC, 5000, 2.0, 3.0, 9)
+    bad_ones = (
+        {"load_mod": "sync"}, {"load_mode": "eager"}, {"port": 70000}, {"transfer_timeout": 0}, {"port": "x"},
+        {"lease_s": 0}, {"lease_s": "nan"}, {"lease_s": 10, "release_timeout": 5}, {"release_timeout": 1e9},
+    )
+    for bad in bad_ones:
         with pytest.raises(ValueError):
             ConnectorConfig.from_extra(bad)
 
@@ -39,7 +43,7 @@ KV = KvSpec("tiny", "float32", 4, 2, 64, 32, CPU_LAYOUT, 2)
 
 def test_transfer_params_are_plain_json_and_round_trip() -> None:
     ranks = (Endpoint("127.0.0.1:4242", 17, (0, 1)), Endpoint("127.0.0.1:4243", 18, (1, 2)))
-    remote = RemotePrefill(ranks, KV, 3, [5, 9, 2], 70, "req-1")
+    remote = RemotePrefill(ranks, KV, 3, [5, 9, 2], 70, "req-1", 30.0, 300.0)
     params = json.loads(json.dumps(remote.to_params()))
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_ranks"][1] == {"engine": "127.0.0.1:4243", "cluster_id": 18, "heads": [1, 2]}
@@ -54,6 +58,14 @@ def test_kv_specs_name_every_difference_but_tp() -> None:
         "dtype: prefill 'float32', decode 'float16'",
         "block_size: prefill 32, decode 64",
     ]
+
+
+@pytest.mark.parametrize(
+    "lease", [{"remote_lease_s": 0}, {"remote_lease_s": "nan"}, {"remote_lease_s": 400.0}, {"remote_hold_cap_s": 1e9}]
+)
+def test_params_with_unreasonable_lease_figures_load_nothing(lease: dict) -> None:
+    params = RemotePrefill((Endpoint("127.0.0.1:4242", 17, (0, 2)),), KV, 3, [5], 70, "req-1", 30.0, 300.0).to_params()
+    assert RemotePrefill.from_params({**params, **lease}) is None
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ matching tokens alone would also come from a connector that moves nothing.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # one token), 64 (exactly two blocks), 100 (three blocks and part of a fourth).
 PROMPTS = [words(1, 5), words(19, 1), words(32, 4), words(63, 2), words(99, 3)]
 MAX_TOKENS = 12
+LEASE_S = 6.0  # short, so that a dead decode's blocks go soon; decode extends it while a request waits
 RELEASE_TIMEOUT = 15.0
 
 
@@ -50,7 +52,7 @@ def vllms(tmp_path_factory: pytest.TempPathFactory, fault_file: Path) -> Iterato
     logs = tmp_path_factory.mktemp("logs")
     specs: dict[str, tuple[str, int | str, dict[str, Any]]] = {
         # Prefill's engine steps on its own while it holds blocks: give it a core of its own.
-        "prefill": ("prefill", 0, {"release_timeout": RELEASE_TIMEOUT}),
+        "prefill": ("prefill", 0, {"lease_s": LEASE_S, "release_timeout": RELEASE_TIMEOUT}),
         "decode": ("decode", 1, {}),  # every default: layer-wise, fail on load errors
         "decode_sync": ("decode", 1, {"load_mode": "sync", "kv_load_failure_policy": "recompute"}),
         "faulty": ("decode", 1, {"connector": "FaultyConnector", "module": "faulty_connector", "fault_file": str(fault_file)}),
@@ -107,9 +109,9 @@ def test_decode_tokens_equal_reference(vllms: dict[str, Instance], reference: li
     mine = [p for p in pulls if p[3] == mode][-len(PROMPTS) :]
     assert sorted(int(p[1]) for p in mine) == sorted(_cdiv(o["prompt_tokens"] - 1, BLOCK_SIZE) for o in outs)
     print(f"\n{decode_name} pulls (request, blocks, total ms, mode, first layer ms):", mine)
-    # Prefill frees each request's blocks once decode reports it pulled them, well before the timeout.
+    # Prefill frees each request's blocks once decode reports it pulled them, well before the lease ends.
     for p in params:
-        vllms["prefill"].wait_for_log(rf"request {re.escape(p['remote_request_id'])} was pulled by decode", RELEASE_TIMEOUT / 2)
+        vllms["prefill"].wait_for_log(rf"request {re.escape(p['remote_request_id'])} was pulled by decode", LEASE_S / 2)
 
 
 def test_zeroed_kv_gives_different_tokens(vllms: dict[str, Instance], reference: list[dict[str, Any]], fault_file: Path) -> None:
@@ -124,12 +126,17 @@ def test_zeroed_kv_gives_different_tokens(vllms: dict[str, Instance], reference:
 
 
 def test_failed_pull_fails_the_request(vllms: dict[str, Instance]) -> None:
-    """A pull that cannot happen (nobody at that address) fails that request, promptly, under policy=fail."""
+    """A pull that cannot happen (nobody at that address) fails that request, promptly, under policy=fail:
+    the request waits for its link only until a few attempts in a row were refused, not half a lease."""
     (params,) = prefill(vllms, PROMPTS[1:2])
     dead = dict(params, remote_ranks=[{"engine": "127.0.0.1:1", "cluster_id": 7, "heads": [0, 2]}])
+    started = time.monotonic()
     (out,) = vllms["decode"].generate(PROMPTS[1:2], MAX_TOKENS, [dead])
+    assert time.monotonic() - started < LEASE_S / 2
     assert len(out["token_ids"]) < MAX_TOKENS
     vllms["decode"].wait_for_log(r"hixl: pull of request \S+ failed", 5)
+    # Its real blocks at prefill: nobody extends their lease, so they go a lease after prefill held them.
+    vllms["prefill"].wait_for_log(rf"request {re.escape(params['remote_request_id'])}: its lease expired", LEASE_S + 5)
 
 
 def test_failed_pull_recomputes_under_recompute_policy(vllms: dict[str, Instance], reference: list[dict[str, Any]]) -> None:
@@ -140,14 +147,14 @@ def test_failed_pull_recomputes_under_recompute_policy(vllms: dict[str, Instance
 
 
 def test_decode_dying_mid_pull_leaves_prefill_healthy(vllms: dict[str, Instance], reference: list[dict[str, Any]], fault_file: Path) -> None:
-    """Decode is SIGKILLed inside a layer-wise pull; prefill frees those blocks after the timeout and serves on."""
+    """Decode is SIGKILLed inside a layer-wise pull; prefill frees those blocks when their leases run out, and serves on."""
     params = prefill(vllms, PROMPTS[3:])
     fault_file.write_text("die")
     with pytest.raises(RuntimeError, match="exited"):
         vllms["faulty"].generate(PROMPTS[3:], MAX_TOKENS, params)
     for p in params:
         vllms["prefill"].wait_for_log(
-            rf"request {re.escape(p['remote_request_id'])} was not pulled within", RELEASE_TIMEOUT + 10
+            rf"request {re.escape(p['remote_request_id'])}: its lease expired", LEASE_S + 10
         )
     again = prefill(vllms, PROMPTS[3:])
     outs = vllms["decode"].generate(PROMPTS[3:], MAX_TOKENS, again)

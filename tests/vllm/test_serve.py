@@ -60,6 +60,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def healthy(url: str) -> bool:
+    """Whether the server at ``url`` answers ``GET /health`` with 200 now."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 def listening(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
@@ -130,11 +139,7 @@ class Servers:
         self.example = self.log("shell").split(DONE, 1)[0]
 
     def healthy(self, name: str) -> bool:
-        try:
-            with urllib.request.urlopen(self.url(name) + "/health", timeout=2) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
+        return healthy(self.url(name))
 
     def tails(self) -> str:
         return "\n".join(
@@ -261,7 +266,7 @@ def test_metrics_agree_with_the_logs_and_the_proxy_counts_what_it_routed(servers
     deadline = time.monotonic() + 20
     while True:
         decode, prefill, proxy = scrape(servers, "decode"), scrape(servers, "prefill"), scrape(servers, "proxy")
-        pulls = re.findall(r"pulled request \S+: (\d+) blocks, [\d.]+ MiB in ([\d.]+) ms \(\w+\), first layer usable after ([\d.]+) ms", servers.log("decode"))
+        pulls = re.findall(r"pulled request \S+: (\d+) blocks, [\d.]+ MiB from \d+ prefill rank\(s\) in ([\d.]+) ms \(\w+\), first layer usable after ([\d.]+) ms", servers.log("decode"))
         released = servers.log("prefill").count(RELEASED)
         if total(decode, "vllm:hixl_pull_seconds_count") == len(pulls) and total(prefill, "vllm:hixl_released_requests_total") == released:
             break

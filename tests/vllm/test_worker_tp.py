@@ -4,11 +4,14 @@ Each :class:`WorkerSide` is one TP rank with its own engine on 127.0.0.1, as in
 vLLM; decode ranks that run "at once" are threads sharing a barrier, as vLLM's
 TP group would. These cover what the two-head model of the end-to-end tests
 cannot: replicated heads (TP > KV heads) on either side — who reads, who is
-told, and that a replica nobody reads frees its blocks at once.
+told, and that a replica nobody reads frees its blocks at once — and leases
+with TP: every prefill rank holding a request's blocks holds its own lease,
+which every decode rank extends and releases.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +23,8 @@ pytest.importorskip("vllm.distributed.kv_transfer")
 torch = pytest.importorskip("torch")
 
 from hixl.vllm import ConnectorConfig, LoadMode  # noqa: E402
-from hixl.vllm._params import CPU_LAYOUT, KvSpec, LoadSpec, RemotePrefill  # noqa: E402
+from hixl.vllm._leases import Ending  # noqa: E402
+from hixl.vllm._params import CPU_LAYOUT, KvSpec, LinkReport, LoadSpec, RemotePrefill, StepMetadata, WatchedLease  # noqa: E402
 from hixl.vllm._worker import WorkerSide  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,8 +39,10 @@ def spec(num_heads: int, tp: int, block_size: int = BLOCK_SIZE) -> KvSpec:
 class Ranks:
     """The workers of one instance, one per TP rank, with its KV tensors registered."""
 
-    def __init__(self, kv: KvSpec, serves: bool, cluster_id: int, seed: int, load_mode: LoadMode = LoadMode.LAYERWISE) -> None:
-        config = ConnectorConfig(cluster_id=cluster_id, release_timeout=60, load_mode=load_mode)
+    def __init__(
+        self, kv: KvSpec, serves: bool, cluster_id: int, seed: int, load_mode: LoadMode = LoadMode.LAYERWISE, lease_s: float = 30
+    ) -> None:
+        config = ConnectorConfig(cluster_id=cluster_id, lease_s=lease_s, release_timeout=60, load_mode=load_mode)
         barrier = threading.Barrier(kv.tp_size).wait if kv.tp_size > 1 else None
         self.workers = [WorkerSide(config, serves, not serves, BLOCKS, kv, r, barrier) for r in range(kv.tp_size)]
         gen = torch.Generator().manual_seed(seed)
@@ -71,7 +77,22 @@ def transfer(prefill: Ranks, transfer_id: int) -> RemotePrefill:
     """The params prefill would return for a request in blocks 1 and 3."""
     ranks = tuple(w.endpoint() for w in prefill.workers)
     assert all(r is not None for r in ranks)
-    return RemotePrefill(ranks, prefill.workers[0].kv, transfer_id, [1, 3], 40, f"req{transfer_id}")  # type: ignore[arg-type]
+    first = prefill.workers[0]
+    return RemotePrefill(
+        ranks, first.kv, transfer_id, [1, 3], 40, f"req{transfer_id}", first.config.lease_s, first.config.release_timeout  # type: ignore[arg-type]
+    )
+
+
+def watched(decode: Ranks, remote: RemotePrefill, request_id: str) -> None:
+    """The request arrives at decode: every rank keeps its leases and links to the prefill ranks holding
+    them; returns once the ranks' reports, aggregated as vLLM does, have them all linked."""
+    lease = WatchedLease(request_id, remote, time.monotonic())
+    for w in decode.workers:
+        w.take_orders(StepMetadata(watch=[lease]))
+    deadline = time.monotonic() + 10
+    while not functools.reduce(LinkReport.aggregate, [w.link_report() for w in decode.workers]).ready >= set(remote.leased):  # type: ignore[arg-type]
+        assert time.monotonic() < deadline, "decode never linked to every prefill rank"
+        time.sleep(0.02)
 
 
 def run_step(decode: Ranks, load: LoadSpec) -> None:
@@ -121,6 +142,7 @@ def test_decode_ranks_get_their_heads_and_every_prefill_rank_hears_once(
     decode = Ranks(spec(heads, decode_tp), False, 2000, seed=2, load_mode=load_mode)
     made += [prefill, decode]
     remote = transfer(prefill, 7)
+    watched(decode, remote, "d7")
     run_step(decode, LoadSpec("d7", remote, [1, 3], [0, 5]))
     for w, cache in zip(decode.workers, decode.caches):
         assert not w.take_failed_blocks()
@@ -153,8 +175,66 @@ def test_a_block_size_mismatch_fails_the_load_and_still_tells_prefill(made: list
     for w in prefill.workers:
         w.hold({8: "req8"})
     before = {name: t.clone() for name, t in decode.caches[0].items()}
-    run_step(decode, LoadSpec("d8", transfer(prefill, 8), [1, 3], [0, 5]))
+    remote = transfer(prefill, 8)
+    watched(decode, remote, "d8")
+    run_step(decode, LoadSpec("d8", remote, [1, 3], [0, 5]))
     assert decode.workers[0].take_failed_blocks() == {0, 5}
     assert all(torch.equal(before[n], t) for n, t in decode.caches[0].items())  # nothing pulled
     for w in prefill.workers:  # each rank is told, and frees the blocks well before its 60 s timeout
         assert released_soon(w, "req8") < 5
+
+
+def due_soon(worker: WorkerSide, timeout: float) -> dict[str, Ending]:
+    """What ``worker``'s lease table lets go next, within ``timeout`` seconds."""
+    assert worker.leases is not None
+    deadline = time.monotonic() + timeout
+    while not (due := worker.leases.due()):
+        assert time.monotonic() < deadline, "nothing was let go"
+        time.sleep(0.02)
+    return due
+
+
+def test_prefill_ranks_hold_leases_while_decode_extends_and_all_expire_when_it_dies(made: list[Ranks]) -> None:
+    """Prefill TP 4 with 2 KV heads (ranks 1 and 3 hold replicas nobody reads), decode TP 2, a 1 s lease."""
+    prefill = Ranks(spec(2, 4), True, 6000, seed=6, lease_s=1.0)
+    decode = Ranks(spec(2, 2), False, 7000, seed=7)
+    made.append(prefill)
+    remote = transfer(prefill, 11)
+    assert [e.cluster_id for e in remote.leased] == [6000, 6002]
+    for w in prefill.workers:
+        w.hold({11: "req11"})
+    for w in prefill.workers[1::2]:  # never read: released at once, nothing to extend
+        assert due_soon(w, 1) == {"req11": Ending.UNREAD}
+    try:
+        watched(decode, remote, "d11")
+        time.sleep(2.5)  # 2.5 leases: still held at ranks 0 and 2 only because both decode ranks extend them
+        for w in prefill.workers[::2]:
+            assert w.leases is not None and w.leases.due() == {} and len(w.leases) == 1
+        assert all(w.keeper is not None and w.keeper.usable("d11") for w in decode.workers)
+    finally:
+        decode.close()  # decode dies: nobody extends any more
+    died = time.monotonic()
+    for w in prefill.workers[::2]:
+        assert due_soon(w, 3) == {"req11": Ending.EXPIRED}
+    assert time.monotonic() - died < 2.0  # a lease (1 s) after the last extension, at most
+
+
+def test_an_abort_at_decode_releases_every_prefill_rank_at_once(made: list[Ranks]) -> None:
+    """Prefill TP 2, decode TP 2: both decode ranks release at both prefill ranks; the duplicates harm nothing."""
+    prefill = Ranks(spec(2, 2), True, 8000, seed=8)
+    decode = Ranks(spec(2, 2), False, 9000, seed=9)
+    made += [prefill, decode]
+    for w in prefill.workers:
+        w.hold({12: "req12", 13: "req13"})
+    watched(decode, transfer(prefill, 12), "d12")
+    watched(decode, transfer(prefill, 13), "d13")
+    started = time.monotonic()
+    for w in decode.workers:  # the scheduler's drop reaches every decode rank
+        w.take_orders(StepMetadata(drop=["d12"]))
+    for w in prefill.workers:
+        assert due_soon(w, 5) == {"req12": Ending.RELEASED}
+    assert time.monotonic() - started < 2.0  # at once, not a 30 s lease later
+    time.sleep(0.3)  # the second rank's duplicate releases land too
+    for w in prefill.workers:
+        assert w.leases is not None and w.leases.due() == {} and len(w.leases) == 1  # req13 is untouched
+    assert all(w.keeper is not None and w.keeper.usable("d13") and not w.keeper.usable("d12") for w in decode.workers)
