@@ -30,9 +30,10 @@ Rows: the median of each (and the transfer's p90) per shape and connector
 (the shape is the rows' "op"); hixl's rows have NIXL's of the same shape as
 their baseline (ratio hixl / NIXL). No targets: on a shared CPU machine these
 figures are indications. NIXL is optional (the ``nixl`` extra): without it the
-scenario measures hixl alone and says so in a note; a shape NIXL's servers
-fail to serve (they exit, or a request fails) is measured with hixl alone and
-the note quotes NIXL's error. Needs vLLM
+scenario measures hixl alone and says so in a note. A deployment whose servers
+fail (one exits, or a request fails) gives no rows; a note quotes the error and
+the other connectors and shapes go on: a shape NIXL cannot serve is measured
+with hixl alone. Needs vLLM
 (the ``vllm`` extra). The model: ``vllm_model`` in ``BenchConfig.extra``
 (``--model``), else the tests' tiny Llama, built in a temporary folder.
 """
@@ -43,6 +44,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -73,6 +75,10 @@ SERVER_FLAGS = (
     "--enforce-eager",
 )  # fmt: skip
 AUTO = ("auto",)  # the scenario's default "transport": the hixl connector's own choice
+#: The proxy's health checks, lenient: a CPU-starved server (TP 2 on two cores) can take seconds to answer
+#: /health while it computes, and the proxy would mark it down and refuse requests (503); this measures
+#: serving, not failover.
+PROXY_FLAGS = ("--health-timeout", "30", "--down-after", "10")
 STARTUP_TIMEOUT = 600.0  # seconds for both servers to load a model and answer /health
 REQUEST_TIMEOUT = 300.0
 DEFAULTS = {"vllm_requests": 10, "vllm_prompt_tokens": 256, "vllm_max_tokens": 32}
@@ -246,7 +252,7 @@ class Deployment:
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.ports[name])]
             config = connector.transfer_config(name.startswith("prefill"))
             commands[name] = ([*cmd, *_server_flags(tp), "--kv-transfer-config", config], env)
-        proxy = [sys.executable, "-m", "hixl.cli", "proxy", "--port", str(self.ports["proxy"])]
+        proxy = [sys.executable, "-m", "hixl.cli", "proxy", "--port", str(self.ports["proxy"]), *PROXY_FLAGS]
         for name, _ in servers:
             proxy += [f"--{name.rstrip('0123456789')}", self.url(name)]
         commands["proxy"] = (proxy, {})
@@ -420,13 +426,16 @@ class ShapeFailed(RuntimeError):
 
 
 def _reason(exc: BaseException, deployment: Deployment) -> str:
-    """The servers' own error for a failure: the last error line of any server's log, else ``exc``."""
+    """What went wrong, in the servers' words where they have some: ``exc``, and the last error of any server's log."""
+    what = f"{exc} ({exc.read().decode(errors='replace')[:200]})" if isinstance(exc, urllib.error.HTTPError) else str(exc)
     for name in deployment.names("decode") + deployment.names("prefill"):
-        lines = [line.strip() for line in deployment.log_tail(name, 20000).splitlines()]
-        errors = [line for line in lines if "Error" in line and not line.startswith("Traceback")]
+        errors = [line.strip() for line in deployment.log_tail(name, 50000).splitlines() if _ERROR.search(line)]
         if errors:
-            return f"{name}: {errors[-1][:400]}"
-    return str(exc).splitlines()[0][:400]
+            return f"{what.splitlines()[0][:300]}; {name}'s last error: {errors[-1][:400]}"
+    return what.splitlines()[0][:400]
+
+
+_ERROR = re.compile(r"\bERROR\b|^\s*\w+(Error|Exception): ")  # vLLM's ERROR lines, a traceback's last line
 
 
 def _figures(samples: list[Sample]) -> dict[str, tuple[float, str]]:
@@ -505,10 +514,9 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
                 try:
                     results[connector.name] = _measure(connector, shape, model, folder, chosen, config.warmup, progress)
                 except ShapeFailed as exc:
-                    if connector.name != "nixl":
-                        raise
-                    # NIXL's limits are NIXL's: hixl's figures for the shape stand alone, with NIXL's error.
-                    notes.append(f"vllm {shape.label}: NIXL's servers could not serve it, hixl alone: {exc.reason}")
+                    # One deployment failing (NIXL's limits, or a server starved on a shared machine) leaves the
+                    # other connectors' figures for the shape and the other shapes standing; the note says why.
+                    notes.append(f"vllm {shape.label}: {connector.name}'s servers could not serve it: {exc.reason}")
             rows += _rows(shape, results)
     notes += [f"vllm: {c.name}'s KV transfer is decode's {c.metric}: {c.measures}" for c in connectors]
     notes.append("vllm: servers on a shared CPU machine: indicative figures, no targets")
