@@ -323,7 +323,8 @@ def scrape(url: str, names: tuple[str, ...]) -> tuple[float, ...]:
     """Each sample name's total on ``url``'s ``/metrics``, over its label sets (0 if absent)."""
     from prometheus_client.parser import text_string_to_metric_families  # comes with vLLM
 
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+    # A CPU-starved server (TP 2 on two cores) took more than 10 s to answer its first scrape.
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as reply:
         text = reply.read().decode()
     totals = dict.fromkeys(names, 0.0)
     for family in text_string_to_metric_families(text):
