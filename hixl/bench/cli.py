@@ -82,7 +82,10 @@ the 'nixl' extra; else hixl alone, said in a note), sends both the same
 --requests streamed completions of --tokens prompt tokens, and reports per
 connector the KV transfer time (from decode's /metrics), time to first token
 and decode throughput; hixl's rows have NIXL's as baseline. Needs the 'vllm'
-extra; each connector's servers take a minute or more to start.
+extra; each connector's servers take a minute or more to start. --shape
+measures other deployments the same way (2p1d, 1p2d: several instances behind
+the proxy; tp2-1, tp1-2: prefill TP != decode TP; all: every one); a shape
+NIXL cannot serve is measured with hixl alone, NIXL's error in a note.
 """
 
 
@@ -173,6 +176,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model", metavar="PATH", help="vllm: the model the servers load (default: a tiny random Llama built locally)"
+    )
+    parser.add_argument(
+        "--shape",
+        type=_names((*vllm_bench.SHAPES, "all")),
+        metavar="S[,S]",
+        help=f"vllm: deployment shapes, of {','.join(vllm_bench.SHAPES)} (XpYd: X prefill and Y decode instances; "
+        "tpA-B: one prefill of TP A and one decode of TP B) or all (default: 1p1d)",
     )
     parser.add_argument(
         "--block-sizes",
@@ -284,6 +294,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         "vllm_prompt_tokens": args.tokens,
         "vllm_requests": args.requests,
         "vllm_model": args.model,
+        "vllm_shapes": args.shape,
     }
     config = replace(config, extra={**config.extra, **{k: v for k, v in knobs.items() if v is not None}})
     return config
@@ -356,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
         if "vllm" in scenarios:
             vllm_bench.knobs(config)
             vllm_bench.contenders(config)
+            vllm_bench.shapes(config)
     except ValueError as exc:
         print(f"hixl bench: error: {exc}", file=sys.stderr)
         return 2

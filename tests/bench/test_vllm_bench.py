@@ -6,6 +6,7 @@ The quick run measures hixl's connector, and NIXL's where NIXL is installed
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import replace
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hixl.bench import vllm_bench
-from hixl.bench.cli import main
+from hixl.bench.cli import config_from_args, configure, main
 from hixl.bench.config import BenchConfig
 
 QUICK = BenchConfig.quick_run()
@@ -47,6 +48,26 @@ def test_impossible_runs_are_refused_before_anything_starts(
 ) -> None:
     assert main(["--scenario", "vllm", "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_shapes_are_chosen_by_name_and_share_out_the_cpus(capsys: pytest.CaptureFixture[str]) -> None:
+    assert [s.name for s in vllm_bench.shapes(QUICK)] == ["1p1d"]
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    every = vllm_bench.shapes(config_from_args(parser.parse_args(["--scenario", "vllm", "--shape", "all"])))
+    assert [(s.name, s.prefills, s.decodes) for s in every] == [
+        ("1p1d", (1,), (1,)), ("2p1d", (1, 1), (1,)), ("1p2d", (1,), (1, 1)), ("tp2-1", (2,), (1,)), ("tp1-2", (1,), (2,)),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="no shape 3p1d: choose from 1p1d, 2p1d"):
+        vllm_bench.shapes(replace(QUICK, extra={"vllm_shapes": ("1p1d", "3p1d")}))
+    with pytest.raises(SystemExit):
+        main(["--scenario", "vllm", "--shape", "3p1d"])
+    assert "choose from 1p1d, 2p1d, 1p2d, tp2-1, tp1-2, all" in capsys.readouterr().err
+    # One core per rank where there are enough (spares to the first), in turn where there are not.
+    assert vllm_bench.cpu_binds([1, 1], [0, 1, 2, 3, 4]) == ["0,1,2", "3,4"]
+    assert vllm_bench.cpu_binds([2, 1], [0, 1, 2, 3]) == ["0,1|2", "3"]
+    assert vllm_bench.cpu_binds([2, 1], [0, 1]) == ["0|1", "0"]
+    assert vllm_bench.cpu_binds([1, 1, 1], [4, 6]) == ["4", "6", "4"]
 
 
 @pytest.mark.slow
