@@ -8,9 +8,13 @@ How a request is routed, and what happens when an upstream fails:
   a 503 at once.
 - An *attempt* is a prefill hop, then a decode hop. When either fails before
   any byte reached the client (unreachable, timed out, a 5xx, a broken
-  answer), the failing upstream is marked down and the request is attempted
-  again **from prefill**, avoiding the upstreams that failed it: at most
-  ``retries`` more attempts.
+  answer), the request is attempted again **from prefill**, avoiding the
+  upstreams that failed it: at most ``retries`` more attempts. An upstream
+  that could not be reached or timed out is also marked down for every
+  request until a health check passes; one that *answered* (a 5xx, a broken
+  answer) is alive and stays up for the others — its 5xx may be another
+  instance's fault (a decode whose prefill died answers 500), and with one
+  decode, marking it down would turn every later request into a 503.
 - A failed decode is never given the same ``kv_transfer_params`` again. They
   name blocks prefill holds for one pull: the failed decode may have pulled
   them before failing, after which prefill frees them and vLLM reuses them,
@@ -70,9 +74,11 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], options: ProxyOpti
 class _Failed(Exception):
     """A hop failed in a way another upstream may not: unreachable, too slow, a 5xx, a broken answer."""
 
-    def __init__(self, upstream: Upstream, reason: str, answer: web.Response | None = None) -> None:
+    def __init__(self, upstream: Upstream, reason: str, answer: web.Response | None = None, answered: bool = False) -> None:
         super().__init__(f"{upstream.role.value} {upstream.url}: {reason}")
         self.upstream, self.reason, self.answer = upstream, reason, answer  # answer: the 5xx, to pass on
+        self.answered = answered
+        """It answered (so it is alive): not marked down for other requests."""
 
 
 class _NoneUp(Exception):
@@ -137,10 +143,13 @@ class _Proxy:
                 return await self._attempt(request, body, failed)
             except _Failed as exc:
                 log.warning("attempt %d of %d failed: %s", attempt, attempts, exc)
-                exc.upstream.request_failed(exc.reason)
+                if not exc.answered:
+                    exc.upstream.request_failed(exc.reason)
                 failed.add(exc.upstream)
                 last = exc
             except _NoneUp as exc:
+                if last is not None and last.answer is not None:
+                    return last.answer  # no other instance to try: the failing one's own answer
                 self.metrics.unavailable.inc(exc.role.value)
                 after = f"; this request failed on {last}" if last else ""
                 return _error(503, f"no {exc.role.value} instance is up{after}")
@@ -188,7 +197,10 @@ class _Proxy:
 
     @staticmethod
     def _pick(pool: Pool, failed: set[Upstream]) -> Upstream:
-        up = pool.pick(exclude=failed)
+        # One that failed this request but is still up (it answered) is taken again if no
+        # other is left: a decode's 5xx may have been its prefill's fault, and the retry
+        # comes through a fresh prefill.
+        up = pool.pick(exclude=failed) or pool.pick()
         if up is None:
             raise _NoneUp(pool.role)
         return up
@@ -217,7 +229,7 @@ class _Proxy:
             raise _Failed(up, describe(exc, self.options.timeout)) from exc
         answer = _relay(resp, payload)
         if resp.status >= 500:
-            raise _Failed(up, f"answered {resp.status}", answer)
+            raise _Failed(up, f"answered {resp.status}", answer, answered=True)
         if resp.status != 200:
             hop.outcome = _outcome(resp.status)
             return answer
@@ -226,7 +238,7 @@ class _Proxy:
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):
-            raise _Failed(up, "answered 200 with a body that is not a JSON object")
+            raise _Failed(up, "answered 200 with a body that is not a JSON object", answered=True)
         hop.outcome = Outcome.OK
         return parsed
 
@@ -236,7 +248,7 @@ class _Proxy:
         try:
             async with self._session.post(up.url + request.path, json=body, headers=headers) as resp:
                 if resp.status >= 500:
-                    raise _Failed(up, f"answered {resp.status}", _relay(resp, await resp.read()))
+                    raise _Failed(up, f"answered {resp.status}", _relay(resp, await resp.read()), answered=True)
                 if resp.status != 200 or not body.get("stream"):
                     answer = _relay(resp, await resp.read())  # read whole: a failure while reading can still be retried
                     hop.outcome = _outcome(resp.status)

@@ -69,7 +69,8 @@ async def until(condition: Callable[[], Awaitable[bool] | bool], what: str, time
 class FakeVllm:
     """A vLLM instance's stand-in in one role, with faults to order.
 
-    ``fault``: None, ``"500"`` (every completion answers 500), ``"hang"`` (no
+    ``fault``: None, ``"500"`` (every completion answers 500), ``"500-once"`` (the
+    next completion answers 500, then the fault clears), ``"hang"`` (no
     answer until stopped), ``"break"`` (decode: one chunk of the stream, then
     the connection drops), ``"stall"`` (decode: one chunk, then nothing until
     stopped). ``gate``: when an Event, completions wait for it.
@@ -116,7 +117,9 @@ class FakeVllm:
             await self.gate.wait()
         if self.fault == "hang":
             await self._stopping.wait()
-        if self.fault in ("500", "hang"):
+        if self.fault in ("500", "500-once", "hang"):
+            if self.fault == "500-once":
+                self.fault = None
             return web.json_response({"error": {"message": "injected", "code": 500}}, status=500)
         if body.get("model") == "missing":
             return web.json_response({"error": {"message": "no such model", "code": 404}}, status=404)
@@ -388,6 +391,24 @@ async def test_retries_are_bounded_and_the_last_5xx_passed_on() -> None:
         assert status == 500 and body["error"]["message"] == "injected"
         assert [len(p.bodies) for p in f.prefills] == [1, 1, 0]
         assert await f.value("hixl_proxy_retries_total", role="prefill") == 1
+
+
+@async_test
+async def test_a_decode_that_answers_500_stays_up_and_is_retried_through_a_fresh_prefill() -> None:
+    """A decode's 500 may be its prefill's fault (one that died under the pull): the decode answered,
+    so it is alive. With it the only decode, the retry goes to it again through a fresh prefill,
+    and later requests are served — not refused with 503 until a health check."""
+    async with fleet(prefills=2, decodes=1, health_interval=60.0) as f:
+        decode = f.decodes[0]
+        decode.fault = "500-once"
+        status, body = await f.ask()
+        assert status == 200 and body["choices"][0]["text"] == "w1 w2 w3"
+        ids = [(b["kv_transfer_params"]["remote_engine"], b["kv_transfer_params"]["remote_transfer_id"]) for b in decode.bodies]
+        assert len(ids) == 2 and ids[0] != ids[1]  # a fresh prefill's KV the second time
+        assert await f.value("hixl_proxy_retries_total", role="decode") == 1
+        assert await f.value("hixl_proxy_upstream_up", upstream=decode.url) == 1
+        assert [(await f.ask())[0] for _ in range(2)] == [200, 200]
+        assert await f.value("hixl_proxy_unavailable_total") in (None, 0)
 
 
 @async_test
