@@ -8,7 +8,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -113,15 +114,30 @@ def _scattered(local: int, remote: int, size: int, block: int = 4096) -> np.ndar
     return np.stack([local + offsets, remote + offsets, np.full(len(offsets), block, np.uint64)], axis=1)
 
 
-@pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
-def test_same_host_copies_stop_before_deregistration_returns(make_target: MakeTarget, op: Op) -> None:
-    size = 64 * MiB
-    target = make_target([size])
+@contextmanager
+def _cma_to(target: TargetProcess, size: int) -> Iterator[tuple[Engine, np.ndarray, hixl.MemDesc]]:
+    """An engine connected to ``target`` over cma, a registered local buffer of ``size`` bytes,
+    and the target's first region (which the test deregisters and registers again)."""
     with Engine("127.0.0.1", {"transport": "cma"}) as eng:
         buf = hixl.empty(size)
         eng.register_mem(buf)
         eng.connect(target.engine)
-        region = hixl.MemDesc(target.addrs[0], size)
+        yield eng, buf, hixl.MemDesc(target.addrs[0], size)
+
+
+def _assert_nothing_after(op: Op, target: TargetProcess, buf: np.ndarray, size: int) -> None:
+    """No copy landed in (WRITE) or read (READ) the target's memory once it was deregistered and reused."""
+    if op is Op.WRITE:
+        assert target.read(0, 0, size) == bytes([REUSED]) * size, "a copy landed after deregister_mem"
+    else:
+        assert REUSED not in buf, "a copy read memory after deregister_mem returned"
+
+
+@pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
+def test_same_host_copies_stop_before_deregistration_returns(make_target: MakeTarget, op: Op) -> None:
+    size = 64 * MiB
+    target = make_target([size])
+    with _cma_to(target, size) as (eng, buf, region):
         handle = target.call("register_mem", region)  # the registration it made (idempotent)
         outcomes = []
         for _ in range(3):
@@ -135,10 +151,7 @@ def test_same_host_copies_stop_before_deregistration_returns(make_target: MakeTa
             except MemoryRangeError:
                 pass  # stopped mid-way: the region went away under it
             outcomes.append(req.status)
-            if op is Op.WRITE:
-                assert target.read(0, 0, size) == bytes([REUSED]) * size, "a copy landed after deregister_mem"
-            else:
-                assert REUSED not in buf, "a copy read memory after deregister_mem returned"
+            _assert_nothing_after(op, target, buf, size)
             handle = target.call("register_mem", region)
         # Which ones were cut short varies; the invariant above is what counts — and that each ended.
         assert all(status in (TransferStatus.COMPLETED, TransferStatus.FAILED) for status in outcomes), outcomes
@@ -151,11 +164,7 @@ def test_parallel_same_host_copies_to_one_peer_all_stop_before_deregistration_re
     threads, part = 4, 8 * MiB
     size = threads * part
     target = make_target([size])
-    with Engine("127.0.0.1", {"transport": "cma"}) as eng:
-        buf = hixl.empty(size)
-        eng.register_mem(buf)
-        eng.connect(target.engine)
-        region = hixl.MemDesc(target.addrs[0], size)
+    with _cma_to(target, size) as (eng, buf, region):
         handle = target.call("register_mem", region)
         for _ in range(2):
             buf[:] = 0x22
@@ -184,10 +193,7 @@ def test_parallel_same_host_copies_to_one_peer_all_stop_before_deregistration_re
             for worker in workers:
                 worker.join(30)
             assert all(copies), f"some thread never copied: {copies}"
-            if op is Op.WRITE:
-                assert target.read(0, 0, size) == bytes([REUSED]) * size, "a copy landed after deregister_mem"
-            else:
-                assert REUSED not in buf, "a copy read memory after deregister_mem returned"
+            _assert_nothing_after(op, target, buf, size)
             handle = target.call("register_mem", region)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -44,10 +46,10 @@ def test_a_revoke_waits_for_every_copy_in_flight_then_has_it_alone() -> None:
     assert not lease.revoking and lease.enter()  # and copies go on afterwards
 
 
-def test_a_copy_waiting_for_a_revoke_goes_on_after_it() -> None:
-    lease = Lease()
-    release = threading.Event()
-    inside = threading.Event()
+@contextmanager
+def _revoking(lease: Lease) -> Iterator[threading.Event]:
+    """Another thread holds ``lease`` exclusively until the returned event is set (or the block ends)."""
+    inside, release = threading.Event(), threading.Event()
 
     def revoke() -> None:
         with lease.exclusive(time.monotonic() + 10):
@@ -57,20 +59,29 @@ def test_a_copy_waiting_for_a_revoke_goes_on_after_it() -> None:
     thread = threading.Thread(target=revoke)
     thread.start()
     inside.wait(5)
+    try:
+        yield release
+    finally:
+        release.set()
+        thread.join(5)
+
+
+def test_a_copy_waiting_for_a_revoke_goes_on_after_it() -> None:
+    lease = Lease()
     got: list[float] = []
 
     def copy() -> None:
         with lease.shared(time.monotonic() + 10):
             got.append(time.monotonic())
 
-    copier = threading.Thread(target=copy)
-    copier.start()
-    time.sleep(0.05)
-    assert not got  # waits while the revoke holds the lease
-    released_at = time.monotonic()
-    release.set()
-    copier.join(5)
-    thread.join(5)
+    with _revoking(lease) as release:
+        copier = threading.Thread(target=copy)
+        copier.start()
+        time.sleep(0.05)
+        assert not got  # waits while the revoke holds the lease
+        released_at = time.monotonic()
+        release.set()
+        copier.join(5)
     assert got and got[0] >= released_at
 
 
@@ -88,20 +99,6 @@ def test_a_copy_that_outlasts_the_deadline_fails_the_revoke_and_leaves_the_lease
 
 def test_a_copy_waits_no_longer_than_its_deadline_for_a_revoke() -> None:
     lease = Lease()
-    inside, release = threading.Event(), threading.Event()
-
-    def revoke() -> None:
-        with lease.exclusive(time.monotonic() + 10):
-            inside.set()
-            release.wait(5)
-
-    thread = threading.Thread(target=revoke)
-    thread.start()
-    inside.wait(5)
-    try:
-        with pytest.raises(HixlTimeout):
-            with lease.shared(time.monotonic() + 0.05):
-                raise AssertionError("no copy runs while the revoke holds the lease")
-    finally:
-        release.set()
-        thread.join(5)
+    with _revoking(lease), pytest.raises(HixlTimeout):
+        with lease.shared(time.monotonic() + 0.05):
+            raise AssertionError("no copy runs while the revoke holds the lease")
