@@ -977,7 +977,7 @@ class _ServedConnection:
         # A two-sided peer with nothing waiting on us pings only every idle_ping (it said how
         # often): its silence counts against the budget from then.
         idle = self._peer_idle_ping() if not (self._outbox or self._landing) else 0.0
-        if silent > budget + idle:
+        if wire.past_budget(now, wire.last_alive + idle, budget):
             self.end(f"no sign of life for {silent:.1f} s")
             return
         if self._outbox.stalled(now, budget):

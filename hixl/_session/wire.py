@@ -88,6 +88,7 @@ class Wire:
         self.conn_lock = threading.Lock()
         self.last_alive = time.monotonic()
         self._last_ping = 0.0
+        self._asked_at = 0.0  # the first PING since the peer was last heard (0: none yet)
         self.dead_reason = ""
         self._frame_started: float | None = None
         self._scratch = bytearray(READ_SIZE)
@@ -145,13 +146,37 @@ class Wire:
         :attr:`idle_ping`)."""
         self.check_alive()
         now = time.monotonic()
-        quiet = now - self._liveness_reference(waiting_since)
-        budget = self.interval * self.misses
-        if quiet > budget:
-            raise self._fail(f"no sign of life for {quiet:.1f} s")
+        reference = self._liveness_reference(waiting_since)
+        if self.past_budget(now, reference, self.interval * self.misses):
+            raise self._fail(f"no sign of life for {now - reference:.1f} s")
         if self.ping_due(now, waiting_since):
-            self._last_ping = now
+            self.pinged(now)
             self.try_send(proto.Ping())
+
+    def past_budget(self, now: float, reference: float, budget: float) -> bool:
+        """Whether the peer, silent since ``reference``, is to be declared dead: silent for longer
+        than ``budget``, *and* a PING of ours went out since it was last heard and has gone
+        unanswered for half the budget, *and* nothing it sent waits unread in our socket.
+
+        The last two guard against our own stalls: this process may be held up for seconds (an
+        application thread keeping the GIL, a paused VM) between the poll that found nothing and
+        this check, with the peer's answers sitting in the socket all along — or before it ever
+        asked. Then the caller's PING is due (see :meth:`ping_due`), and the peer gets its half
+        budget to answer; a peer that is really gone is declared dead that much later at most."""
+        if now - reference <= budget:
+            return False
+        if self._asked_at < self.last_alive or now - self._asked_at < budget / 2:
+            return False
+        return not self._heard_unread()
+
+    def _heard_unread(self) -> bool:
+        """Whether bytes from the peer wait unread in our socket: a sign of life, counted as of now."""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        self.last_alive = time.monotonic()
+        return True
 
     def _liveness_reference(self, waiting_since: float | None) -> float:
         """Since when the peer's silence counts against its budget. A busy link (something waits on
@@ -175,8 +200,10 @@ class Wire:
         return now - self.last_alive >= self.idle_ping and now - self._last_ping >= self.idle_ping
 
     def pinged(self, now: float) -> None:
-        """Record a PING sent by someone else than :meth:`on_idle` (the target's I/O loop)."""
+        """Record a PING sent (by :meth:`on_idle`, or the target's I/O loop)."""
         self._last_ping = now
+        if self._asked_at < self.last_alive:
+            self._asked_at = now
 
     # -- receiving --------------------------------------------------------------------------------
     def next_event(

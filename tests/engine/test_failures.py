@@ -3,6 +3,7 @@ survivor keeps working. Targets are real child processes, killed (SIGKILL) or fr
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
@@ -177,6 +178,33 @@ def test_heartbeats_break_the_link_to_a_frozen_peer(transport: str, make_target:
         with pytest.raises(PeerDisconnected):
             eng.transfer_sync(target.engine, Op.READ, descs, timeout=5)
         assert time.monotonic() - start < 0.5
+
+
+def _hold_the_gil(seconds: float) -> None:
+    """Hold this whole process up as an application thread keeping the GIL would (a C call through
+    ``ctypes.PyDLL`` never releases it): no other Python thread here runs meanwhile."""
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+def test_a_live_peer_is_not_declared_dead_because_this_process_was_held_up(transport: str, make_target: MakeTarget) -> None:
+    # Our budget is 0.3 s; the target's is 5 s, so it waits for us. Held up for 1.5 s with the
+    # target's answers (or nothing yet asked of it) in our socket, the link must live on: silence
+    # counts against a peer only once a PING of ours went unanswered (the vLLM case: a worker's
+    # main thread kept the GIL for 10 s and its links declared the live prefill dead).
+    target = make_target([MiB])
+    target.fill(0, 5)
+    eng, buf = _initiator(transport, **FAST_HEARTBEAT)
+    with eng:
+        eng.connect(target.engine)
+        descs = [(_addr(buf), target.addrs[0], 4096)]
+        for _ in range(2):
+            time.sleep(0.35)  # (the reader's poll, or its PING, in flight when the hold begins)
+            _hold_the_gil(1.5)
+            time.sleep(0.5)  # the checks that follow the hold, and the PING they send, answered
+            eng.transfer_sync(target.engine, Op.READ, descs, timeout=5)
+            assert np.array_equal(buf[:4096], TargetProcess.expected(MiB, 5)[:4096])
+            buf[:4096] = 0
+        assert eng.connected_engines() == [target.engine]
 
 
 def test_connect_to_a_frozen_peer_times_out(make_target: MakeTarget) -> None:
