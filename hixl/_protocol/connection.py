@@ -485,6 +485,27 @@ class Connection:
             raise RuntimeError(f"moved {nbytes} bytes, only {self.data_left} were due")
         self.data_left -= nbytes
 
+    def took_reply(self, kind: FrameType, req_id: int, data_len: int) -> None:
+        """The driver read the header of a bodiless DATA or ACK itself, straight off the socket
+        (TCP's latency path, see :func:`hixl._accel.tcp_reply`): account for it as
+        :meth:`next_event` would for the same bytes — refused by the same checks (a
+        :class:`ProtocolError` closes the connection), the request it answers forgotten, and
+        ``data_len`` bytes of data due. Only with nothing buffered: frames stay in stream order."""
+        if kind not in (_F.DATA, _F.ACK) or self.role is not Role.INITIATOR:
+            raise ValueError(f"took_reply is for an initiator's DATA or ACK, not a {self.role.value}'s {kind!r}")
+        if self.data_left or self.buffered:
+            raise RuntimeError("a reply read past buffered bytes would leave the stream out of order")
+        if self.state is ConnState.CLOSED:
+            raise ProtocolError(f"{kind.name} after the connection closed")
+        try:
+            answers = self._check_incoming(kind, req_id, data_len)
+        except ProtocolError as exc:
+            self._close(str(exc))
+            raise
+        if answers is not None:
+            del self._outstanding[answers]
+        self.data_left = data_len
+
     def _receivable(self) -> frozenset[FrameType]:
         """What the peer may send us now, by the tables (see ``_RECEIVABLE``)."""
         if self.state in (ConnState.HANDSHAKE, ConnState.AUTHENTICATED):

@@ -74,9 +74,16 @@ class LinkSession(Protocol):
         """Send a request (and its bulk ``data``) whose reply goes to ``pending``."""
 
     def exchange(
-        self, req_id: int, make_frame: Callable[[Any], bytes], data: list[tuple[int, int]], pending: Pending, deadline: float
+        self,
+        req_id: int,
+        make_frame: Callable[[Any], bytes],
+        data: list[tuple[int, int]],
+        pending: Pending,
+        deadline: float,
+        into: list[tuple[int, int]],
     ) -> bool:
-        """The latency path: one request frame and its data in one send, the reply read on this thread."""
+        """The latency path: one request frame and its data in one send, the reply read on this
+        thread (a DATA's bytes straight into ``into``)."""
 
     def call(self, message: proto.Message, timeout: float) -> proto.Message:
         """Send a request and wait for its reply."""

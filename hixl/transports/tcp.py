@@ -115,11 +115,19 @@ class _InFlight(Pending):
 class _Small(Pending):
     """The reply to a latency-path request: a READ's data is scattered straight into ``descs``."""
 
-    def __init__(self, descs: list[tuple[int, int, int]], deadline: float) -> None:
+    def __init__(self, descs: list[tuple[int, int, int]], deadline: float, size: int) -> None:
         self.descs = descs
         self.deadline = deadline
+        self.size = size
+        """Bytes of DATA the reply brings (0: a WRITE's, answered by an ACK)."""
         self.ok = False
         self.error: HixlError | None = None
+
+    def on_landed(self, nbytes: int) -> None:
+        self.done = True
+        self.ok = nbytes == self.size
+        if not self.ok:
+            self.error = TransferTimeout(f"the reply to a READ of {self.size} B stalled past its deadline")
 
     def on_data(self, link: LinkSession, nbytes: int) -> None:
         self.done = True
@@ -173,15 +181,16 @@ class TcpChannel(Channel):
         req_id = link.next_id()
         write = op is Op.WRITE
         peer_deadline = link.peer_deadline(deadline)
-        pending = _Small(descs, deadline)
+        pending = _Small(descs, deadline, 0 if write else nbytes)
         pairs = [(remote, length) for _, remote, length in descs]
 
         def frame(conn: Connection) -> bytes:
             return conn.transfer_frame(write, req_id, peer_deadline, pairs, nbytes if write else 0)
 
-        data = [(local, length) for local, _, length in descs] if write else []
+        local = [(addr, length) for addr, _, length in descs]
+        data, into = (local, []) if write else ([], local)
         try:
-            if not link.exchange(req_id, frame, data, pending, deadline):
+            if not link.exchange(req_id, frame, data, pending, deadline, into):
                 return False  # someone else is reading: queue behind them on the general path
         except HixlError as exc:
             if pending.error is None:
