@@ -26,6 +26,9 @@ these functions are handed the tables their callers checked and hold current.
   reply's header read and recognised (a DATA or ACK for that request, else "not mine"), and once
   the connection has accounted for it, the DATA's bytes landed in local memory; each wait a
   ``poll`` bounded by the caller's time, with the GIL released (see :mod:`hixl._session.wire`).
+- :func:`tcp_request` — the target's side: one ``recv``, and a small READ or WRITE that arrived
+  whole recognised and its fields handed back (anything else: "not mine", for the connection's
+  parser); :func:`tcp_send` then sends its DATA from registered memory, never waiting.
 - :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`
   cheaper (only the pure one has a use for it: numpy's calls want one side back
   to back; C copies in any order at the same speed).
@@ -55,6 +58,7 @@ __all__ = [
     "mapped_copy",
     "tcp_land",
     "tcp_reply",
+    "tcp_request",
     "tcp_send",
 ]
 
@@ -86,6 +90,7 @@ cma_copy = _impl.cma_copy
 tcp_send = _impl.tcp_send
 tcp_reply = _impl.tcp_reply
 tcp_land = _impl.tcp_land
+tcp_request = _impl.tcp_request
 TCP_WAIT: int = _impl.TCP_WAIT
 TCP_EOF: int = _impl.TCP_EOF
 TCP_RANGES: int = _impl.TCP_RANGES

@@ -693,6 +693,109 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(tcp_request_doc,
+"tcp_request(sock, scratch) -> (kind, have, end, req_id, deadline, pairs, data_len)\n\n"
+"The target's side of TCP's latency path: one non-blocking recv from ``sock`` into the\n"
+"writable ``scratch``; if what it holds starts with a whole, well-formed READ (5) or WRITE (6)\n"
+"frame of 1 to 8 descriptors, ``kind`` is its type, ``end`` where it ends in ``scratch``, and\n"
+"``req_id``, ``deadline``, ``pairs`` (a list of (addr, len)) and ``data_len`` its fields.\n"
+"Else ``kind`` is 0 (anything else, or a frame not all here yet), -1 (nothing to read) or -2\n"
+"(the peer closed its end), and ``have`` says what ``scratch`` holds. Raises OSError.");
+
+#define TCP_READ 5
+#define TCP_WRITE 6
+#define TCP_SMALL_DESCS 8
+
+static PyObject *
+tcp_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "tcp_request takes 2 arguments");
+        return NULL;
+    }
+    int fd = socket_fd(args[0]);
+    if (fd < 0)
+        return NULL;
+    Py_buffer scratch;
+    if (PyObject_GetBuffer(args[1], &scratch, PyBUF_WRITABLE) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (scratch.len < TCP_HEADER + 8 + 16 * TCP_SMALL_DESCS) {
+        PyErr_SetString(PyExc_ValueError, "tcp_request: scratch too small");
+        goto done;
+    }
+    unsigned char *h = scratch.buf;
+    ssize_t have;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        have = recv(fd, h, (size_t)scratch.len, 0);
+        Py_END_ALLOW_THREADS
+        if (have >= 0 || errno != EINTR)
+            break;
+        if (PyErr_CheckSignals() < 0)
+            goto done;
+    }
+    if (have < 0) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        result = Py_BuildValue("(iiiiiOi)", TCP_WAIT, 0, 0, 0, 0, Py_None, 0);
+        goto done;
+    }
+    if (have == 0) {
+        result = Py_BuildValue("(iiiiiOi)", TCP_EOF, 0, 0, 0, 0, Py_None, 0);
+        goto done;
+    }
+    /* Recognised only if every rule hixl._protocol.frames applies to such a frame holds; for
+     * anything else that parser decides (and says why). */
+    uint64_t id, dlen;
+    uint32_t body;
+    int64_t deadline;
+    if (have < TCP_HEADER + 8)
+        goto other;
+    memcpy(&id, h + 8, 8);
+    memcpy(&body, h + 16, 4);
+    memcpy(&dlen, h + 20, 8);
+    memcpy(&deadline, h + TCP_HEADER, 8);
+    if (memcmp(h, "HXL1", 4) != 0 || (h[4] != TCP_READ && h[4] != TCP_WRITE) || h[5] || h[6] || h[7])
+        goto other;
+    if (body < 8 + 16 || body > 8 + 16 * TCP_SMALL_DESCS || (body - 8) % 16 || (Py_ssize_t)(TCP_HEADER + body) > have)
+        goto other;
+    if (deadline < 0 || (h[4] == TCP_READ && dlen))
+        goto other;
+    Py_ssize_t count = (body - 8) / 16;
+    uint64_t addrs[TCP_SMALL_DESCS], lens[TCP_SMALL_DESCS], total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        memcpy(&addrs[i], h + TCP_HEADER + 8 + 16 * i, 8);
+        memcpy(&lens[i], h + TCP_HEADER + 16 + 16 * i, 8);
+        if (!lens[i] || addrs[i] > UINT64_MAX - lens[i] || total > UINT64_MAX - lens[i])
+            goto other;
+        total += lens[i];
+    }
+    if (h[4] == TCP_WRITE && total != dlen)
+        goto other;
+    PyObject *pairs = PyList_New(count);
+    if (pairs == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)addrs[i], (unsigned long long)lens[i]);
+        if (pair == NULL) {
+            Py_DECREF(pairs);
+            goto done;
+        }
+        PyList_SET_ITEM(pairs, i, pair);
+    }
+    result = Py_BuildValue("(innKLNK)", (int)h[4], (Py_ssize_t)have, (Py_ssize_t)(TCP_HEADER + body),
+                           (unsigned long long)id, (long long)deadline, pairs, (unsigned long long)dlen);
+    goto done;
+other:
+    result = Py_BuildValue("(iniiiOi)", 0, (Py_ssize_t)have, 0, 0, 0, Py_None, 0);
+done:
+    PyBuffer_Release(&scratch);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"check_small", (PyCFunction)(void (*)(void))check_small, METH_FASTCALL, check_small_doc},
     {"mapped_copy", (PyCFunction)(void (*)(void))mapped_copy, METH_FASTCALL, mapped_copy_doc},
@@ -701,6 +804,7 @@ static PyMethodDef methods[] = {
     {"tcp_send", (PyCFunction)(void (*)(void))tcp_send, METH_FASTCALL, tcp_send_doc},
     {"tcp_reply", (PyCFunction)(void (*)(void))tcp_reply, METH_FASTCALL, tcp_reply_doc},
     {"tcp_land", (PyCFunction)(void (*)(void))tcp_land, METH_FASTCALL, tcp_land_doc},
+    {"tcp_request", (PyCFunction)(void (*)(void))tcp_request, METH_FASTCALL, tcp_request_doc},
     {NULL, NULL, 0, NULL},
 };
 

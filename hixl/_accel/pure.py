@@ -59,6 +59,7 @@ __all__ = [
     "mapped_copy",
     "tcp_land",
     "tcp_reply",
+    "tcp_request",
     "tcp_send",
 ]
 
@@ -420,3 +421,48 @@ def tcp_land(
         landed += n
         views = _skip(views, n)
     return landed, start + buffered
+
+
+_TCP_READ, _TCP_WRITE = 5, 6
+_TCP_SMALL_DESCS = 8
+_TCP_DEADLINE = struct.Struct("<q")
+_TCP_BODIES = {8 + 16 * n: struct.Struct(f"<{2 * n}Q") for n in range(1, _TCP_SMALL_DESCS + 1)}
+_U64 = (1 << 64) - 1
+
+
+def tcp_request(sock: socket.socket, scratch: bytearray) -> tuple[int, int, int, int, int, list[tuple[int, int]] | None, int]:
+    """One non-blocking ``recv`` into ``scratch``; ``(kind, have, end, req_id, deadline, pairs,
+    data_len)``: kind 5 (READ) / 6 (WRITE) if ``scratch`` starts with a whole, well-formed one of
+    those of 1 to 8 descriptors (``end``: where it ends), else 0, :data:`TCP_WAIT` (nothing to
+    read) or :data:`TCP_EOF`."""
+    if len(scratch) < _TCP_HEADER.size + 8 + 16 * _TCP_SMALL_DESCS:
+        raise ValueError("tcp_request: scratch too small")
+    try:
+        have = sock.recv_into(scratch)
+    except (BlockingIOError, InterruptedError):
+        return TCP_WAIT, 0, 0, 0, 0, None, 0
+    if not have:
+        return TCP_EOF, 0, 0, 0, 0, None, 0
+    other = (0, have, 0, 0, 0, None, 0)
+    if have < _TCP_HEADER.size + 8:
+        return other
+    magic, kind, flags, reserved, req_id, body, data_len = _TCP_HEADER.unpack_from(scratch)
+    unpack = _TCP_BODIES.get(body)
+    if magic != b"HXL1" or kind not in (_TCP_READ, _TCP_WRITE) or flags or reserved or unpack is None:
+        return other
+    end = _TCP_HEADER.size + body
+    (deadline,) = _TCP_DEADLINE.unpack_from(scratch, _TCP_HEADER.size)
+    if end > have or deadline < 0 or (kind == _TCP_READ and data_len):
+        return other
+    words = unpack.unpack_from(scratch, _TCP_HEADER.size + 8)
+    pairs = []
+    total = 0
+    for i in range(0, len(words), 2):
+        addr, length = words[i], words[i + 1]
+        if not length or addr > _U64 - length or total > _U64 - length:
+            return other
+        total += length
+        pairs.append((addr, length))
+    if kind == _TCP_WRITE and total != data_len:
+        return other
+    return kind, have, end, req_id, deadline, pairs, data_len

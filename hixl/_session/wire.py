@@ -90,8 +90,9 @@ class Wire:
         self._last_ping = 0.0
         self.dead_reason = ""
         self._frame_started: float | None = None
-        self._scratch = bytearray(READ_SIZE)
-        self._scratch_view = memoryview(self._scratch)
+        self.scratch = bytearray(READ_SIZE)
+        """Where each ``recv`` of frames lands (its reader's: one thread at a time)."""
+        self._scratch_view = memoryview(self.scratch)
 
     # -- life -----------------------------------------------------------------------------------
     def mark_dead(self, reason: str) -> None:
@@ -257,13 +258,13 @@ class Wire:
     def read_reply(self, req_id: int, into: list[tuple[int, int]], deadline: float) -> int | None:
         """TCP's latency path: read the reply to request ``req_id`` straight off the socket, for a
         reader holding ``read_lock`` with nothing buffered. If it is the DATA or ACK that request
-        waits for, the connection accounts for it (:meth:`Connection.took_reply`: its checks,
+        waits for, the connection accounts for it (:meth:`Connection.took_frame`: its checks,
         its verdict) and only then does the DATA's data land in ``into`` ((addr, len) ranges of
         local memory; ``[]`` for an ACK): the bytes landed, fewer than asked only if
         ``deadline`` passed first (the rest is the next reader's to drop). None if the reply is
         anything else, or nothing came for a heartbeat interval: what arrived is then the
         connection's, and the general path (:meth:`next_event`) goes on from it."""
-        scratch = self._scratch
+        scratch = self.scratch
         try:
             kind, have, data_len = _accel.tcp_reply(self.sock, scratch, 0, req_id, min(deadline, time.monotonic() + self.interval))
             if have:
@@ -276,7 +277,7 @@ class Wire:
                         self.conn.receive_data(b"")
                 return None
             with self.conn_lock:
-                self.conn.took_reply(proto.FrameType(kind), req_id, data_len)
+                self.conn.took_frame(proto.FrameType(kind), req_id, data_len)
             landed, end = _accel.tcp_land(self.sock, scratch, HEADER_SIZE, have, into, deadline) if data_len else (0, HEADER_SIZE)
         except OSError as exc:
             raise self._fail(f"socket error: {exc}", exc) from exc
