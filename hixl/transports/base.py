@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .._protocol import frames as proto
-from .._protocol.frames import FrameType
+from .._protocol.frames import FrameType, ReadRequest, WriteRequest
 from .._types import MemType, Op
 
 if TYPE_CHECKING:
@@ -275,9 +274,10 @@ class Transport(abc.ABC):
         """Target side, on the I/O loop (``serve_blocks`` False): :meth:`serve` for a small READ or
         WRITE read straight off the socket, given by its fields (``pairs``: (addr, len); the
         connection has accounted for the frame already). By default the message is built and
-        served; a transport may answer from the fields alone (TCP's latency path)."""
+        served; a transport may answer from the fields alone (TCP's latency path) — and one that
+        overrides :meth:`serve` to watch what it serves then overrides this one too."""
         descs = np.array(pairs, dtype=np.uint64).reshape(-1, 2)
-        message = proto.WriteRequest(req_id, descs, data_len, deadline) if write else proto.ReadRequest(req_id, descs, deadline)
+        message = WriteRequest(req_id, descs, data_len, deadline) if write else ReadRequest(req_id, descs, deadline)
         self.serve(session, message)
 
     @abc.abstractmethod
