@@ -21,6 +21,14 @@ these functions are handed the tables their callers checked and hold current.
 - :func:`copy_pieces` — copy a batch's rows between local and mapped addresses.
 - :func:`cma_copy` — the generation and liveness checks and one ``process_vm_*`` call of a
   small request (cma's latency path).
+- :func:`tcp_send`, :func:`tcp_reply`, :func:`tcp_land` — TCP's latency path on the initiator:
+  a small request's frame (and a WRITE's data, from registered memory) out in one ``sendmsg``, its
+  reply's header read and recognised (a DATA or ACK for that request, else "not mine"), and once
+  the connection has accounted for it, the DATA's bytes landed in local memory; each wait a
+  ``poll`` bounded by the caller's time, with the GIL released (see :mod:`hixl._session.wire`).
+- :func:`tcp_request` — the target's side: one ``recv``, and a small READ or WRITE that arrived
+  whole recognised and its fields handed back (anything else: "not mine", for the connection's
+  parser); :func:`tcp_send` then sends its DATA from registered memory, never waiting.
 - :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`
   cheaper (only the pure one has a use for it: numpy's calls want one side back
   to back; C copies in any order at the same speed).
@@ -40,11 +48,18 @@ __all__ = [
     "IMPLEMENTATION",
     "NATIVE",
     "PURE_ENV",
+    "TCP_EOF",
+    "TCP_RANGES",
+    "TCP_WAIT",
     "batch_order",
     "check_small",
     "cma_copy",
     "copy_pieces",
     "mapped_copy",
+    "tcp_land",
+    "tcp_reply",
+    "tcp_request",
+    "tcp_send",
 ]
 
 PURE_ENV = "HIXL_PURE_PYTHON"
@@ -72,6 +87,13 @@ check_small = _impl.check_small
 mapped_copy = _impl.mapped_copy
 copy_pieces = _impl.copy_pieces
 cma_copy = _impl.cma_copy
+tcp_send = _impl.tcp_send
+tcp_reply = _impl.tcp_reply
+tcp_land = _impl.tcp_land
+tcp_request = _impl.tcp_request
+TCP_WAIT: int = _impl.TCP_WAIT
+TCP_EOF: int = _impl.TCP_EOF
+TCP_RANGES: int = _impl.TCP_RANGES
 
 
 def _any_order(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> None:

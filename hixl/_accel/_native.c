@@ -348,11 +348,463 @@ copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ---- TCP's latency path: a small request's frame out, its reply header in, its data landed ---------
+ * The three steps the initiator's link takes for a small transfer_sync when it holds the read role
+ * (hixl/_session/wire.py). The socket is non-blocking; every wait is a poll bounded by the time the
+ * caller passes (time.monotonic() seconds), the GIL released around it and around each syscall.
+ * Nothing here decides anything: tcp_reply only recognises the expected answer's header, the
+ * connection (Python) then accounts for it, and only then does tcp_land move its data. */
+#include <poll.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#define TCP_HEADER 28
+#define TCP_DATA 7
+#define TCP_ACK 8
+#define TCP_WAIT (-1)
+#define TCP_EOF (-2)
+#define TCP_RANGES 16
+
+static double
+monotonic_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic()'s clock */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Wait (GIL released) until fd is ready for events or the clock reaches until: 1 ready, 0 not
+ * (time is up), -1 with errno set. EINTR is retried after the caller's signal handlers ran. */
+static int
+wait_fd(int fd, short events, double until)
+{
+    for (;;) {
+        double left = until - monotonic_now();
+        if (left <= 0)
+            return 0;
+        struct pollfd p = {fd, events, 0};
+        int ms = left > 3600.0 ? 3600000 : (int)(left * 1000.0) + 1;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = poll(&p, 1, ms);
+        Py_END_ALLOW_THREADS
+        if (rc > 0)
+            return 1;
+        if (rc < 0 && errno != EINTR)
+            return -1;
+        if (rc < 0 && PyErr_CheckSignals() < 0)
+            return -2;
+    }
+}
+
+/* A list of up to TCP_RANGES (addr, len) tuples of exact ints into iov; their count, or -1 with
+ * an exception set. */
+static Py_ssize_t
+parse_ranges(PyObject *list, struct iovec *iov, uint64_t *total)
+{
+    if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) > TCP_RANGES) {
+        PyErr_Format(PyExc_ValueError, "ranges must be a list of at most %d (addr, len) tuples", TCP_RANGES);
+        return -1;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(list);
+    *total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        uint64_t addr, len;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2 || !exact_u64(PyTuple_GET_ITEM(item, 0), &addr) ||
+            !exact_u64(PyTuple_GET_ITEM(item, 1), &len) || addr + len < addr) {
+            PyErr_SetString(PyExc_ValueError, "ranges must be (addr, len) tuples of ints in [0, 2**64)");
+            return -1;
+        }
+        iov[i].iov_base = (void *)(uintptr_t)addr;
+        iov[i].iov_len = (size_t)len;
+        *total += len;
+    }
+    return count;
+}
+
+/* Drop the first n bytes of an iovec array in place; the index of the first one left. */
+static int
+iov_advance(struct iovec *iov, int count, size_t n)
+{
+    int i = 0;
+    while (i < count && n >= iov[i].iov_len) {
+        n -= iov[i].iov_len;
+        i++;
+    }
+    if (i < count) {
+        iov[i].iov_base = (char *)iov[i].iov_base + n;
+        iov[i].iov_len -= n;
+    }
+    return i;
+}
+
+static int
+socket_fd(PyObject *sock)
+{
+    return PyObject_AsFileDescriptor(sock);
+}
+
+PyDoc_STRVAR(tcp_send_doc,
+"tcp_send(sock, frame, ranges, offset, until) -> int\n\n"
+"Send ``frame`` then the memory of ``ranges`` (a list of (addr, len)) on the non-blocking\n"
+"``sock``, from byte ``offset`` of the whole on: one sendmsg, more if the socket takes less,\n"
+"waiting for room until ``until`` (time.monotonic()). The bytes sent in all (``offset``\n"
+"included): fewer than the whole once ``until`` passed. Raises OSError for a socket error.");
+
+static PyObject *
+tcp_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "tcp_send takes 5 arguments");
+        return NULL;
+    }
+    int fd = socket_fd(args[0]);
+    if (fd < 0)
+        return NULL;
+    Py_buffer frame;
+    if (PyObject_GetBuffer(args[1], &frame, PyBUF_SIMPLE) < 0)
+        return NULL;
+    struct iovec iov[TCP_RANGES + 1];
+    uint64_t data = 0;
+    Py_ssize_t ranges = parse_ranges(args[2], iov + 1, &data);
+    Py_ssize_t offset = PyLong_AsSsize_t(args[3]);
+    double until = PyFloat_AsDouble(args[4]);
+    PyObject *result = NULL;
+    if (ranges < 0 || (offset == -1 && PyErr_Occurred()) || (until == -1.0 && PyErr_Occurred()))
+        goto done;
+    iov[0].iov_base = frame.buf;
+    iov[0].iov_len = (size_t)frame.len;
+    uint64_t total = (uint64_t)frame.len + data;
+    if (offset < 0 || (uint64_t)offset > total) {
+        PyErr_SetString(PyExc_ValueError, "offset outside what is to be sent");
+        goto done;
+    }
+    int count = (int)ranges + 1;
+    int first = iov_advance(iov, count, (size_t)offset);
+    uint64_t sent = (uint64_t)offset;
+    while (sent < total) {
+        struct msghdr msg = {0};
+        msg.msg_iov = iov + first;
+        msg.msg_iovlen = (size_t)(count - first);
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        Py_END_ALLOW_THREADS
+        if (n > 0) {
+            sent += (uint64_t)n;
+            first += iov_advance(iov + first, count - first, (size_t)n);
+            continue;
+        }
+        if (n < 0 && errno == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                goto done;
+            continue;
+        }
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        int ready = wait_fd(fd, POLLOUT, until);
+        if (ready == 0)
+            break;
+        if (ready < 0) {
+            if (ready == -1)
+                PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+    }
+    result = PyLong_FromUnsignedLongLong(sent);
+done:
+    PyBuffer_Release(&frame);
+    return result;
+}
+
+PyDoc_STRVAR(tcp_reply_doc,
+"tcp_reply(sock, scratch, have, req_id, until) -> (kind, have, data_len)\n\n"
+"Read from the non-blocking ``sock`` into the writable ``scratch`` (holding ``have`` bytes\n"
+"already) until it holds a frame header, waiting until ``until`` (time.monotonic()) at most.\n"
+"``kind`` is 7 (DATA) or 8 (ACK) if that header is a well-formed one of those for ``req_id``\n"
+"with no body (``data_len``: its data_len); 0 if it is anything else, -1 if no header came in\n"
+"time, -2 if the peer closed its end. ``have``: the bytes ``scratch`` holds now (a header and\n"
+"whatever came with it). Raises OSError for a socket error.");
+
+static PyObject *
+tcp_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "tcp_reply takes 5 arguments");
+        return NULL;
+    }
+    int fd = socket_fd(args[0]);
+    if (fd < 0)
+        return NULL;
+    Py_buffer scratch;
+    if (PyObject_GetBuffer(args[1], &scratch, PyBUF_WRITABLE) < 0)
+        return NULL;
+    Py_ssize_t have = PyLong_AsSsize_t(args[2]);
+    uint64_t req_id;
+    double until = PyFloat_AsDouble(args[4]);
+    PyObject *result = NULL;
+    long kind = TCP_WAIT;
+    uint64_t data_len = 0;
+    if ((have == -1 && PyErr_Occurred()) || (until == -1.0 && PyErr_Occurred()))
+        goto done;
+    if (!exact_u64(args[3], &req_id) || have < 0 || have > scratch.len || scratch.len < TCP_HEADER) {
+        PyErr_SetString(PyExc_ValueError, "tcp_reply: bad req_id, have or scratch");
+        goto done;
+    }
+    char *buf = scratch.buf;
+    while (have < TCP_HEADER) {
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = recv(fd, buf + have, (size_t)(scratch.len - have), 0);
+        Py_END_ALLOW_THREADS
+        if (n > 0) {
+            have += n;
+            continue;
+        }
+        if (n == 0) {
+            kind = TCP_EOF;
+            goto answer;
+        }
+        if (errno == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                goto done;
+            continue;
+        }
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        int ready = wait_fd(fd, POLLIN, until);
+        if (ready == 0)
+            goto answer; /* TCP_WAIT */
+        if (ready < 0) {
+            if (ready == -1)
+                PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+    }
+    /* The header as hixl._protocol.frames lays it out: magic, type, flags, reserved, req_id,
+     * body_len, data_len (little-endian). Anything but the two expected replies is the
+     * connection's to judge. */
+    unsigned char *h = (unsigned char *)buf;
+    uint64_t id, dlen;
+    uint32_t body;
+    memcpy(&id, h + 8, 8);
+    memcpy(&body, h + 16, 4);
+    memcpy(&dlen, h + 20, 8);
+    kind = 0;
+    if (memcmp(h, "HXL1", 4) == 0 && (h[4] == TCP_DATA || h[4] == TCP_ACK) && h[5] == 0 && h[6] == 0 && h[7] == 0 &&
+        id == req_id && body == 0 && (h[4] == TCP_DATA || dlen == 0)) {
+        kind = h[4];
+        data_len = dlen;
+    }
+answer:
+    result = Py_BuildValue("(lnK)", kind, have, (unsigned long long)data_len);
+done:
+    PyBuffer_Release(&scratch);
+    return result;
+}
+
+PyDoc_STRVAR(tcp_land_doc,
+"tcp_land(sock, scratch, start, have, ranges, until) -> (landed, end)\n\n"
+"Land a reply's data into the memory of ``ranges`` (a list of (addr, len)): first what\n"
+"``scratch[start:have]`` holds of it, then straight from the non-blocking ``sock`` with readv,\n"
+"waiting until ``until`` (time.monotonic()) at most and reading nothing once it passed.\n"
+"``landed``: the bytes landed (all of ``ranges`` unless time ran out); ``end``: where what\n"
+"``scratch`` holds beyond the data begins. Raises OSError for a socket error, and\n"
+"ConnectionResetError if the peer closed its end before the data was in.");
+
+static PyObject *
+tcp_land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "tcp_land takes 6 arguments");
+        return NULL;
+    }
+    int fd = socket_fd(args[0]);
+    if (fd < 0)
+        return NULL;
+    Py_buffer scratch;
+    if (PyObject_GetBuffer(args[1], &scratch, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), have = PyLong_AsSsize_t(args[3]);
+    struct iovec iov[TCP_RANGES];
+    uint64_t total = 0;
+    Py_ssize_t ranges = parse_ranges(args[4], iov, &total);
+    double until = PyFloat_AsDouble(args[5]);
+    PyObject *result = NULL;
+    if (ranges < 0 || PyErr_Occurred())
+        goto done;
+    if (start < 0 || have < start || have > scratch.len) {
+        PyErr_SetString(PyExc_ValueError, "tcp_land: start and have must lie in scratch, in order");
+        goto done;
+    }
+    int count = (int)ranges, first = 0;
+    uint64_t landed = 0;
+    const char *held = (const char *)scratch.buf + start;
+    uint64_t buffered = (uint64_t)(have - start) < total ? (uint64_t)(have - start) : total;
+    while (landed < buffered) { /* what came with the header: a memcpy per range */
+        size_t n = iov[first].iov_len < buffered - landed ? iov[first].iov_len : (size_t)(buffered - landed);
+        memcpy(iov[first].iov_base, held + landed, n);
+        landed += n;
+        first += iov_advance(iov + first, count - first, n);
+    }
+    while (landed < total) {
+        if (monotonic_now() >= until)
+            break;
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = readv(fd, iov + first, count - first);
+        Py_END_ALLOW_THREADS
+        if (n > 0) {
+            landed += (uint64_t)n;
+            first += iov_advance(iov + first, count - first, (size_t)n);
+            continue;
+        }
+        if (n == 0) {
+            errno = ECONNRESET;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        if (errno == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                goto done;
+            continue;
+        }
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        int ready = wait_fd(fd, POLLIN, until);
+        if (ready == 0)
+            break;
+        if (ready < 0) {
+            if (ready == -1)
+                PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+    }
+    result = Py_BuildValue("(Kn)", (unsigned long long)landed, start + (Py_ssize_t)buffered);
+done:
+    PyBuffer_Release(&scratch);
+    return result;
+}
+
+PyDoc_STRVAR(tcp_request_doc,
+"tcp_request(sock, scratch) -> (kind, have, end, req_id, deadline, pairs, data_len)\n\n"
+"The target's side of TCP's latency path: one non-blocking recv from ``sock`` into the\n"
+"writable ``scratch``; if what it holds starts with a whole, well-formed READ (5) or WRITE (6)\n"
+"frame of 1 to 8 descriptors, ``kind`` is its type, ``end`` where it ends in ``scratch``, and\n"
+"``req_id``, ``deadline``, ``pairs`` (a list of (addr, len)) and ``data_len`` its fields.\n"
+"Else ``kind`` is 0 (anything else, or a frame not all here yet), -1 (nothing to read) or -2\n"
+"(the peer closed its end), and ``have`` says what ``scratch`` holds. Raises OSError.");
+
+#define TCP_READ 5
+#define TCP_WRITE 6
+#define TCP_SMALL_DESCS 8
+
+static PyObject *
+tcp_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "tcp_request takes 2 arguments");
+        return NULL;
+    }
+    int fd = socket_fd(args[0]);
+    if (fd < 0)
+        return NULL;
+    Py_buffer scratch;
+    if (PyObject_GetBuffer(args[1], &scratch, PyBUF_WRITABLE) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (scratch.len < TCP_HEADER + 8 + 16 * TCP_SMALL_DESCS) {
+        PyErr_SetString(PyExc_ValueError, "tcp_request: scratch too small");
+        goto done;
+    }
+    unsigned char *h = scratch.buf;
+    ssize_t have;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        have = recv(fd, h, (size_t)scratch.len, 0);
+        Py_END_ALLOW_THREADS
+        if (have >= 0 || errno != EINTR)
+            break;
+        if (PyErr_CheckSignals() < 0)
+            goto done;
+    }
+    if (have < 0) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        result = Py_BuildValue("(iiiiiOi)", TCP_WAIT, 0, 0, 0, 0, Py_None, 0);
+        goto done;
+    }
+    if (have == 0) {
+        result = Py_BuildValue("(iiiiiOi)", TCP_EOF, 0, 0, 0, 0, Py_None, 0);
+        goto done;
+    }
+    /* Recognised only if every rule hixl._protocol.frames applies to such a frame holds; for
+     * anything else that parser decides (and says why). */
+    uint64_t id, dlen;
+    uint32_t body;
+    int64_t deadline;
+    if (have < TCP_HEADER + 8)
+        goto other;
+    memcpy(&id, h + 8, 8);
+    memcpy(&body, h + 16, 4);
+    memcpy(&dlen, h + 20, 8);
+    memcpy(&deadline, h + TCP_HEADER, 8);
+    if (memcmp(h, "HXL1", 4) != 0 || (h[4] != TCP_READ && h[4] != TCP_WRITE) || h[5] || h[6] || h[7])
+        goto other;
+    if (body < 8 + 16 || body > 8 + 16 * TCP_SMALL_DESCS || (body - 8) % 16 || (Py_ssize_t)(TCP_HEADER + body) > have)
+        goto other;
+    if (deadline < 0 || (h[4] == TCP_READ && dlen))
+        goto other;
+    Py_ssize_t count = (body - 8) / 16;
+    uint64_t addrs[TCP_SMALL_DESCS], lens[TCP_SMALL_DESCS], total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        memcpy(&addrs[i], h + TCP_HEADER + 8 + 16 * i, 8);
+        memcpy(&lens[i], h + TCP_HEADER + 16 + 16 * i, 8);
+        if (!lens[i] || addrs[i] > UINT64_MAX - lens[i] || total > UINT64_MAX - lens[i])
+            goto other;
+        total += lens[i];
+    }
+    if (h[4] == TCP_WRITE && total != dlen)
+        goto other;
+    PyObject *pairs = PyList_New(count);
+    if (pairs == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)addrs[i], (unsigned long long)lens[i]);
+        if (pair == NULL) {
+            Py_DECREF(pairs);
+            goto done;
+        }
+        PyList_SET_ITEM(pairs, i, pair);
+    }
+    result = Py_BuildValue("(innKLNK)", (int)h[4], (Py_ssize_t)have, (Py_ssize_t)(TCP_HEADER + body),
+                           (unsigned long long)id, (long long)deadline, pairs, (unsigned long long)dlen);
+    goto done;
+other:
+    result = Py_BuildValue("(iniiiOi)", 0, (Py_ssize_t)have, 0, 0, 0, Py_None, 0);
+done:
+    PyBuffer_Release(&scratch);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"check_small", (PyCFunction)(void (*)(void))check_small, METH_FASTCALL, check_small_doc},
     {"mapped_copy", (PyCFunction)(void (*)(void))mapped_copy, METH_FASTCALL, mapped_copy_doc},
     {"copy_pieces", (PyCFunction)(void (*)(void))copy_pieces, METH_FASTCALL, copy_pieces_doc},
     {"cma_copy", (PyCFunction)(void (*)(void))cma_copy, METH_FASTCALL, cma_copy_doc},
+    {"tcp_send", (PyCFunction)(void (*)(void))tcp_send, METH_FASTCALL, tcp_send_doc},
+    {"tcp_reply", (PyCFunction)(void (*)(void))tcp_reply, METH_FASTCALL, tcp_reply_doc},
+    {"tcp_land", (PyCFunction)(void (*)(void))tcp_land, METH_FASTCALL, tcp_land_doc},
+    {"tcp_request", (PyCFunction)(void (*)(void))tcp_request, METH_FASTCALL, tcp_request_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -368,7 +820,10 @@ PyInit__native(void)
                       PyModule_AddIntConstant(m, "SMALL_MAX", SMALL_MAX) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_INELIGIBLE", CMA_INELIGIBLE) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_STALE", CMA_STALE) < 0 ||
-                      PyModule_AddIntConstant(m, "CMA_GONE", CMA_GONE) < 0)) {
+                      PyModule_AddIntConstant(m, "CMA_GONE", CMA_GONE) < 0 ||
+                      PyModule_AddIntConstant(m, "TCP_WAIT", TCP_WAIT) < 0 ||
+                      PyModule_AddIntConstant(m, "TCP_EOF", TCP_EOF) < 0 ||
+                      PyModule_AddIntConstant(m, "TCP_RANGES", TCP_RANGES) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
+import select
 import signal
+import socket
 import struct
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -43,6 +47,9 @@ __all__ = [
     "CMA_STALE",
     "GIL_FREE_FROM",
     "SMALL_MAX",
+    "TCP_EOF",
+    "TCP_RANGES",
+    "TCP_WAIT",
     "batch_order",
     "check_small",
     "cma_copy",
@@ -50,6 +57,10 @@ __all__ = [
     "copy_many",
     "copy_pieces",
     "mapped_copy",
+    "tcp_land",
+    "tcp_reply",
+    "tcp_request",
+    "tcp_send",
 ]
 
 GIL_FREE_FROM = 64 << 10
@@ -280,3 +291,178 @@ def _on_grid(addrs: np.ndarray, length: int) -> tuple[int, np.ndarray] | None:
     if (offsets % np.uint64(length)).any():
         return None
     return base, (offsets // np.uint64(length)).astype(np.intp)
+
+
+# -- TCP's latency path (see the C block of the same name) --------------------------------------------
+TCP_WAIT = -1
+""":func:`tcp_reply`'s kind when no header came in time."""
+TCP_EOF = -2
+""":func:`tcp_reply`'s kind when the peer closed its end."""
+TCP_RANGES = 16
+"""The most (addr, len) ranges :func:`tcp_send` and :func:`tcp_land` take."""
+_TCP_HEADER = struct.Struct("<4sBBHQIQ")  # as hixl._protocol.frames lays a header out
+_TCP_DATA, _TCP_ACK = 7, 8
+
+
+def _ranges(ranges: object) -> list[tuple[int, int]]:
+    """``ranges`` checked as the C twin checks them: a short list of (addr, len) int tuples."""
+    if type(ranges) is not list or len(ranges) > TCP_RANGES:
+        raise ValueError(f"ranges must be a list of at most {TCP_RANGES} (addr, len) tuples")
+    for item in ranges:
+        if not (isinstance(item, tuple) and len(item) == 2 and all(type(v) is int and 0 <= v < 1 << 64 for v in item)):
+            raise ValueError("ranges must be (addr, len) tuples of ints in [0, 2**64)")
+        if item[0] + item[1] >= 1 << 64:
+            raise ValueError("ranges must be (addr, len) tuples of ints in [0, 2**64)")
+    return ranges  # type: ignore[return-value]
+
+
+def _views(ranges: list[tuple[int, int]]) -> list[memoryview]:
+    return [_ALL[addr : addr + n] for addr, n in ranges]
+
+
+def _skip(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` without their first ``n`` bytes."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views = views[1:]
+    if views and n:
+        views = [views[0][n:], *views[1:]]
+    return views
+
+
+def _wait(sock: socket.socket, events: int, until: float) -> bool:
+    """Whether ``sock`` turned ready for ``events`` before ``until`` (time.monotonic())."""
+    left = until - time.monotonic()
+    if left <= 0:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), events)
+    return bool(poller.poll(min(left, 3600.0) * 1000 + 1))
+
+
+def tcp_send(sock: socket.socket, frame: bytes, ranges: list[tuple[int, int]], offset: int, until: float) -> int:
+    """Send ``frame`` then the memory of ``ranges`` on the non-blocking ``sock``, from byte
+    ``offset`` of the whole on, waiting for room until ``until``; the bytes sent in all
+    (``offset`` included): fewer than the whole once ``until`` passed."""
+    views = [memoryview(frame).cast("B"), *_views(_ranges(ranges))]
+    total = sum(len(v) for v in views)
+    if not 0 <= offset <= total:
+        raise ValueError("offset outside what is to be sent")
+    views = _skip(views, offset)
+    sent = offset
+    while sent < total:
+        try:
+            n = sock.sendmsg(views)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        if n:
+            sent += n
+            views = _skip(views, n)
+        elif not _wait(sock, select.POLLOUT, until):
+            break
+    return sent
+
+
+def tcp_reply(sock: socket.socket, scratch: bytearray, have: int, req_id: int, until: float) -> tuple[int, int, int]:
+    """Read into ``scratch`` (holding ``have`` bytes) until it holds a frame header, until ``until``
+    at most: ``(kind, have, data_len)`` with kind 7 (DATA) / 8 (ACK) for a well-formed bodiless one
+    of those for ``req_id``, 0 for anything else, :data:`TCP_WAIT` or :data:`TCP_EOF`."""
+    if type(req_id) is not int or not 0 <= req_id < 1 << 64 or not 0 <= have <= len(scratch) or len(scratch) < _TCP_HEADER.size:
+        raise ValueError("tcp_reply: bad req_id, have or scratch")
+    view = memoryview(scratch)
+    while have < _TCP_HEADER.size:
+        try:
+            n = sock.recv_into(view[have:])
+        except (BlockingIOError, InterruptedError):
+            if not _wait(sock, select.POLLIN, until):
+                return TCP_WAIT, have, 0
+            continue
+        if not n:
+            return TCP_EOF, have, 0
+        have += n
+    magic, kind, flags, reserved, rid, body, data_len = _TCP_HEADER.unpack_from(scratch)
+    if (
+        magic == b"HXL1"
+        and kind in (_TCP_DATA, _TCP_ACK)
+        and not (flags or reserved or body)
+        and rid == req_id
+        and (kind == _TCP_DATA or not data_len)
+    ):
+        return kind, have, data_len
+    return 0, have, 0
+
+
+def tcp_land(
+    sock: socket.socket, scratch: bytearray, start: int, have: int, ranges: list[tuple[int, int]], until: float
+) -> tuple[int, int]:
+    """Land a reply's data into ``ranges``: first what ``scratch[start:have]`` holds of it, then
+    straight from ``sock``, waiting until ``until`` at most and reading nothing once it passed;
+    ``(landed, end)``, ``end`` where what ``scratch`` holds beyond the data begins."""
+    views = _views(_ranges(ranges))
+    if not 0 <= start <= have <= len(scratch):
+        raise ValueError("tcp_land: start and have must lie in scratch, in order")
+    total = sum(len(v) for v in views)
+    buffered = min(have - start, total)
+    held = memoryview(scratch)[start : start + buffered]
+    landed = 0
+    while landed < buffered:
+        n = min(len(views[0]), buffered - landed)
+        views[0][:n] = held[landed : landed + n]
+        landed += n
+        views = _skip(views, n)
+    while landed < total and time.monotonic() < until:
+        try:
+            n = sock.recvmsg_into(views)[0]
+        except (BlockingIOError, InterruptedError):
+            _wait(sock, select.POLLIN, until)
+            continue
+        if not n:
+            raise ConnectionResetError(errno.ECONNRESET, "peer closed the connection mid-data")
+        landed += n
+        views = _skip(views, n)
+    return landed, start + buffered
+
+
+_TCP_READ, _TCP_WRITE = 5, 6
+_TCP_SMALL_DESCS = 8
+_TCP_DEADLINE = struct.Struct("<q")
+_TCP_BODIES = {8 + 16 * n: struct.Struct(f"<{2 * n}Q") for n in range(1, _TCP_SMALL_DESCS + 1)}
+_U64 = (1 << 64) - 1
+
+
+def tcp_request(sock: socket.socket, scratch: bytearray) -> tuple[int, int, int, int, int, list[tuple[int, int]] | None, int]:
+    """One non-blocking ``recv`` into ``scratch``; ``(kind, have, end, req_id, deadline, pairs,
+    data_len)``: kind 5 (READ) / 6 (WRITE) if ``scratch`` starts with a whole, well-formed one of
+    those of 1 to 8 descriptors (``end``: where it ends), else 0, :data:`TCP_WAIT` (nothing to
+    read) or :data:`TCP_EOF`."""
+    if len(scratch) < _TCP_HEADER.size + 8 + 16 * _TCP_SMALL_DESCS:
+        raise ValueError("tcp_request: scratch too small")
+    try:
+        have = sock.recv_into(scratch)
+    except (BlockingIOError, InterruptedError):
+        return TCP_WAIT, 0, 0, 0, 0, None, 0
+    if not have:
+        return TCP_EOF, 0, 0, 0, 0, None, 0
+    other = (0, have, 0, 0, 0, None, 0)
+    if have < _TCP_HEADER.size + 8:
+        return other
+    magic, kind, flags, reserved, req_id, body, data_len = _TCP_HEADER.unpack_from(scratch)
+    unpack = _TCP_BODIES.get(body)
+    if magic != b"HXL1" or kind not in (_TCP_READ, _TCP_WRITE) or flags or reserved or unpack is None:
+        return other
+    end = _TCP_HEADER.size + body
+    (deadline,) = _TCP_DEADLINE.unpack_from(scratch, _TCP_HEADER.size)
+    if end > have or deadline < 0 or (kind == _TCP_READ and data_len):
+        return other
+    words = unpack.unpack_from(scratch, _TCP_HEADER.size + 8)
+    pairs = []
+    total = 0
+    for i in range(0, len(words), 2):
+        addr, length = words[i], words[i + 1]
+        if not length or addr > _U64 - length or total > _U64 - length:
+            return other
+        total += length
+        pairs.append((addr, length))
+    if kind == _TCP_WRITE and total != data_len:
+        return other
+    return kind, have, end, req_id, deadline, pairs, data_len

@@ -241,6 +241,12 @@ class ShmTransport(Transport):
         """READ and WRITE frames (memory outside the pool, or a peer that maps nothing): as TCP."""
         self._tcp.serve(session, message)
 
+    def serve_small(
+        self, session: ServedSession, write: bool, req_id: int, deadline: int, pairs: list[tuple[int, int]], data_len: int
+    ) -> None:
+        """A small READ or WRITE from its fields: as TCP."""
+        self._tcp.serve_small(session, write, req_id, deadline, pairs, data_len)
+
     def close(self) -> None:
         """Stop listening and remove the socket; idempotent."""
         with self._lock:
