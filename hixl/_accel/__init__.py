@@ -20,7 +20,10 @@ these functions are handed the tables their callers checked and hold current.
 - :func:`mapped_copy` — copy a small list through a peer's memory mapped here.
 - :func:`copy_pieces` — copy a batch's rows between local and mapped addresses.
 - :func:`cma_copy` — the generation and liveness checks and one ``process_vm_*`` call of a
-  small request (cma's latency path).
+  small request.
+- :class:`CmaSmall` — cma's whole latency path to one peer in one call: both sides' region
+  checks, the lease, :func:`cma_copy`'s checks and its syscall (``transfer_sync`` of a few
+  descriptors calls nothing else below the engine).
 - :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`
   cheaper (only the pure one has a use for it: numpy's calls want one side back
   to back; C copies in any order at the same speed).
@@ -36,6 +39,7 @@ import numpy as np
 from . import pure
 
 __all__ = [
+    "CmaSmall",
     "GIL_FREE_FROM",
     "IMPLEMENTATION",
     "NATIVE",
@@ -72,6 +76,7 @@ check_small = _impl.check_small
 mapped_copy = _impl.mapped_copy
 copy_pieces = _impl.copy_pieces
 cma_copy = _impl.cma_copy
+CmaSmall = _impl.CmaSmall
 
 
 def _any_order(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> None:

@@ -217,43 +217,44 @@ PyDoc_STRVAR(cma_copy_doc,
 #define CMA_STALE (CMA_INELIGIBLE - 1)
 #define CMA_GONE (CMA_INELIGIBLE - 2)
 
-static PyObject *
-cma_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* The peer's generation at the start of its mapped page `page` into *out: 0 if the page cannot be
+ * read (closed by the channel: no exception left set). */
+static int
+read_generation(PyObject *page, uint64_t *out)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "cma_copy takes 6 arguments");
-        return NULL;
-    }
-    long pid = PyLong_AsLong(args[0]);
-    long pidfd = PyLong_AsLong(args[1]);
-    int write = PyObject_IsTrue(args[2]);
-    unsigned long long expected = PyLong_AsUnsignedLongLong(args[5]);
-    if (PyErr_Occurred() || write < 0)
-        return NULL;
-    desc_t descs[SMALL_MAX];
-    Py_ssize_t count = parse_descs(args[3], descs);
-    if (count < 0 || count > IOV_MAX)
-        return PyLong_FromLong(CMA_INELIGIBLE);
-    Py_buffer page;
-    if (PyObject_GetBuffer(args[4], &page, PyBUF_SIMPLE) < 0) {
-        PyErr_Clear(); /* closed: the general path reports it */
-        return PyLong_FromLong(CMA_INELIGIBLE);
+    Py_buffer view;
+    if (PyObject_GetBuffer(page, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        return 0;
     }
     uint64_t generation = 0;
-    if (page.len >= 8) {
-        const unsigned char *bytes = page.buf;
+    if (view.len >= 8) {
+        const unsigned char *bytes = view.buf;
         for (int i = 7; i >= 0; i--) /* little-endian, as the peer writes it ("<Q") */
             generation = (generation << 8) | bytes[i];
     }
-    PyBuffer_Release(&page);
+    PyBuffer_Release(&view);
+    *out = generation;
+    return 1;
+}
+
+/* cma_copy's steps once descs are parsed: the generation and liveness checks, then one
+ * process_vm_* call (the GIL released around it from GIL_FREE_FROM bytes). */
+static long
+cma_checked_call(long pid, long pidfd, int write, const desc_t *descs, Py_ssize_t count, PyObject *page,
+                 uint64_t expected)
+{
+    uint64_t generation;
+    if (!read_generation(page, &generation))
+        return CMA_INELIGIBLE; /* closed: the general path reports it */
     if (generation != expected)
-        return PyLong_FromLong(CMA_STALE);
+        return CMA_STALE;
 #ifdef SYS_pidfd_send_signal
     /* Signal 0 through the pidfd: the process it pins still exists (its pid not reused). */
     if (pidfd < 0 || (syscall(SYS_pidfd_send_signal, (int)pidfd, 0, NULL, 0) < 0 && errno != EPERM))
-        return PyLong_FromLong(CMA_GONE);
+        return CMA_GONE;
 #else
-    return PyLong_FromLong(CMA_INELIGIBLE);
+    return CMA_INELIGIBLE;
 #endif
     struct iovec local[SMALL_MAX], remote[SMALL_MAX];
     uint64_t total = 0;
@@ -277,7 +278,27 @@ cma_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                       : process_vm_readv((pid_t)pid, local, count, remote, count, 0);
         err = errno;
     }
-    return PyLong_FromSsize_t(moved < 0 ? -(Py_ssize_t)err : (Py_ssize_t)moved);
+    return moved < 0 ? -(long)err : (long)moved;
+}
+
+static PyObject *
+cma_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "cma_copy takes 6 arguments");
+        return NULL;
+    }
+    long pid = PyLong_AsLong(args[0]);
+    long pidfd = PyLong_AsLong(args[1]);
+    int write = PyObject_IsTrue(args[2]);
+    unsigned long long expected = PyLong_AsUnsignedLongLong(args[5]);
+    if (PyErr_Occurred() || write < 0)
+        return NULL;
+    desc_t descs[SMALL_MAX];
+    Py_ssize_t count = parse_descs(args[3], descs);
+    if (count < 0 || count > IOV_MAX)
+        return PyLong_FromLong(CMA_INELIGIBLE);
+    return PyLong_FromLong(cma_checked_call(pid, pidfd, write, descs, count, args[4], expected));
 }
 
 /* A C-contiguous buffer of 8-byte unsigned ints with the given number of dimensions. */
@@ -348,6 +369,364 @@ copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ---- CmaSmall: cma's whole latency path (every check and the syscall) in one call ----------- */
+
+/* Sorted, disjoint intervals [starts[i], ends[i]) as C arrays: a RegionTable's .intervals. */
+typedef struct {
+    Py_ssize_t count;
+    uint64_t *starts, *ends; /* one allocation: ends = starts + count */
+} spans_t;
+
+/* A RemoteRegions table's readable and writable spans, and the table they are of (held: tables
+ * are replaced, never changed in place, so the same object means the same spans). */
+typedef struct {
+    PyObject *table;
+    spans_t readable, writable;
+} spans_cache_t;
+
+static PyObject *str_table, *str_readable, *str_writable, *str_intervals, *str_state, *str_regions, *str_lease,
+    *str_revoking, *str_generation, *str_enter, *str_leave;
+
+static void
+spans_free(spans_t *s)
+{
+    PyMem_Free(s->starts);
+    s->starts = s->ends = NULL;
+    s->count = 0;
+}
+
+/* `region_table.intervals` (a pair of equally long lists of ints) into *out; 0 with an exception
+ * set if it is not that. Reads attributes only (no Python code runs). */
+static int
+spans_load(PyObject *region_table, spans_t *out)
+{
+    PyObject *pair = PyObject_GetAttr(region_table, str_intervals);
+    if (pair == NULL)
+        return 0;
+    int ok = 0;
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyList_CheckExact(PyTuple_GET_ITEM(pair, 0)) ||
+        !PyList_CheckExact(PyTuple_GET_ITEM(pair, 1)) ||
+        PyList_GET_SIZE(PyTuple_GET_ITEM(pair, 0)) != PyList_GET_SIZE(PyTuple_GET_ITEM(pair, 1))) {
+        PyErr_SetString(PyExc_TypeError, "a region table's intervals must be two equally long lists");
+        goto done;
+    }
+    PyObject *starts = PyTuple_GET_ITEM(pair, 0), *ends = PyTuple_GET_ITEM(pair, 1);
+    Py_ssize_t count = PyList_GET_SIZE(starts);
+    uint64_t *mem = PyMem_Malloc(sizeof(uint64_t) * (size_t)(2 * count + 1));
+    if (mem == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!exact_u64(PyList_GET_ITEM(starts, i), &mem[i]) || !exact_u64(PyList_GET_ITEM(ends, i), &mem[count + i])) {
+            PyMem_Free(mem);
+            PyErr_SetString(PyExc_ValueError, "interval lists must hold ints in [0, 2**64)");
+            goto done;
+        }
+    }
+    out->count = count;
+    out->starts = mem;
+    out->ends = mem + count;
+    ok = 1;
+done:
+    Py_DECREF(pair);
+    return ok;
+}
+
+/* Whether [addr, addr + len) lies inside one of the spans (bisect_right, as check_small). */
+static int
+spans_hold(const spans_t *s, uint64_t addr, uint64_t len)
+{
+    Py_ssize_t lo = 0, hi = s->count;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (addr < s->starts[mid])
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo > 0 && addr <= s->ends[lo - 1] && len <= s->ends[lo - 1] - addr;
+}
+
+/* Make `cache` the spans of `table` (a RemoteRegions), unless they are already; 0 with an exception set
+ * if the table is malformed. */
+static int
+spans_cache_load(spans_cache_t *cache, PyObject *table)
+{
+    if (table == cache->table)
+        return 1;
+    spans_t readable = {0, NULL, NULL}, writable = {0, NULL, NULL};
+    PyObject *r = PyObject_GetAttr(table, str_readable);
+    PyObject *w = r == NULL ? NULL : PyObject_GetAttr(table, str_writable);
+    int ok = w != NULL && spans_load(r, &readable) && spans_load(w, &writable);
+    Py_XDECREF(r);
+    Py_XDECREF(w);
+    if (!ok) {
+        spans_free(&readable);
+        return 0;
+    }
+    spans_free(&cache->readable);
+    spans_free(&cache->writable);
+    cache->readable = readable;
+    cache->writable = writable;
+    Py_INCREF(table);
+    Py_XSETREF(cache->table, table);
+    return 1;
+}
+
+static void
+spans_cache_clear(spans_cache_t *cache)
+{
+    spans_free(&cache->readable);
+    spans_free(&cache->writable);
+    Py_CLEAR(cache->table);
+}
+
+typedef struct {
+    PyObject_HEAD
+    long pid, pidfd;
+    unsigned long long chunk;
+    PyObject *page, *registry, *link, *regions, *connected, *read_op, *write_op;
+    spans_cache_t local, remote;
+} CmaSmall;
+
+static int
+CmaSmall_init(CmaSmall *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"pid", "pidfd", "generation_page", "registry", "link", "connected", "read", "write",
+                            "chunk", NULL};
+    PyObject *page, *registry, *link, *connected, *read_op, *write_op;
+    long pid, pidfd;
+    unsigned long long chunk;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "llOOOOOOK", names, &pid, &pidfd, &page, &registry, &link,
+                                     &connected, &read_op, &write_op, &chunk))
+        return -1;
+    PyObject *regions = PyObject_GetAttr(link, str_regions);
+    if (regions == NULL)
+        return -1;
+    self->pid = pid;
+    self->pidfd = pidfd;
+    self->chunk = chunk;
+    Py_INCREF(page);
+    Py_XSETREF(self->page, page);
+    Py_INCREF(registry);
+    Py_XSETREF(self->registry, registry);
+    Py_INCREF(link);
+    Py_XSETREF(self->link, link);
+    Py_XSETREF(self->regions, regions);
+    Py_INCREF(connected);
+    Py_XSETREF(self->connected, connected);
+    Py_INCREF(read_op);
+    Py_XSETREF(self->read_op, read_op);
+    Py_INCREF(write_op);
+    Py_XSETREF(self->write_op, write_op);
+    spans_cache_clear(&self->local);
+    spans_cache_clear(&self->remote);
+    return 0;
+}
+
+static int
+CmaSmall_traverse(CmaSmall *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->page);
+    Py_VISIT(self->registry);
+    Py_VISIT(self->link);
+    Py_VISIT(self->regions);
+    Py_VISIT(self->connected);
+    Py_VISIT(self->read_op);
+    Py_VISIT(self->write_op);
+    Py_VISIT(self->local.table);
+    Py_VISIT(self->remote.table);
+    return 0;
+}
+
+static int
+CmaSmall_clear(CmaSmall *self)
+{
+    Py_CLEAR(self->page);
+    Py_CLEAR(self->registry);
+    Py_CLEAR(self->link);
+    Py_CLEAR(self->regions);
+    Py_CLEAR(self->connected);
+    Py_CLEAR(self->read_op);
+    Py_CLEAR(self->write_op);
+    spans_cache_clear(&self->local);
+    spans_cache_clear(&self->remote);
+    return 0;
+}
+
+static void
+CmaSmall_dealloc(CmaSmall *self)
+{
+    PyObject_GC_UnTrack(self);
+    CmaSmall_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The attribute `name` of `obj` is `expected` (identity); -1 with an exception set if it cannot be read. */
+static int
+attr_is(PyObject *obj, PyObject *name, PyObject *expected)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int same = value == expected;
+    Py_DECREF(value);
+    return same;
+}
+
+PyDoc_STRVAR(CmaSmall_run_doc,
+"run(op, descs) -> bool\n\n"
+"transfer_sync's whole latency path for cma: True once every byte of ``descs`` (a list of up to\n"
+"SMALL_MAX (local, remote, len) int triples, at most ``chunk`` bytes in all) moved in one\n"
+"process_vm_* call; False if nothing was tried or the call fell short (the general path then\n"
+"checks, explains, retries: copying again is harmless). See hixl._accel.pure.CmaSmall.");
+
+/* Why the steps are in this order. Below GIL_FREE_FROM bytes the GIL is held from the lease check
+ * to the end of the syscall and no Python code runs in between (only attribute reads of plain
+ * instance attributes and slots, no allocation of tracked objects): no other thread can run, so
+ * no REVOKE can begin, or take a table away, between our look and our copy. That stands for the
+ * lease's shared hold, as a token would (the pure twin takes one). A larger copy releases the GIL
+ * for its syscall, so it takes a token (Lease.enter) before its checks and gives it back after. */
+static PyObject *
+CmaSmall_run(CmaSmall *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "run takes 2 arguments (op, descs)");
+        return NULL;
+    }
+    int write;
+    if (args[0] == self->write_op)
+        write = 1;
+    else if (args[0] == self->read_op)
+        write = 0;
+    else
+        Py_RETURN_FALSE;
+    desc_t descs[SMALL_MAX];
+    Py_ssize_t count = parse_descs(args[1], descs);
+    if (count < 0)
+        Py_RETURN_FALSE;
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (total + descs[i].len < total)
+            Py_RETURN_FALSE;
+        total += descs[i].len;
+    }
+    if (total > self->chunk)
+        Py_RETURN_FALSE; /* more than a chunk: the general path cuts it */
+    /* Our own registrations (Registry.table is a property: Python code, hence before the lease). A
+     * READ lands in local memory, a WRITE in the peer's: those sides must be writable. */
+    PyObject *local_table = PyObject_GetAttr(self->registry, str_table);
+    if (local_table == NULL)
+        return NULL;
+    int ok = spans_cache_load(&self->local, local_table);
+    Py_DECREF(local_table);
+    if (!ok)
+        return NULL;
+    const spans_t *local = write ? &self->local.readable : &self->local.writable;
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (!spans_hold(local, descs[i].local, descs[i].len))
+            Py_RETURN_FALSE;
+    PyObject *lease = PyObject_GetAttr(self->regions, str_lease);
+    if (lease == NULL)
+        return NULL;
+    PyObject *token = NULL, *result = NULL;
+    if (total >= GIL_FREE_FROM) {
+        token = PyObject_CallMethodNoArgs(lease, str_enter);
+        if (token == NULL)
+            goto done;
+        int held = PyObject_IsTrue(token);
+        if (held <= 0) {
+            result = held < 0 ? NULL : Py_NewRef(Py_False); /* a REVOKE is under way: the general path waits */
+            goto done;
+        }
+    } else {
+        PyObject *revoking = PyObject_GetAttr(lease, str_revoking);
+        if (revoking == NULL)
+            goto done;
+        int busy = PyObject_IsTrue(revoking);
+        Py_DECREF(revoking);
+        if (busy != 0) {
+            result = busy < 0 ? NULL : Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    /* From here to the syscall: attribute reads and C only (see above). */
+    int connected = attr_is(self->link, str_state, self->connected);
+    if (connected <= 0) {
+        result = connected < 0 ? NULL : Py_NewRef(Py_False);
+        goto done;
+    }
+    PyObject *remote_table = PyObject_GetAttr(self->regions, str_table);
+    if (remote_table == NULL)
+        goto done;
+    ok = spans_cache_load(&self->remote, remote_table);
+    Py_DECREF(remote_table); /* (still held by the cache) */
+    if (!ok)
+        goto done;
+    const spans_t *remote = write ? &self->remote.writable : &self->remote.readable;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!spans_hold(remote, descs[i].remote, descs[i].len)) {
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    PyObject *generation_obj = PyObject_GetAttr(self->regions, str_generation);
+    if (generation_obj == NULL)
+        goto done;
+    unsigned long long generation = PyLong_AsUnsignedLongLong(generation_obj);
+    Py_DECREF(generation_obj);
+    if (generation == (unsigned long long)-1 && PyErr_Occurred())
+        goto done;
+    /* The page is read first: the channel closes it before the pidfd, so an open page means an open
+     * pidfd (and no thread runs between the two, or a token holds the channel's lease). */
+    long moved = cma_checked_call(self->pid, self->pidfd, write, descs, count, self->page, generation);
+    result = Py_NewRef(moved >= 0 && (uint64_t)moved == total ? Py_True : Py_False);
+done:
+    if (token != NULL) {
+        if (PyObject_IsTrue(token) > 0) {
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback); /* (an error of the steps above stays the one raised) */
+            PyObject *left = PyObject_CallMethodOneArg(lease, str_leave, token);
+            if (left == NULL && type == NULL)
+                Py_CLEAR(result);
+            else if (left == NULL)
+                PyErr_Clear();
+            Py_XDECREF(left);
+            if (type != NULL)
+                PyErr_Restore(type, value, traceback);
+        }
+        Py_DECREF(token);
+    }
+    Py_DECREF(lease);
+    return result;
+}
+
+static PyMethodDef CmaSmall_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))CmaSmall_run, METH_FASTCALL, CmaSmall_run_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(CmaSmall_doc,
+"CmaSmall(pid, pidfd, generation_page, registry, link, connected, read, write, chunk)\n\n"
+"cma's latency path to one peer in one call (see run): the peer's process ``pid`` pinned by\n"
+"``pidfd``, its mapped generation page; this engine's ``registry`` (its .table), the ``link``\n"
+"(its .state must be ``connected``; its .regions hold the peer's table, generation and lease);\n"
+"``read``/``write``: the two ops; ``chunk``: the most bytes one call may move.");
+
+static PyTypeObject CmaSmallType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hixl._accel._native.CmaSmall",
+    .tp_basicsize = sizeof(CmaSmall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = CmaSmall_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)CmaSmall_init,
+    .tp_traverse = (traverseproc)CmaSmall_traverse,
+    .tp_clear = (inquiry)CmaSmall_clear,
+    .tp_dealloc = (destructor)CmaSmall_dealloc,
+    .tp_methods = CmaSmall_methods,
+};
+
 static PyMethodDef methods[] = {
     {"check_small", (PyCFunction)(void (*)(void))check_small, METH_FASTCALL, check_small_doc},
     {"mapped_copy", (PyCFunction)(void (*)(void))mapped_copy, METH_FASTCALL, mapped_copy_doc},
@@ -363,12 +742,27 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
+    struct {
+        PyObject **slot;
+        const char *text;
+    } strings[] = {
+        {&str_table, "table"},       {&str_readable, "readable"}, {&str_writable, "writable"},
+        {&str_intervals, "intervals"}, {&str_state, "state"},     {&str_regions, "regions"},
+        {&str_lease, "lease"},       {&str_revoking, "revoking"}, {&str_generation, "generation"},
+        {&str_enter, "enter"},       {&str_leave, "leave"},
+    };
+    for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++)
+        if (*strings[i].slot == NULL && (*strings[i].slot = PyUnicode_InternFromString(strings[i].text)) == NULL)
+            return NULL;
+    if (PyType_Ready(&CmaSmallType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "GIL_FREE_FROM", GIL_FREE_FROM) < 0 ||
                       PyModule_AddIntConstant(m, "SMALL_MAX", SMALL_MAX) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_INELIGIBLE", CMA_INELIGIBLE) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_STALE", CMA_STALE) < 0 ||
-                      PyModule_AddIntConstant(m, "CMA_GONE", CMA_GONE) < 0)) {
+                      PyModule_AddIntConstant(m, "CMA_GONE", CMA_GONE) < 0 ||
+                      PyModule_AddObjectRef(m, "CmaSmall", (PyObject *)&CmaSmallType) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -32,6 +32,7 @@ import signal
 import struct
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +42,7 @@ __all__ = [
     "CMA_GONE",
     "CMA_INELIGIBLE",
     "CMA_STALE",
+    "CmaSmall",
     "GIL_FREE_FROM",
     "SMALL_MAX",
     "batch_order",
@@ -220,6 +222,58 @@ def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: 
         pack.pack_into(scratch.buf, _REMOTE_OFFSET, *[v for d in triples for v in (d[1], d[2])])
     moved = (process_vm_writev if write else process_vm_readv)(pid, scratch.local, count, scratch.remote, count, 0)
     return int(moved) if moved >= 0 else -ctypes.get_errno()
+
+
+class CmaSmall:
+    """cma's latency path to one peer in one call (:meth:`run`); the twin of the C ``CmaSmall``.
+
+    ``pid``/``pidfd``: the peer's process and the pidfd pinning it; ``generation_page``: its
+    mapped generation page; ``registry``: this engine's registrations (``.table``); ``link``: the
+    link to the peer (its ``.state`` must be ``connected``; ``.regions`` holds the peer's table,
+    generation and lease); ``read``/``write``: the two ops; ``chunk``: the most bytes one call
+    may move.
+    """
+
+    def __init__(
+        self, pid: int, pidfd: int, generation_page: object, registry: Any, link: Any, connected: object,
+        read: object, write: object, chunk: int,
+    ) -> None:
+        self._pid, self._pidfd, self._page = pid, pidfd, generation_page
+        self._registry, self._link, self._regions = registry, link, link.regions
+        self._connected, self._read, self._write, self._chunk = connected, read, write, chunk
+
+    def run(self, op: object, descs: object) -> bool:
+        """True once every byte of ``descs`` (a list of up to :data:`SMALL_MAX` (local, remote, len)
+        int triples, at most ``chunk`` bytes) moved in one ``process_vm_*`` call; False if nothing
+        was tried or the call fell short (the general path then checks, explains, retries)."""
+        if op is self._write:
+            write = True
+        elif op is self._read:
+            write = False
+        else:
+            return False
+        # A READ lands in local memory, a WRITE in the peer's: those sides must be writable.
+        table = self._registry.table
+        local = table.readable if write else table.writable
+        regions = self._regions
+        checked = regions.table
+        remote = checked.writable if write else checked.readable
+        total = check_small(descs, *local.intervals, *remote.intervals)
+        if total is None or total > self._chunk or self._link.state is not self._connected:
+            return False
+        # Python may switch threads between any two steps: a token holds the lease (the C twin
+        # holds the GIL instead for a small copy, which comes to the same).
+        lease = regions.lease
+        token = lease.enter()
+        if not token:
+            return False  # a REVOKE is under way: the general path waits for it
+        try:
+            if regions.table is not checked:
+                return False  # replaced since we checked: the general path checks again
+            moved = cma_copy(self._pid, self._pidfd, write, descs, self._page, regions.generation)
+        finally:
+            lease.leave(token)
+        return moved == total
 
 
 def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool) -> None:

@@ -46,7 +46,6 @@ import numpy as np
 from .. import _accel
 from .._exceptions import HixlError, PeerDisconnected, TransferError
 from .._iov import IovCursor, iovecs, process_vm_readv, process_vm_writev
-from .._protocol.frames import SMALL_DESCS
 from .._session.address import boot_id as _boot_id
 from .._session.initiator import LinkState
 from .._types import MemType, Op
@@ -55,7 +54,9 @@ from ._peerproc import PeerProcess, far_end_owner_error, map_peer_file
 from .base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
-    from .._memory import RemoteRegions
+    from collections.abc import Callable
+
+    from .._memory import Registry
     from .._request import TransferReq
     from .base import LinkSession, ServedSession
 
@@ -89,7 +90,6 @@ def _pid_namespace() -> str:
 CHUNK = 16 << 20
 """Most bytes one ``process_vm_*`` call moves under the lease (a few milliseconds): what a REVOKE or a
 cancel waits for at most."""
-_SMALL_IOVECS = SMALL_DESCS
 # (For the latency path: a module global is read ten times faster than an Enum member.)
 _WRITE, _CONNECTED = Op.WRITE, LinkState.CONNECTED
 
@@ -201,36 +201,20 @@ class CmaChannel(Channel):
             cursor.advance(moved)
         return True
 
-    def run_small(
-        self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float, checked: RemoteRegions
-    ) -> bool:
-        """One syscall straight from the tuples: no numpy, no cursor, no request object — the
-        generation and liveness checks and the call in one step of hixl._accel, under the lease.
+    def latency_path(self, registry: Registry) -> Callable[[Op, object], bool]:
+        """One call of hixl._accel per small ``transfer_sync``: both sides' region checks, the
+        lease, the generation and liveness checks and the syscall (see :class:`hixl._accel.CmaSmall`).
 
-        Every step here is on the 8-byte latency path, hence the inlined checks.
+        An 8-byte copy is one system call of under a microsecond; every Python call on its way
+        costs a tenth of that, so nothing else runs between the engine and it.
         """
-        link = self.link
-        if len(descs) > _SMALL_IOVECS or nbytes > CHUNK or link.state is not _CONNECTED:
-            return False  # (more than a chunk: the general path cuts it)
-        regions = link.regions
-        lease = regions.lease
-        token = lease.enter()
-        if not token:
-            return False  # a REVOKE is under way: the general path waits for it
-        try:
-            if regions.table is not checked:
-                return False  # replaced since the engine checked: check again on the general path
-            # A changed generation, a gone process, a short or failed copy: the general path
-            # refreshes, resumes (copying again is harmless) or reports it — and never copies
-            # into a reused pid.
-            moved = _accel.cma_copy(self.pid, self._process.fd, op is _WRITE, descs, self._generation, regions.generation)
-        finally:
-            lease.leave(token)
-        return bool(moved == nbytes)
+        return _accel.CmaSmall(
+            self.pid, self._process.fd, self._generation, registry, self.link, _CONNECTED, Op.READ, _WRITE, CHUNK
+        ).run
 
     def close(self) -> None:
         """Unmap the peer's generation page and let go of its process."""
-        self._generation.close()
+        self._generation.close()  # (first: the latency path reads it before it trusts the pidfd)
         self._process.close()
 
 
