@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
@@ -20,6 +21,9 @@
 
 /* Totals from this many bytes are copied with the GIL released (as hixl._accel.GIL_FREE_FROM). */
 #define GIL_FREE_FROM (64u << 10)
+/* Copies of fewer bytes stay in one lane (as hixl._accel.LANE_FROM); the most lanes one copy takes. */
+#define LANE_FROM (4u << 20)
+#define MAX_LANES 16
 /* The most descriptors the small-request functions take (at least hixl's SMALL_DESCS). */
 #define SMALL_MAX 64
 #ifndef IOV_MAX
@@ -240,9 +244,12 @@ read_generation(PyObject *page, uint64_t *out)
 
 /* cma_copy's steps once descs are parsed: the generation and liveness checks, then one
  * process_vm_* call (the GIL released around it from GIL_FREE_FROM bytes). */
+static int64_t lanes_copy_iovs(pid_t pid, int write, const struct iovec *local, const struct iovec *remote,
+                               Py_ssize_t count, uint64_t total, int lanes);
+
 static long
 cma_checked_call(long pid, long pidfd, int write, const desc_t *descs, Py_ssize_t count, PyObject *page,
-                 uint64_t expected)
+                 uint64_t expected, int lanes)
 {
     uint64_t generation;
     if (!read_generation(page, &generation))
@@ -267,7 +274,13 @@ cma_checked_call(long pid, long pidfd, int write, const desc_t *descs, Py_ssize_
     }
     ssize_t moved;
     int err = 0;
-    if (total >= GIL_FREE_FROM) {
+    if (lanes > 1 && total >= LANE_FROM) {
+        int64_t all;
+        Py_BEGIN_ALLOW_THREADS
+        all = lanes_copy_iovs((pid_t)pid, write, local, remote, count, total, lanes);
+        Py_END_ALLOW_THREADS
+        return (long)all;
+    } else if (total >= GIL_FREE_FROM) {
         Py_BEGIN_ALLOW_THREADS
         moved = write ? process_vm_writev((pid_t)pid, local, count, remote, count, 0)
                       : process_vm_readv((pid_t)pid, local, count, remote, count, 0);
@@ -298,7 +311,278 @@ cma_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t count = parse_descs(args[3], descs);
     if (count < 0 || count > IOV_MAX)
         return PyLong_FromLong(CMA_INELIGIBLE);
-    return PyLong_FromLong(cma_checked_call(pid, pidfd, write, descs, count, args[4], expected));
+    return PyLong_FromLong(cma_checked_call(pid, pidfd, write, descs, count, args[4], expected, 1));
+}
+
+/* ---- copy lanes: one window of a copy split over threads ------------------------------------
+ *
+ * One process_vm_* call (or memcpy) runs at one core's copy speed; a window cut into parts of
+ * about equal bytes (every cut but the last on a multiple of 4 KiB of the window), each copied by
+ * a thread of its own, runs at several. The calling thread copies the first part itself, with the
+ * GIL released; the others go to a few C threads (no Python in them: they never wait for the GIL),
+ * started on first need and shared by the whole process. The caller returns once every part has
+ * ended, so a window is one step for the Python that decides: it takes the lease and the
+ * request's lock before, and they cover every lane's bytes. */
+
+#define LANE_ALIGN 4096u
+#define LANE_IOVS 64 /* iovecs per syscall within a part */
+
+enum { LANE_CMA, LANE_MEMCPY };
+
+/* A window's entries: cma's iovec pairs (equal lengths), or copy_pieces' rows and heres. */
+typedef struct {
+    int kind, write;
+    pid_t pid;
+    const struct iovec *local, *remote;
+    const uint64_t *rows, *heres;
+    Py_ssize_t count;
+} lane_work_t;
+
+typedef struct lane_part {
+    const lane_work_t *work;
+    Py_ssize_t first; /* the part starts `offset` bytes into entry `first` ... */
+    uint64_t offset, bytes; /* ... and has `bytes` bytes */
+    int64_t result; /* bytes moved, or -errno */
+    int *remaining; /* the caller's count of parts not yet ended */
+    struct lane_part *next;
+} lane_part_t;
+
+static pthread_mutex_t lane_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t lane_work_cond = PTHREAD_COND_INITIALIZER, lane_done_cond = PTHREAD_COND_INITIALIZER;
+static lane_part_t *lane_queue, *lane_queue_tail;
+static int lane_threads;
+
+static uint64_t
+entry_len(const lane_work_t *w, Py_ssize_t i)
+{
+    return w->kind == LANE_CMA ? (uint64_t)w->local[i].iov_len : w->rows[3 * i + 2];
+}
+
+/* Copy one part; bytes moved (fewer only if the kernel moved nothing more) or -errno. */
+static int64_t
+lane_copy(const lane_work_t *w, Py_ssize_t i, uint64_t offset, uint64_t bytes)
+{
+    uint64_t done = 0;
+    if (w->kind == LANE_MEMCPY) {
+        for (; done < bytes && i < w->count; i++, offset = 0) {
+            uint64_t n = w->rows[3 * i + 2] - offset;
+            if (n > bytes - done)
+                n = bytes - done;
+            char *local = (char *)(uintptr_t)(w->rows[3 * i] + offset), *there = (char *)(uintptr_t)(w->heres[i] + offset);
+            if (w->write)
+                memcpy(there, local, n);
+            else
+                memcpy(local, there, n);
+            done += n;
+        }
+        return (int64_t)done;
+    }
+    struct iovec local[LANE_IOVS], remote[LANE_IOVS];
+    while (done < bytes && i < w->count) {
+        int n = 0;
+        uint64_t want = 0, o = offset;
+        for (Py_ssize_t j = i; n < LANE_IOVS && j < w->count && want < bytes - done; j++, o = 0, n++) {
+            uint64_t take = w->local[j].iov_len - o;
+            if (take > bytes - done - want)
+                take = bytes - done - want;
+            local[n].iov_base = (char *)w->local[j].iov_base + o;
+            remote[n].iov_base = (char *)w->remote[j].iov_base + o;
+            local[n].iov_len = remote[n].iov_len = take;
+            want += take;
+        }
+        ssize_t moved = w->write ? process_vm_writev(w->pid, local, n, remote, n, 0)
+                                 : process_vm_readv(w->pid, local, n, remote, n, 0);
+        if (moved < 0)
+            return -(int64_t)errno;
+        if (moved == 0)
+            break; /* no progress: the caller sees a short part */
+        done += (uint64_t)moved;
+        for (uint64_t left = (uint64_t)moved; left > 0;) { /* step past what moved */
+            uint64_t rest = w->local[i].iov_len - offset;
+            if (left < rest) {
+                offset += left;
+                left = 0;
+            } else {
+                left -= rest;
+                i++;
+                offset = 0;
+            }
+        }
+    }
+    return (int64_t)done;
+}
+
+static void *
+lane_main(void *unused)
+{
+    pthread_mutex_lock(&lane_lock);
+    for (;;) {
+        while (lane_queue == NULL)
+            pthread_cond_wait(&lane_work_cond, &lane_lock);
+        lane_part_t *part = lane_queue;
+        lane_queue = part->next;
+        if (lane_queue == NULL)
+            lane_queue_tail = NULL;
+        pthread_mutex_unlock(&lane_lock);
+        part->result = lane_copy(part->work, part->first, part->offset, part->bytes);
+        pthread_mutex_lock(&lane_lock);
+        if (--*part->remaining == 0)
+            pthread_cond_broadcast(&lane_done_cond);
+    }
+    return NULL;
+}
+
+/* After fork: the child has none of the parent's lane threads (nor its queue). */
+static void
+lanes_after_fork(void)
+{
+    pthread_mutex_init(&lane_lock, NULL);
+    pthread_cond_init(&lane_work_cond, NULL);
+    pthread_cond_init(&lane_done_cond, NULL);
+    lane_queue = lane_queue_tail = NULL;
+    lane_threads = 0;
+}
+
+/* Copy every entry of `w` (`total` bytes) over up to `lanes` lanes, the calling thread being the
+ * first; call with the GIL released. The bytes moved if every part moved all of its bytes; else
+ * -errno of the first part that failed, or 0 (a part made no progress). One lane: the call's
+ * own answer (a short count included), as one process_vm_* call would give it. */
+static int64_t
+lanes_copy(const lane_work_t *w, uint64_t total, int lanes)
+{
+    if (lanes > MAX_LANES)
+        lanes = MAX_LANES;
+    uint64_t step = lanes > 1 ? (total / (uint64_t)lanes + LANE_ALIGN - 1) / LANE_ALIGN * LANE_ALIGN : 0;
+    if (lanes <= 1 || total < LANE_FROM || step == 0 || step >= total)
+        return lane_copy(w, 0, 0, total);
+    lane_part_t parts[MAX_LANES];
+    int count = 0;
+    Py_ssize_t i = 0;
+    uint64_t offset = 0, start = 0;
+    while (start < total) { /* the part from byte `start`: entry i, `offset` bytes in */
+        uint64_t bytes = total - start < step ? total - start : step;
+        parts[count] = (lane_part_t){w, i, offset, bytes, 0, NULL, NULL};
+        count++;
+        start += bytes;
+        for (uint64_t left = bytes; left > 0 && i < w->count;) { /* walk to where the next begins */
+            uint64_t rest = entry_len(w, i) - offset;
+            if (left < rest) {
+                offset += left;
+                left = 0;
+            } else {
+                left -= rest;
+                i++;
+                offset = 0;
+            }
+        }
+    }
+    int remaining = count - 1;
+    pthread_mutex_lock(&lane_lock);
+    for (int k = 1; k < count; k++) {
+        parts[k].remaining = &remaining;
+        if (lane_queue_tail != NULL)
+            lane_queue_tail->next = &parts[k];
+        else
+            lane_queue = &parts[k];
+        lane_queue_tail = &parts[k];
+    }
+    while (lane_threads < MAX_LANES - 1 && lane_threads < count - 1) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attr, lane_main, NULL);
+        pthread_attr_destroy(&attr);
+        if (failed)
+            break; /* (the parts queued still run: on the threads there are, or below) */
+        lane_threads++;
+    }
+    pthread_cond_broadcast(&lane_work_cond);
+    pthread_mutex_unlock(&lane_lock);
+    parts[0].result = lane_copy(w, parts[0].first, parts[0].offset, parts[0].bytes);
+    pthread_mutex_lock(&lane_lock);
+    while (remaining > 0) {
+        if (lane_threads == 0 && lane_queue != NULL) { /* no thread could be started: copy them here */
+            lane_part_t *part = lane_queue;
+            lane_queue = part->next;
+            if (lane_queue == NULL)
+                lane_queue_tail = NULL;
+            pthread_mutex_unlock(&lane_lock);
+            part->result = lane_copy(part->work, part->first, part->offset, part->bytes);
+            pthread_mutex_lock(&lane_lock);
+            remaining--;
+            continue;
+        }
+        pthread_cond_wait(&lane_done_cond, &lane_lock);
+    }
+    pthread_mutex_unlock(&lane_lock);
+    int64_t short_part = 0;
+    for (int k = 0; k < count; k++) {
+        if (parts[k].result < 0)
+            return parts[k].result;
+        if ((uint64_t)parts[k].result != parts[k].bytes)
+            short_part = 1;
+    }
+    return short_part ? 0 : (int64_t)total;
+}
+
+static int64_t
+lanes_copy_iovs(pid_t pid, int write, const struct iovec *local, const struct iovec *remote, Py_ssize_t count,
+                uint64_t total, int lanes)
+{
+    lane_work_t w = {LANE_CMA, write, pid, local, remote, NULL, NULL, count};
+    return lanes_copy(&w, total, lanes);
+}
+
+PyDoc_STRVAR(cma_window_doc,
+"cma_window(pid, write, local_iovs, remote_iovs, count, lanes) -> int\n\n"
+"process_vm_writev (write) or process_vm_readv of ``count`` iovec pairs at addresses ``local_iovs``\n"
+"and ``remote_iovs`` (equal lengths pairwise), split over up to ``lanes`` threads from LANE_FROM\n"
+"bytes; the GIL released from GIL_FREE_FROM bytes. One lane: one call, its answer (the bytes\n"
+"moved, or -errno). Several: the bytes if every part moved all of its own, else -errno of a part\n"
+"that failed, or 0.");
+
+static PyObject *
+cma_window(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "cma_window takes 6 arguments");
+        return NULL;
+    }
+    long pid = PyLong_AsLong(args[0]);
+    int write = PyObject_IsTrue(args[1]);
+    unsigned long long local = PyLong_AsUnsignedLongLong(args[2]);
+    unsigned long long remote = PyLong_AsUnsignedLongLong(args[3]);
+    Py_ssize_t count = PyLong_AsSsize_t(args[4]);
+    long lanes = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred() || write < 0)
+        return NULL;
+    if (count < 1 || count > IOV_MAX) {
+        PyErr_SetString(PyExc_ValueError, "count must be in [1, IOV_MAX]");
+        return NULL;
+    }
+    lane_work_t w = {LANE_CMA, write, (pid_t)pid, (const struct iovec *)(uintptr_t)local,
+                     (const struct iovec *)(uintptr_t)remote, NULL, NULL, count};
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++)
+        total += w.local[i].iov_len;
+    int64_t moved;
+    if (lanes > 1 && total >= LANE_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        moved = lanes_copy(&w, total, (int)lanes);
+        Py_END_ALLOW_THREADS
+    } else { /* one call, as cma_copy makes it */
+        int err = 0;
+        PyThreadState *released = total >= GIL_FREE_FROM ? PyEval_SaveThread() : NULL;
+        moved = write ? process_vm_writev(w.pid, w.local, count, w.remote, count, 0)
+                      : process_vm_readv(w.pid, w.local, count, w.remote, count, 0);
+        err = errno;
+        if (released != NULL)
+            PyEval_RestoreThread(released);
+        if (moved < 0)
+            moved = -(int64_t)err;
+    }
+    return PyLong_FromLongLong(moved);
 }
 
 /* A C-contiguous buffer of 8-byte unsigned ints with the given number of dimensions. */
@@ -321,20 +605,22 @@ u64_buffer(PyObject *obj, Py_buffer *view, int ndim, const char *what)
 }
 
 PyDoc_STRVAR(copy_pieces_doc,
-"copy_pieces(pieces, heres, write) -> None\n\n"
+"copy_pieces(pieces, heres, write, lanes=1) -> None\n\n"
 "For every row i of ``pieces`` ((n, 3) uint64: local, remote, len) copy len bytes between the\n"
 "local address and heres[i] (where the remote range is mapped here): to heres[i] if ``write``,\n"
-"from it otherwise. In row order; the GIL is released for large totals.");
+"from it otherwise. In row order (from LANE_FROM bytes on, split over up to ``lanes`` threads:\n"
+"row order within each); the GIL is released for large totals.");
 
 static PyObject *
 copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "copy_pieces takes 3 arguments");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_pieces takes 3 or 4 arguments");
         return NULL;
     }
     int write = PyObject_IsTrue(args[2]);
-    if (write < 0)
+    long lanes = nargs == 4 ? PyLong_AsLong(args[3]) : 1;
+    if (write < 0 || (lanes == -1 && PyErr_Occurred()))
         return NULL;
     Py_buffer pv, hv;
     if (!u64_buffer(args[0], &pv, 2, "pieces"))
@@ -352,8 +638,17 @@ copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     const uint64_t *rows = pv.buf, *heres = hv.buf;
     uint64_t total = 0;
-    for (Py_ssize_t i = 0; i < count && total < GIL_FREE_FROM; i++)
+    for (Py_ssize_t i = 0; i < count && (total < LANE_FROM || lanes > 1); i++)
         total += rows[3 * i + 2];
+    if (lanes > 1 && total >= LANE_FROM) {
+        lane_work_t w = {LANE_MEMCPY, write, 0, NULL, NULL, rows, heres, count};
+        Py_BEGIN_ALLOW_THREADS
+        lanes_copy(&w, total, (int)lanes);
+        Py_END_ALLOW_THREADS
+        PyBuffer_Release(&pv);
+        PyBuffer_Release(&hv);
+        Py_RETURN_NONE;
+    }
     PyThreadState *released = total >= GIL_FREE_FROM ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
         void *local = (void *)(uintptr_t)rows[3 * i], *there = (void *)(uintptr_t)heres[i];
@@ -486,6 +781,7 @@ typedef struct {
     PyObject_HEAD
     long pid, pidfd;
     unsigned long long chunk;
+    int lanes;
     PyObject *page, *registry, *link, *regions, *connected, *read_op, *write_op;
     spans_cache_t local, remote;
 } CmaSmall;
@@ -494,12 +790,13 @@ static int
 CmaSmall_init(CmaSmall *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"pid", "pidfd", "generation_page", "registry", "link", "connected", "read", "write",
-                            "chunk", NULL};
+                            "chunk", "lanes", NULL};
     PyObject *page, *registry, *link, *connected, *read_op, *write_op;
     long pid, pidfd;
     unsigned long long chunk;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "llOOOOOOK", names, &pid, &pidfd, &page, &registry, &link,
-                                     &connected, &read_op, &write_op, &chunk))
+    int lanes = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "llOOOOOOK|i", names, &pid, &pidfd, &page, &registry, &link,
+                                     &connected, &read_op, &write_op, &chunk, &lanes))
         return -1;
     PyObject *regions = PyObject_GetAttr(link, str_regions);
     if (regions == NULL)
@@ -507,6 +804,7 @@ CmaSmall_init(CmaSmall *self, PyObject *args, PyObject *kwargs)
     self->pid = pid;
     self->pidfd = pidfd;
     self->chunk = chunk;
+    self->lanes = lanes < 1 ? 1 : lanes;
     Py_INCREF(page);
     Py_XSETREF(self->page, page);
     Py_INCREF(registry);
@@ -680,7 +978,7 @@ CmaSmall_run(CmaSmall *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     /* The page is read first: the channel closes it before the pidfd, so an open page means an open
      * pidfd (and no thread runs between the two, or a token holds the channel's lease). */
-    long moved = cma_checked_call(self->pid, self->pidfd, write, descs, count, self->page, generation);
+    long moved = cma_checked_call(self->pid, self->pidfd, write, descs, count, self->page, generation, self->lanes);
     result = Py_NewRef(moved >= 0 && (uint64_t)moved == total ? Py_True : Py_False);
 done:
     if (token != NULL) {
@@ -708,11 +1006,12 @@ static PyMethodDef CmaSmall_methods[] = {
 };
 
 PyDoc_STRVAR(CmaSmall_doc,
-"CmaSmall(pid, pidfd, generation_page, registry, link, connected, read, write, chunk)\n\n"
+"CmaSmall(pid, pidfd, generation_page, registry, link, connected, read, write, chunk, lanes=1)\n\n"
 "cma's latency path to one peer in one call (see run): the peer's process ``pid`` pinned by\n"
 "``pidfd``, its mapped generation page; this engine's ``registry`` (its .table), the ``link``\n"
 "(its .state must be ``connected``; its .regions hold the peer's table, generation and lease);\n"
-"``read``/``write``: the two ops; ``chunk``: the most bytes one call may move.");
+"``read``/``write``: the two ops; ``chunk``: the most bytes one call may move; ``lanes``: threads a\n"
+"copy of LANE_FROM bytes or more is split over (see cma_window).");
 
 static PyTypeObject CmaSmallType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hixl._accel._native.CmaSmall",
@@ -732,6 +1031,7 @@ static PyMethodDef methods[] = {
     {"mapped_copy", (PyCFunction)(void (*)(void))mapped_copy, METH_FASTCALL, mapped_copy_doc},
     {"copy_pieces", (PyCFunction)(void (*)(void))copy_pieces, METH_FASTCALL, copy_pieces_doc},
     {"cma_copy", (PyCFunction)(void (*)(void))cma_copy, METH_FASTCALL, cma_copy_doc},
+    {"cma_window", (PyCFunction)(void (*)(void))cma_window, METH_FASTCALL, cma_window_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -756,9 +1056,14 @@ PyInit__native(void)
             return NULL;
     if (PyType_Ready(&CmaSmallType) < 0)
         return NULL;
+    static int forked_handler;
+    if (!forked_handler && pthread_atfork(NULL, NULL, lanes_after_fork) == 0)
+        forked_handler = 1;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "GIL_FREE_FROM", GIL_FREE_FROM) < 0 ||
                       PyModule_AddIntConstant(m, "SMALL_MAX", SMALL_MAX) < 0 ||
+                      PyModule_AddIntConstant(m, "LANE_FROM", LANE_FROM) < 0 ||
+                      PyModule_AddIntConstant(m, "MAX_LANES", MAX_LANES) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_INELIGIBLE", CMA_INELIGIBLE) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_STALE", CMA_STALE) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_GONE", CMA_GONE) < 0 ||

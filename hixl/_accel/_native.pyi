@@ -4,6 +4,8 @@ import numpy as np
 
 GIL_FREE_FROM: int
 SMALL_MAX: int
+LANE_FROM: int
+MAX_LANES: int
 CMA_INELIGIBLE: int
 CMA_STALE: int
 CMA_GONE: int
@@ -14,12 +16,13 @@ def check_small(
 def mapped_copy(
     descs: object, write: bool, starts: list[int], ends: list[int], heres: list[int], writable: list[bool]
 ) -> int: ...
-def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool) -> None: ...
+def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool, lanes: int = 1) -> None: ...
 def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: object, generation: int) -> int: ...
+def cma_window(pid: int, write: bool, local_iovs: int, remote_iovs: int, count: int, lanes: int) -> int: ...
 
 class CmaSmall:
     def __init__(
         self, pid: int, pidfd: int, generation_page: object, registry: object, link: object, connected: object,
-        read: object, write: object, chunk: int,
+        read: object, write: object, chunk: int, lanes: int = 1,
     ) -> None: ...
     def run(self, op: object, descs: object) -> bool: ...
