@@ -452,14 +452,15 @@ lanes_copy(const lane_work_t *w, uint64_t total, int lanes)
 {
     if (lanes > MAX_LANES)
         lanes = MAX_LANES;
-    uint64_t step = lanes > 1 ? (total / (uint64_t)lanes + LANE_ALIGN - 1) / LANE_ALIGN * LANE_ALIGN : 0;
+    /* (total / lanes rounded up, then up to a page: never more than `lanes` parts) */
+    uint64_t step = lanes > 1 ? ((total + (uint64_t)lanes - 1) / (uint64_t)lanes + LANE_ALIGN - 1) / LANE_ALIGN * LANE_ALIGN : 0;
     if (lanes <= 1 || total < LANE_FROM || step == 0 || step >= total)
         return lane_copy(w, 0, 0, total);
     lane_part_t parts[MAX_LANES];
     int count = 0;
     Py_ssize_t i = 0;
     uint64_t offset = 0, start = 0;
-    while (start < total) { /* the part from byte `start`: entry i, `offset` bytes in */
+    while (start < total && count < MAX_LANES) { /* the part from byte `start`: entry i, `offset` bytes in */
         uint64_t bytes = total - start < step ? total - start : step;
         parts[count] = (lane_part_t){w, i, offset, bytes, 0, NULL, NULL};
         count++;

@@ -330,7 +330,7 @@ def lane_parts(lens: np.ndarray, lanes: int) -> list[tuple[int, int, int]]:
     offset into that entry and its bytes, in order (one part below :data:`LANE_FROM` bytes)."""
     total = int(lens.sum(dtype=np.uint64))
     lanes = min(lanes, MAX_LANES)
-    step = -(-(total // lanes) // _LANE_ALIGN) * _LANE_ALIGN if lanes > 1 else 0
+    step = -(-(-(-total // lanes)) // _LANE_ALIGN) * _LANE_ALIGN if lanes > 1 else 0  # (never more than lanes parts)
     if lanes <= 1 or total < LANE_FROM or step == 0 or step >= total:
         return [(0, 0, total)]
     ends = np.cumsum(lens, dtype=np.uint64)

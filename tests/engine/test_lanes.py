@@ -67,7 +67,7 @@ def test_a_split_covers_every_byte_once_in_order(lens: list[int], lanes: int) ->
         step = parts[0][2]
         assert total >= LANE_FROM and step % 4096 == 0 and all(p[2] == step for p in parts[:-1])
     else:
-        assert lanes == 1 or total < LANE_FROM or -(-(total // lanes) // 4096) * 4096 >= total
+        assert lanes == 1 or total < LANE_FROM or -(-(-(-total // lanes)) // 4096) * 4096 >= total
 
 
 def _scattered(buf: np.ndarray, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
