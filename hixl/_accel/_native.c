@@ -432,6 +432,26 @@ lane_main(void *unused)
     return NULL;
 }
 
+/* The first queued part of the call counting its parts in `remaining`, taken off the queue; NULL if
+ * none is queued. Call under lane_lock. */
+static lane_part_t *
+lane_unqueue(int *remaining)
+{
+    lane_part_t *prev = NULL;
+    for (lane_part_t *part = lane_queue; part != NULL; prev = part, part = part->next) {
+        if (part->remaining != remaining)
+            continue;
+        if (prev != NULL)
+            prev->next = part->next;
+        else
+            lane_queue = part->next;
+        if (lane_queue_tail == part)
+            lane_queue_tail = prev;
+        return part;
+    }
+    return NULL;
+}
+
 /* After fork: the child has none of the parent's lane threads (nor its queue). */
 static void
 lanes_after_fork(void)
@@ -495,7 +515,7 @@ lanes_copy(const lane_work_t *w, uint64_t total, int lanes)
         int failed = pthread_create(&thread, &attr, lane_main, NULL);
         pthread_attr_destroy(&attr);
         if (failed)
-            break; /* (the parts queued still run: on the threads there are, or below) */
+            break; /* (the parts queued still run: on the threads there are, or here below) */
         lane_threads++;
     }
     pthread_cond_broadcast(&lane_work_cond);
@@ -503,11 +523,10 @@ lanes_copy(const lane_work_t *w, uint64_t total, int lanes)
     parts[0].result = lane_copy(w, parts[0].first, parts[0].offset, parts[0].bytes);
     pthread_mutex_lock(&lane_lock);
     while (remaining > 0) {
-        if (lane_threads == 0 && lane_queue != NULL) { /* no thread could be started: copy them here */
-            lane_part_t *part = lane_queue;
-            lane_queue = part->next;
-            if (lane_queue == NULL)
-                lane_queue_tail = NULL;
+        /* A part of ours that no lane thread has taken yet is copied here: on a busy machine the
+         * threads may not run for a while, and then this call costs what one lane would. */
+        lane_part_t *part = lane_unqueue(&remaining);
+        if (part != NULL) {
             pthread_mutex_unlock(&lane_lock);
             part->result = lane_copy(part->work, part->first, part->offset, part->bytes);
             pthread_mutex_lock(&lane_lock);

@@ -355,9 +355,14 @@ def _part_rows(columns: list[np.ndarray], lens: np.ndarray, first: int, offset: 
 
 
 def _run_lanes(parts: list[tuple[int, int, int]], copy_part: Callable[[int, int, int], int]) -> list[int]:
-    """Each part's answer, the first copied here and the others on lane threads."""
+    """Each part's answer, the first copied here and the others on lane threads (or here as well,
+    those no lane thread has begun once the first is done: on a busy machine they may not run for
+    a while, and then this costs what one lane would)."""
     futures = [_lane_pool().submit(copy_part, *part) for part in parts[1:]]
-    return [copy_part(*parts[0])] + [f.result() for f in futures]
+    answers = [copy_part(*parts[0])]
+    for future, part in zip(futures, parts[1:]):
+        answers.append(copy_part(*part) if future.cancel() else future.result())
+    return answers
 
 
 def _cma_part(pid: int, write: bool, local: np.ndarray, remote: np.ndarray, lens: np.ndarray) -> int:
