@@ -33,8 +33,10 @@ import signal
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
@@ -355,13 +357,17 @@ def _part_rows(columns: list[np.ndarray], lens: np.ndarray, first: int, offset: 
 
 
 def _run_lanes(parts: list[tuple[int, int, int]], copy_part: Callable[[int, int, int], int]) -> list[int]:
-    """Each part's answer, the first copied here and the others on lane threads (or here as well,
-    those no lane thread has begun once the first is done: on a busy machine they may not run for
-    a while, and then this costs what one lane would)."""
+    """Each part's answer, the first copied here and the others on lane threads — or here as well,
+    those no lane thread has begun after a grace as long as the first took (see the C twin)."""
     futures = [_lane_pool().submit(copy_part, *part) for part in parts[1:]]
+    began = time.monotonic()
     answers = [copy_part(*parts[0])]
+    until = time.monotonic() + (time.monotonic() - began)
     for future, part in zip(futures, parts[1:]):
-        answers.append(copy_part(*part) if future.cancel() else future.result())
+        try:
+            answers.append(future.result(max(0.0, until - time.monotonic())))
+        except FutureTimeout:
+            answers.append(copy_part(*part) if future.cancel() else future.result())
     return answers
 
 
