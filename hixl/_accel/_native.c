@@ -15,7 +15,6 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
-#include <time.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -521,37 +520,22 @@ lanes_copy(const lane_work_t *w, uint64_t total, int lanes)
     }
     pthread_cond_broadcast(&lane_work_cond);
     pthread_mutex_unlock(&lane_lock);
-    struct timespec began, ended;
-    clock_gettime(CLOCK_REALTIME, &began);
     parts[0].result = lane_copy(w, parts[0].first, parts[0].offset, parts[0].bytes);
-    clock_gettime(CLOCK_REALTIME, &ended);
-    /* Parts no lane thread has begun are copied here, after a grace as long as our own part took: on
-     * a busy machine a woken thread may wait milliseconds for a core, and a copy should cost at
-     * most about twice what one lane would, not wait for the scheduler. (Taken at once, they
-     * would run one after the other whenever a thread is a little late.) */
-    int64_t grace_ns = (int64_t)(ended.tv_sec - began.tv_sec) * 1000000000 + (ended.tv_nsec - began.tv_nsec);
-    struct timespec until = ended;
-    until.tv_sec += grace_ns / 1000000000;
-    until.tv_nsec += grace_ns % 1000000000;
-    if (until.tv_nsec >= 1000000000) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000;
-    }
+    /* Then wait for the lane threads. (Copying here the parts they have not begun, as soon as ours is
+     * done or after a grace, made copies run one part after the other whenever another process kept
+     * the other cores busy for a moment: a woken thread may wait milliseconds for a core, and then
+     * still copies alongside us for most of its part.) */
     pthread_mutex_lock(&lane_lock);
-    int waiting = lane_threads > 0;
     while (remaining > 0) {
-        lane_part_t *part = waiting ? NULL : lane_unqueue(&remaining);
-        if (part != NULL) {
+        lane_part_t *part = lane_threads == 0 ? lane_unqueue(&remaining) : NULL;
+        if (part != NULL) { /* no lane thread could be started: copy the parts here */
             pthread_mutex_unlock(&lane_lock);
             part->result = lane_copy(part->work, part->first, part->offset, part->bytes);
             pthread_mutex_lock(&lane_lock);
             remaining--;
             continue;
         }
-        if (waiting)
-            waiting = pthread_cond_timedwait(&lane_done_cond, &lane_lock, &until) != ETIMEDOUT;
-        else
-            pthread_cond_wait(&lane_done_cond, &lane_lock);
+        pthread_cond_wait(&lane_done_cond, &lane_lock);
     }
     pthread_mutex_unlock(&lane_lock);
     int64_t short_part = 0;

@@ -33,10 +33,8 @@ import signal
 import struct
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
@@ -357,18 +355,9 @@ def _part_rows(columns: list[np.ndarray], lens: np.ndarray, first: int, offset: 
 
 
 def _run_lanes(parts: list[tuple[int, int, int]], copy_part: Callable[[int, int, int], int]) -> list[int]:
-    """Each part's answer, the first copied here and the others on lane threads — or here as well,
-    those no lane thread has begun after a grace as long as the first took (see the C twin)."""
+    """Each part's answer, the first copied here and the others on lane threads."""
     futures = [_lane_pool().submit(copy_part, *part) for part in parts[1:]]
-    began = time.monotonic()
-    answers = [copy_part(*parts[0])]
-    until = time.monotonic() + (time.monotonic() - began)
-    for future, part in zip(futures, parts[1:]):
-        try:
-            answers.append(future.result(max(0.0, until - time.monotonic())))
-        except FutureTimeout:
-            answers.append(copy_part(*part) if future.cancel() else future.result())
-    return answers
+    return [copy_part(*parts[0])] + [future.result() for future in futures]
 
 
 def _cma_part(pid: int, write: bool, local: np.ndarray, remote: np.ndarray, lens: np.ndarray) -> int:
