@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import os
 import errno
 import select
 import signal
@@ -35,16 +36,20 @@ import socket
 import struct
 import sys
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 import time
 
 import numpy as np
 
-from .._iov import process_vm_readv, process_vm_writev
+from .._iov import IOV_MAX, IovCursor, process_vm_readv, process_vm_writev
 
 __all__ = [
     "CMA_GONE",
     "CMA_INELIGIBLE",
     "CMA_STALE",
+    "CmaSmall",
     "GIL_FREE_FROM",
     "SMALL_MAX",
     "TCP_EOF",
@@ -65,6 +70,12 @@ __all__ = [
 
 GIL_FREE_FROM = 64 << 10
 """Blocks of at least this many bytes are copied with the GIL released."""
+LANE_FROM = 4 << 20
+"""A copy (one call of :func:`cma_window` or :func:`copy_pieces`) of fewer bytes stays in one lane:
+below it, handing a part to another thread costs more than the second core gains."""
+MAX_LANES = 16
+"""The most lanes one copy is split over."""
+_LANE_ALIGN = 4096  # every cut but the last on a page of the copy: no page copied by two lanes
 SMALL_MAX = 64
 """The most descriptors :func:`check_small` and :func:`mapped_copy` take."""
 CMA_INELIGIBLE = -(1 << 20)
@@ -209,6 +220,14 @@ def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: 
     triples = _triples(descs)
     if triples is None:
         return CMA_INELIGIBLE
+    refused = _refusal(pidfd, generation_page, generation)
+    if refused:
+        return refused
+    return _cma_call(pid, write, triples, 1)
+
+
+def _refusal(pidfd: int, generation_page: object, generation: int) -> int:
+    """:func:`cma_copy`'s answer if the page or the process refuses a copy; 0 if neither does."""
     try:
         current = _GENERATION.unpack_from(generation_page)[0]  # type: ignore[arg-type]
     except (TypeError, ValueError):  # unmapped by close()
@@ -221,6 +240,12 @@ def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: 
         pass  # it exists; signalling it is another permission than cma's
     except (OSError, ValueError):
         return CMA_GONE
+    return 0
+
+
+def _cma_call(pid: int, write: bool, triples: list[tuple[int, int, int]], lanes: int) -> int:
+    """The ``process_vm_*`` call of :func:`cma_copy` (over :func:`cma_window`'s lanes, from
+    :data:`LANE_FROM` bytes, if ``lanes`` > 1)."""
     scratch, count = _scratch, len(triples)
     if count == 1:  # the common latency case: both iovecs in one call, no argument lists
         local, remote, length = triples[0]
@@ -229,16 +254,191 @@ def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: 
         pack = _iov_pack[count]
         pack.pack_into(scratch.buf, 0, *[v for d in triples for v in (d[0], d[2])])
         pack.pack_into(scratch.buf, _REMOTE_OFFSET, *[v for d in triples for v in (d[1], d[2])])
+    if lanes > 1 and sum(d[2] for d in triples) >= LANE_FROM:
+        return cma_window(pid, write, scratch.local, scratch.remote, count, lanes)
     moved = (process_vm_writev if write else process_vm_readv)(pid, scratch.local, count, scratch.remote, count, 0)
     return int(moved) if moved >= 0 else -ctypes.get_errno()
 
 
-def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool) -> None:
+class CmaSmall:
+    """cma's latency path to one peer in one call (:meth:`run`); the twin of the C ``CmaSmall``.
+
+    ``pid``/``pidfd``: the peer's process and the pidfd pinning it; ``generation_page``: its
+    mapped generation page; ``registry``: this engine's registrations (``.table``); ``link``: the
+    link to the peer (its ``.state`` must be ``connected``; ``.regions`` holds the peer's table,
+    generation and lease); ``read``/``write``: the two ops; ``chunk``: the most bytes one call
+    may move; ``lanes``: threads a copy of :data:`LANE_FROM` bytes or more is split over.
+    """
+
+    def __init__(
+        self, pid: int, pidfd: int, generation_page: object, registry: Any, link: Any, connected: object,
+        read: object, write: object, chunk: int, lanes: int = 1,
+    ) -> None:
+        self._pid, self._pidfd, self._page, self._lanes = pid, pidfd, generation_page, max(1, lanes)
+        self._registry, self._link, self._regions = registry, link, link.regions
+        self._connected, self._read, self._write, self._chunk = connected, read, write, chunk
+
+    def run(self, op: object, descs: object) -> bool:
+        """True once every byte of ``descs`` (a list of up to :data:`SMALL_MAX` (local, remote, len)
+        int triples, at most ``chunk`` bytes) moved in one ``process_vm_*`` call; False if nothing
+        was tried or the call fell short (the general path then checks, explains, retries)."""
+        if op is self._write:
+            write = True
+        elif op is self._read:
+            write = False
+        else:
+            return False
+        # A READ lands in local memory, a WRITE in the peer's: those sides must be writable.
+        table = self._registry.table
+        local = table.readable if write else table.writable
+        regions = self._regions
+        checked = regions.table
+        remote = checked.writable if write else checked.readable
+        total = check_small(descs, *local.intervals, *remote.intervals)
+        if total is None or total > self._chunk or self._link.state is not self._connected:
+            return False
+        # Python may switch threads between any two steps: a token holds the lease (the C twin
+        # holds the GIL instead for a small copy, which comes to the same).
+        lease = regions.lease
+        token = lease.enter()
+        if not token:
+            return False  # a REVOKE is under way: the general path waits for it
+        try:
+            if regions.table is not checked:
+                return False  # replaced since we checked: the general path checks again
+            moved = _refusal(self._pidfd, self._page, regions.generation) or _cma_call(
+                self._pid, write, _triples(descs) or [], self._lanes
+            )
+        finally:
+            lease.leave(token)
+        return moved == total
+
+
+# -- copy lanes (see the C twin's comment on them) -------------------------------------------------
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # (a child has none of its parent's threads)
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _lane_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=MAX_LANES - 1, thread_name_prefix="hixl-lane")
+        return _pool
+
+
+def lane_parts(lens: np.ndarray, lanes: int) -> list[tuple[int, int, int]]:
+    """How a copy of entries of ``lens`` bytes is split over ``lanes``: each part's first entry, its
+    offset into that entry and its bytes, in order (one part below :data:`LANE_FROM` bytes)."""
+    total = int(lens.sum(dtype=np.uint64))
+    lanes = min(lanes, MAX_LANES)
+    step = -(-(-(-total // lanes)) // _LANE_ALIGN) * _LANE_ALIGN if lanes > 1 else 0  # (never more than lanes parts)
+    if lanes <= 1 or total < LANE_FROM or step == 0 or step >= total:
+        return [(0, 0, total)]
+    ends = np.cumsum(lens, dtype=np.uint64)
+    parts = []
+    for start in range(0, total, step):
+        first = int(np.searchsorted(ends, np.uint64(start), side="right"))  # the entry holding byte ``start``
+        parts.append((first, start - (int(ends[first - 1]) if first else 0), min(step, total - start)))
+    return parts
+
+
+def _part_rows(columns: list[np.ndarray], lens: np.ndarray, first: int, offset: int, nbytes: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """The address columns and lengths of one part (see :func:`lane_parts`)."""
+    ends = np.cumsum(lens[first:], dtype=np.uint64) - np.uint64(offset)
+    last = first + int(np.searchsorted(ends, np.uint64(nbytes), side="left")) + 1
+    part_lens = lens[first:last].copy()
+    part_lens[0] -= np.uint64(offset)
+    part_lens[-1] -= ends[last - first - 1] - np.uint64(nbytes)
+    cols = [c[first:last].copy() for c in columns]
+    for c in cols:
+        c[0] += np.uint64(offset)
+    return cols, part_lens
+
+
+def _run_lanes(parts: list[tuple[int, int, int]], copy_part: Callable[[int, int, int], int]) -> list[int]:
+    """Each part's answer, the first copied here and the others on lane threads."""
+    futures = [_lane_pool().submit(copy_part, *part) for part in parts[1:]]
+    return [copy_part(*parts[0])] + [future.result() for future in futures]
+
+
+def _cma_part(pid: int, write: bool, local: np.ndarray, remote: np.ndarray, lens: np.ndarray) -> int:
+    """Every byte of one part through ``process_vm_*``: the bytes moved (fewer if the kernel moved no
+    more), or -errno."""
+    call = process_vm_writev if write else process_vm_readv
+    iov_local = np.column_stack([local, lens]).astype(np.uint64)
+    iov_remote = np.column_stack([remote, lens]).astype(np.uint64)
+    cursor = IovCursor(iov_local, iov_remote)
+    while not cursor.finished:
+        (lp, rp), count, _ = cursor.window()
+        moved = call(pid, lp, count, rp, count, 0)
+        if moved < 0:
+            return -ctypes.get_errno()
+        if moved == 0:
+            break
+        cursor.advance(moved)
+    return cursor.done
+
+
+def cma_window(pid: int, write: bool, local_iovs: int, remote_iovs: int, count: int, lanes: int) -> int:
+    """``process_vm_writev`` (``write``) or ``process_vm_readv`` of ``count`` iovec pairs at
+    addresses ``local_iovs`` and ``remote_iovs`` (equal lengths pairwise), split over up to
+    ``lanes`` threads from :data:`LANE_FROM` bytes. One lane: one call, its answer (the bytes
+    moved, or -errno). Several: the bytes if every part moved all of its own, else -errno of a
+    part that failed, or 0."""
+    if not 1 <= count <= IOV_MAX:
+        raise ValueError("count must be in [1, IOV_MAX]")
+    parts = [(0, 0, 0)]
+    if lanes > 1:
+        local = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(local_iovs)).reshape(count, 2)
+        remote = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(remote_iovs)).reshape(count, 2)
+        lens = local[:, 1].copy()
+        parts = lane_parts(lens, lanes)
+    if len(parts) == 1:  # one call, as cma_copy makes it
+        moved = (process_vm_writev if write else process_vm_readv)(pid, local_iovs, count, remote_iovs, count, 0)
+        return int(moved) if moved >= 0 else -ctypes.get_errno()
+
+    def part(first: int, offset: int, nbytes: int) -> int:
+        (l_addr, r_addr), part_lens = _part_rows([local[:, 0], remote[:, 0]], lens, first, offset, nbytes)
+        moved = _cma_part(pid, write, l_addr, r_addr, part_lens)
+        return moved if moved < 0 or moved == nbytes else -_SHORT
+
+    answers = _run_lanes(parts, part)
+    failed = [a for a in answers if a < 0 and a != -_SHORT]
+    if failed:
+        return failed[0]
+    return 0 if -_SHORT in answers else int(lens.sum(dtype=np.uint64))
+
+
+_SHORT = 1 << 40  # (a part that fell short without an error: not an errno)
+
+
+def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool, lanes: int = 1) -> None:
     """For every row ``i`` of ``pieces`` ((n, 3) uint64: local, remote, len), copy ``len`` bytes
     between the local address and ``heres[i]`` (where the remote range is mapped here): to
-    ``heres[i]`` if ``write``, from it otherwise; in row order."""
+    ``heres[i]`` if ``write``, from it otherwise; in row order (from :data:`LANE_FROM` bytes on,
+    split over up to ``lanes`` threads: row order within each)."""
     local, lens = pieces[:, 0], pieces[:, 2]
-    if write:
+    parts = lane_parts(lens, lanes) if lanes > 1 else [(0, 0, 0)]
+    if len(parts) > 1:
+
+        def part(first: int, offset: int, nbytes: int) -> int:
+            (l_addr, h_addr), part_lens = _part_rows([local, heres], lens, first, offset, nbytes)
+            for dst, src, n in zip(*((h_addr, l_addr) if write else (l_addr, h_addr)), part_lens.tolist()):
+                _memmove(int(dst), int(src), n)  # (releases the GIL: the lanes copy at once)
+            return nbytes
+
+        _run_lanes(parts, part)
+    elif write:
         copy_many(heres, local, lens)
     else:
         copy_many(local, heres, lens)

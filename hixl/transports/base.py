@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from .. import _protocol as proto
     from .._iov import IovCursor
-    from .._memory import RemoteRegions
+    from .._memory import Registry, RemoteRegions
     from .._request import TransferReq
     from .._session.initiator import LinkState, Pending
     from .._session.peer_regions import PeerRegions
@@ -240,6 +240,18 @@ class Channel(abc.ABC):
         The default has no fast path.
         """
         return False
+
+    def latency_path(self, registry: Registry) -> Callable[[Op, object], bool] | None:
+        """``transfer_sync``'s whole latency path to this peer in one call, or None (the default).
+
+        A transport whose small copy is one system call offers a callable taking ``(op,
+        op_descs)`` as the application passed them, which checks both sides' ranges itself (the
+        local ones against ``registry``, this engine's registrations) and moves the bytes at
+        once: True if every byte moved; False sends the caller down the general path, which
+        checks again and reports any error (so moving bytes twice must be harmless). The engine
+        then calls it instead of its own checks and :meth:`run_small`.
+        """
+        return None
 
     def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float, write: bool) -> None:
         """Raise :class:`~hixl.MemoryRangeError` unless every range is inside the peer's regions
