@@ -159,8 +159,13 @@ def check_small(
     every local range inside one local interval and every remote one inside one remote interval;
     else None."""
     triples = _triples(descs)
-    if triples is None:
-        return None
+    return None if triples is None else _inside(triples, local_starts, local_ends, remote_starts, remote_ends)
+
+
+def _inside(
+    triples: list[tuple[int, int, int]], local_starts: list[int], local_ends: list[int], remote_starts: list[int], remote_ends: list[int]
+) -> int | None:
+    """:func:`check_small` of descriptors already made triples."""
     total = 0
     for local, remote, nbytes in triples:
         if _interval(local_starts, local_ends, local, nbytes) < 0 or _interval(remote_starts, remote_ends, remote, nbytes) < 0:
@@ -294,7 +299,10 @@ class CmaSmall:
         regions = self._regions
         checked = regions.table
         remote = checked.writable if write else checked.readable
-        total = check_small(descs, *local.intervals, *remote.intervals)
+        triples = _triples(descs)
+        if triples is None:
+            return False
+        total = _inside(triples, *local.intervals, *remote.intervals)
         if total is None or total > self._chunk or self._link.state is not self._connected:
             return False
         # Python may switch threads between any two steps: a token holds the lease (the C twin
@@ -306,9 +314,7 @@ class CmaSmall:
         try:
             if regions.table is not checked:
                 return False  # replaced since we checked: the general path checks again
-            moved = _refusal(self._pidfd, self._page, regions.generation) or _cma_call(
-                self._pid, write, _triples(descs) or [], self._lanes
-            )
+            moved = _refusal(self._pidfd, self._page, regions.generation) or _cma_call(self._pid, write, triples, self._lanes)
         finally:
             lease.leave(token)
         return moved == total
