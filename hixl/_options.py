@@ -79,8 +79,9 @@ DEFAULT_OPTIONS: dict[str, Any] = {
   however many peers; a connection whose request waits for one is served in its turn. Control
   frames, handshakes and heartbeats are served by one I/O thread besides.
 - ``max_inflight``: async requests per peer not yet finished; more raise ResourceExhausted.
-- ``copy_lanes``: threads (the caller's included) a same-host cma copy of 16 MiB or more is split
-  over, each copying a part of about equal bytes (default: the cores, at most 4; 1: one thread).
+- ``copy_lanes``: threads (the caller's included) a same-host copy (cma, shm) is split over, window
+  by window from 4 MiB, each copying a part of about equal bytes (default: the cores, at most 4; 1:
+  one thread). The lease and cancel rules hold per window, as with one lane.
 - ``auth_secret``: shared secret (str or bytes; default ``$HIXL_AUTH_SECRET``) both ends must know.
 - ``allow_unauthenticated``: listen on a non-loopback address without a secret (refused otherwise).
 - ``allowed_networks`` (target): CIDR strings; connections from elsewhere are refused.

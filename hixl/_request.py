@@ -36,7 +36,6 @@ class TransferReq:
     __slots__ = (
         "_callbacks",
         "_done",
-        "_lanes",
         "_lock",
         "_status",
         "cancelled",
@@ -66,7 +65,6 @@ class TransferReq:
         self.lands_remotely = False
         """Set by a transport whose target lands this request's data itself (a TCP WRITE)."""
         self.io_lock = threading.Lock()
-        self._lanes: list[threading.Lock] = []  # one per extra thread landing this request (copy lanes)
         self._lock = threading.Lock()
         # Created only if someone has to block: a transfer_sync that completed
         # inline never pays for an Event (a measurable share of an 8-byte copy).
@@ -129,22 +127,8 @@ class TransferReq:
             self.wait_quietly()
         self.cancelled = True  # later chunks see it (under io_lock) and are not written
         with self.io_lock:
-            self._wait_for_lanes()
             self._finish(TransferStatus.FAILED, TransferCancelled(f"{self!r} was cancelled"))
         return self.status
-
-    def lane_lock(self) -> threading.Lock:
-        """A lock for one more thread landing this request's bytes at once (a copy lane): held,
-        as ``io_lock`` is, while it lands a chunk after checking ``cancelled``. Cancelling and
-        expiring wait for every lane's too, so the no-byte-after guarantee holds across lanes."""
-        lock = threading.Lock()
-        self._lanes.append(lock)
-        return lock
-
-    def _wait_for_lanes(self) -> None:
-        for lock in list(self._lanes):  # a lane holds only its own, a chunk at a time: no cycle
-            with lock:
-                pass
 
     def wait_quietly(self) -> None:
         """Wait until the request is final or its deadline passed, raising nothing."""
@@ -207,7 +191,6 @@ class TransferReq:
         # Wait out a chunk being written right now *before* reporting TIMEOUT: reported
         # first, another thread could see TIMEOUT while that chunk was still landing.
         with self.io_lock:
-            self._wait_for_lanes()
             self._finish(TransferStatus.TIMEOUT, TransferTimeout(f"{self!r} passed its deadline"))
 
     def _finish(self, status: TransferStatus, error: HixlError | None) -> None:

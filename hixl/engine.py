@@ -82,9 +82,13 @@ _READ, _WRITE = Op.READ, Op.WRITE  # (a module global is read ten times faster t
 class _Peer:
     """What the engine keeps per connected target: link, channel, async queue."""
 
-    def __init__(self, link: PeerLink, channel: Channel, transport: Transport, max_inflight: int) -> None:
+    def __init__(
+        self, link: PeerLink, channel: Channel, transport: Transport, max_inflight: int, registry: Registry
+    ) -> None:
         self.link = link
         self.channel = channel
+        self.latency_path = channel.latency_path(registry)
+        """The channel's whole latency path in one call, if it has one (see Channel.latency_path)."""
         self.transport = transport
         self.max_inflight = max_inflight
         self._inflight: set[TransferReq] = set()
@@ -402,7 +406,7 @@ class Engine:
         elsewhere = link.welcome.get("boot_id") != _boot_id()
         if not transport.capabilities.one_sided and (said_two_sided or elsewhere):
             wire.idle_ping = float(self.options["idle_ping_interval"])
-        return _Peer(link, channel, transport, int(self.options["max_inflight"]))
+        return _Peer(link, channel, transport, int(self.options["max_inflight"]), self._registry)
 
     def _hello_info(self) -> dict[str, Any]:
         """What this initiator tells a target about itself once proven: who it is, its host, and
@@ -490,30 +494,34 @@ class Engine:
         """
         # The latency path, inline (a call costs a few hundred ns once a large copy left the caches
         # cold): a few descriptors checked in one call of hixl._accel and handed to the channel at
-        # once. Anything it does not take — bad input included — goes the general way, which also
-        # produces every error message; the channel raises only what the transfer itself ran into.
+        # once, or (a channel with a latency path of its own, cma) handed over unchecked, for it to
+        # check and copy in that one call. Anything it does not take — bad input included — goes
+        # the general way, which also produces every error message; the channel raises only what
+        # the transfer itself ran into.
         peer = self._peers.get(remote_engine)
-        if (
-            peer is not None
-            and type(op_descs) in _SMALL_TYPES
-            and 0 < len(op_descs) <= _SMALL_BATCH
-            and (op is _READ or op is _WRITE)
-            and (timeout is None or timeout > 0)
-            and not self._finalized
-        ):
-            small = op_descs
-            if type(small) is np.ndarray:
-                small = small.tolist() if small.ndim == 2 and small.shape[1] == 3 and small.dtype.kind in "iu" else None
-            # A READ writes into local memory, a WRITE into the peer's: those sides must be writable.
-            checked = peer.link.regions.table
-            if op is _WRITE:
-                local, remote = self._registry.table.readable, checked.writable
-            else:
-                local, remote = self._registry.table.writable, checked.readable
-            total = _accel.check_small(small, *local.intervals, *remote.intervals)
-            limit = float(self.options["transfer_timeout"]) if timeout is None else timeout
-            if total is not None and peer.channel.run_small(op, small, total, limit, checked):
-                return
+        if peer is not None and (timeout is None or timeout > 0) and not self._finalized:
+            whole = peer.latency_path
+            if whole is not None and type(op_descs) is list:
+                if whole(op, op_descs):
+                    return
+            elif type(op_descs) in _SMALL_TYPES and 0 < len(op_descs) <= _SMALL_BATCH and (op is _READ or op is _WRITE):
+                small = op_descs
+                if type(small) is np.ndarray:
+                    small = small.tolist() if small.ndim == 2 and small.shape[1] == 3 and small.dtype.kind in "iu" else None
+                if whole is not None:
+                    if whole(op, small):
+                        return
+                else:
+                    # A READ writes into local memory, a WRITE into the peer's: those sides must be writable.
+                    checked = peer.link.regions.table
+                    if op is _WRITE:
+                        local, remote = self._registry.table.readable, checked.writable
+                    else:
+                        local, remote = self._registry.table.writable, checked.readable
+                    total = _accel.check_small(small, *local.intervals, *remote.intervals)
+                    limit = float(self.options["transfer_timeout"]) if timeout is None else timeout
+                    if total is not None and peer.channel.run_small(op, small, total, limit, checked):
+                        return
         peer, req, op, descs = self._prepare(remote_engine, op, op_descs, timeout)
         peer.channel.run(req, op, merge_adjacent(descs))
         req.wait()

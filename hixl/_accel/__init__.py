@@ -20,7 +20,21 @@ these functions are handed the tables their callers checked and hold current.
 - :func:`mapped_copy` — copy a small list through a peer's memory mapped here.
 - :func:`copy_pieces` — copy a batch's rows between local and mapped addresses.
 - :func:`cma_copy` — the generation and liveness checks and one ``process_vm_*`` call of a
-  small request (cma's latency path).
+  small request.
+- :func:`cma_window` — one window of iovecs through ``process_vm_*``, split over *copy lanes*
+  (threads of its own: C threads in the extension, which never wait for the GIL) from
+  :data:`LANE_FROM` bytes; :func:`copy_pieces` takes lanes too (shm).
+- :class:`CmaSmall` — cma's whole latency path to one peer in one call: both sides' region
+  checks, the lease, :func:`cma_copy`'s checks and its syscall (``transfer_sync`` of a few
+  descriptors calls nothing else below the engine).
+- :func:`tcp_send`, :func:`tcp_reply`, :func:`tcp_land` — TCP's latency path on the initiator:
+  a small request's frame (and a WRITE's data, from registered memory) out in one ``sendmsg``, its
+  reply's header read and recognised (a DATA or ACK for that request, else "not mine"), and once
+  the connection has accounted for it, the DATA's bytes landed in local memory; each wait a
+  ``poll`` bounded by the caller's time, with the GIL released (see :mod:`hixl._session.wire`).
+- :func:`tcp_request` — the target's side: one ``recv``, and a small READ or WRITE that arrived
+  whole recognised and its fields handed back (anything else: "not mine", for the connection's
+  parser); :func:`tcp_send` then sends its DATA from registered memory, never waiting.
 - :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`
   cheaper (only the pure one has a use for it: numpy's calls want one side back
   to back; C copies in any order at the same speed).
@@ -36,15 +50,26 @@ import numpy as np
 from . import pure
 
 __all__ = [
+    "CmaSmall",
     "GIL_FREE_FROM",
     "IMPLEMENTATION",
+    "LANE_FROM",
+    "MAX_LANES",
     "NATIVE",
     "PURE_ENV",
+    "TCP_EOF",
+    "TCP_RANGES",
+    "TCP_WAIT",
     "batch_order",
     "check_small",
     "cma_copy",
+    "cma_window",
     "copy_pieces",
     "mapped_copy",
+    "tcp_land",
+    "tcp_reply",
+    "tcp_request",
+    "tcp_send",
 ]
 
 PURE_ENV = "HIXL_PURE_PYTHON"
@@ -63,6 +88,10 @@ def _choose() -> tuple[ModuleType, str]:
 
 GIL_FREE_FROM = pure.GIL_FREE_FROM
 """Copies of at least this many bytes (in all, per call) release the GIL, in both implementations."""
+LANE_FROM = pure.LANE_FROM
+"""Copies of fewer bytes (per call) stay in one lane, in both implementations."""
+MAX_LANES = pure.MAX_LANES
+"""The most lanes one copy is split over."""
 
 _impl, IMPLEMENTATION = _choose()
 NATIVE = _impl is not pure
@@ -72,6 +101,15 @@ check_small = _impl.check_small
 mapped_copy = _impl.mapped_copy
 copy_pieces = _impl.copy_pieces
 cma_copy = _impl.cma_copy
+cma_window = _impl.cma_window
+CmaSmall = _impl.CmaSmall
+tcp_send = _impl.tcp_send
+tcp_reply = _impl.tcp_reply
+tcp_land = _impl.tcp_land
+tcp_request = _impl.tcp_request
+TCP_WAIT: int = _impl.TCP_WAIT
+TCP_EOF: int = _impl.TCP_EOF
+TCP_RANGES: int = _impl.TCP_RANGES
 
 
 def _any_order(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> None:

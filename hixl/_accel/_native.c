@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
@@ -20,6 +21,9 @@
 
 /* Totals from this many bytes are copied with the GIL released (as hixl._accel.GIL_FREE_FROM). */
 #define GIL_FREE_FROM (64u << 10)
+/* Copies of fewer bytes stay in one lane (as hixl._accel.LANE_FROM); the most lanes one copy takes. */
+#define LANE_FROM (4u << 20)
+#define MAX_LANES 16
 /* The most descriptors the small-request functions take (at least hixl's SMALL_DESCS). */
 #define SMALL_MAX 64
 #ifndef IOV_MAX
@@ -217,6 +221,79 @@ PyDoc_STRVAR(cma_copy_doc,
 #define CMA_STALE (CMA_INELIGIBLE - 1)
 #define CMA_GONE (CMA_INELIGIBLE - 2)
 
+/* The peer's generation at the start of its mapped page `page` into *out: 0 if the page cannot be
+ * read (closed by the channel: no exception left set). */
+static int
+read_generation(PyObject *page, uint64_t *out)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(page, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    uint64_t generation = 0;
+    if (view.len >= 8) {
+        const unsigned char *bytes = view.buf;
+        for (int i = 7; i >= 0; i--) /* little-endian, as the peer writes it ("<Q") */
+            generation = (generation << 8) | bytes[i];
+    }
+    PyBuffer_Release(&view);
+    *out = generation;
+    return 1;
+}
+
+/* cma_copy's steps once descs are parsed: the generation and liveness checks, then one
+ * process_vm_* call (the GIL released around it from GIL_FREE_FROM bytes). */
+static int64_t lanes_copy_iovs(pid_t pid, int write, const struct iovec *local, const struct iovec *remote,
+                               Py_ssize_t count, uint64_t total, int lanes);
+
+static long
+cma_checked_call(long pid, long pidfd, int write, const desc_t *descs, Py_ssize_t count, PyObject *page,
+                 uint64_t expected, int lanes)
+{
+    uint64_t generation;
+    if (!read_generation(page, &generation))
+        return CMA_INELIGIBLE; /* closed: the general path reports it */
+    if (generation != expected)
+        return CMA_STALE;
+#ifdef SYS_pidfd_send_signal
+    /* Signal 0 through the pidfd: the process it pins still exists (its pid not reused). */
+    if (pidfd < 0 || (syscall(SYS_pidfd_send_signal, (int)pidfd, 0, NULL, 0) < 0 && errno != EPERM))
+        return CMA_GONE;
+#else
+    return CMA_INELIGIBLE;
+#endif
+    struct iovec local[SMALL_MAX], remote[SMALL_MAX];
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        local[i].iov_base = (void *)(uintptr_t)descs[i].local;
+        local[i].iov_len = descs[i].len;
+        remote[i].iov_base = (void *)(uintptr_t)descs[i].remote;
+        remote[i].iov_len = descs[i].len;
+        total += descs[i].len;
+    }
+    ssize_t moved;
+    int err = 0;
+    if (lanes > 1 && total >= LANE_FROM) {
+        int64_t all;
+        Py_BEGIN_ALLOW_THREADS
+        all = lanes_copy_iovs((pid_t)pid, write, local, remote, count, total, lanes);
+        Py_END_ALLOW_THREADS
+        return (long)all;
+    } else if (total >= GIL_FREE_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        moved = write ? process_vm_writev((pid_t)pid, local, count, remote, count, 0)
+                      : process_vm_readv((pid_t)pid, local, count, remote, count, 0);
+        err = errno;
+        Py_END_ALLOW_THREADS
+    } else {
+        moved = write ? process_vm_writev((pid_t)pid, local, count, remote, count, 0)
+                      : process_vm_readv((pid_t)pid, local, count, remote, count, 0);
+        err = errno;
+    }
+    return moved < 0 ? -(long)err : (long)moved;
+}
+
 static PyObject *
 cma_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -234,50 +311,300 @@ cma_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t count = parse_descs(args[3], descs);
     if (count < 0 || count > IOV_MAX)
         return PyLong_FromLong(CMA_INELIGIBLE);
-    Py_buffer page;
-    if (PyObject_GetBuffer(args[4], &page, PyBUF_SIMPLE) < 0) {
-        PyErr_Clear(); /* closed: the general path reports it */
-        return PyLong_FromLong(CMA_INELIGIBLE);
+    return PyLong_FromLong(cma_checked_call(pid, pidfd, write, descs, count, args[4], expected, 1));
+}
+
+/* ---- copy lanes: one window of a copy split over threads ------------------------------------
+ *
+ * One process_vm_* call (or memcpy) runs at one core's copy speed; a window cut into parts of
+ * about equal bytes (every cut but the last on a multiple of 4 KiB of the window), each copied by
+ * a thread of its own, runs at several. The calling thread copies the first part itself, with the
+ * GIL released; the others go to a few C threads (no Python in them: they never wait for the GIL),
+ * started on first need and shared by the whole process. The caller returns once every part has
+ * ended, so a window is one step for the Python that decides: it takes the lease and the
+ * request's lock before, and they cover every lane's bytes. */
+
+#define LANE_ALIGN 4096u
+#define LANE_IOVS 64 /* iovecs per syscall within a part */
+
+enum { LANE_CMA, LANE_MEMCPY };
+
+/* A window's entries: cma's iovec pairs (equal lengths), or copy_pieces' rows and heres. */
+typedef struct {
+    int kind, write;
+    pid_t pid;
+    const struct iovec *local, *remote;
+    const uint64_t *rows, *heres;
+    Py_ssize_t count;
+} lane_work_t;
+
+typedef struct lane_part {
+    const lane_work_t *work;
+    Py_ssize_t first; /* the part starts `offset` bytes into entry `first` ... */
+    uint64_t offset, bytes; /* ... and has `bytes` bytes */
+    int64_t result; /* bytes moved, or -errno */
+    int *remaining; /* the caller's count of parts not yet ended */
+    struct lane_part *next;
+} lane_part_t;
+
+static pthread_mutex_t lane_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t lane_work_cond = PTHREAD_COND_INITIALIZER, lane_done_cond = PTHREAD_COND_INITIALIZER;
+static lane_part_t *lane_queue, *lane_queue_tail;
+static int lane_threads;
+
+static uint64_t
+entry_len(const lane_work_t *w, Py_ssize_t i)
+{
+    return w->kind == LANE_CMA ? (uint64_t)w->local[i].iov_len : w->rows[3 * i + 2];
+}
+
+/* Copy one part; bytes moved (fewer only if the kernel moved nothing more) or -errno. */
+static int64_t
+lane_copy(const lane_work_t *w, Py_ssize_t i, uint64_t offset, uint64_t bytes)
+{
+    uint64_t done = 0;
+    if (w->kind == LANE_MEMCPY) {
+        for (; done < bytes && i < w->count; i++, offset = 0) {
+            uint64_t n = w->rows[3 * i + 2] - offset;
+            if (n > bytes - done)
+                n = bytes - done;
+            char *local = (char *)(uintptr_t)(w->rows[3 * i] + offset), *there = (char *)(uintptr_t)(w->heres[i] + offset);
+            if (w->write)
+                memcpy(there, local, n);
+            else
+                memcpy(local, there, n);
+            done += n;
+        }
+        return (int64_t)done;
     }
-    uint64_t generation = 0;
-    if (page.len >= 8) {
-        const unsigned char *bytes = page.buf;
-        for (int i = 7; i >= 0; i--) /* little-endian, as the peer writes it ("<Q") */
-            generation = (generation << 8) | bytes[i];
+    struct iovec local[LANE_IOVS], remote[LANE_IOVS];
+    while (done < bytes && i < w->count) {
+        int n = 0;
+        uint64_t want = 0, o = offset;
+        for (Py_ssize_t j = i; n < LANE_IOVS && j < w->count && want < bytes - done; j++, o = 0, n++) {
+            uint64_t take = w->local[j].iov_len - o;
+            if (take > bytes - done - want)
+                take = bytes - done - want;
+            local[n].iov_base = (char *)w->local[j].iov_base + o;
+            remote[n].iov_base = (char *)w->remote[j].iov_base + o;
+            local[n].iov_len = remote[n].iov_len = take;
+            want += take;
+        }
+        ssize_t moved = w->write ? process_vm_writev(w->pid, local, n, remote, n, 0)
+                                 : process_vm_readv(w->pid, local, n, remote, n, 0);
+        if (moved < 0)
+            return -(int64_t)errno;
+        if (moved == 0)
+            break; /* no progress: the caller sees a short part */
+        done += (uint64_t)moved;
+        for (uint64_t left = (uint64_t)moved; left > 0;) { /* step past what moved */
+            uint64_t rest = w->local[i].iov_len - offset;
+            if (left < rest) {
+                offset += left;
+                left = 0;
+            } else {
+                left -= rest;
+                i++;
+                offset = 0;
+            }
+        }
     }
-    PyBuffer_Release(&page);
-    if (generation != expected)
-        return PyLong_FromLong(CMA_STALE);
-#ifdef SYS_pidfd_send_signal
-    /* Signal 0 through the pidfd: the process it pins still exists (its pid not reused). */
-    if (pidfd < 0 || (syscall(SYS_pidfd_send_signal, (int)pidfd, 0, NULL, 0) < 0 && errno != EPERM))
-        return PyLong_FromLong(CMA_GONE);
-#else
-    return PyLong_FromLong(CMA_INELIGIBLE);
-#endif
-    struct iovec local[SMALL_MAX], remote[SMALL_MAX];
+    return (int64_t)done;
+}
+
+static void *
+lane_main(void *unused)
+{
+    pthread_mutex_lock(&lane_lock);
+    for (;;) {
+        while (lane_queue == NULL)
+            pthread_cond_wait(&lane_work_cond, &lane_lock);
+        lane_part_t *part = lane_queue;
+        lane_queue = part->next;
+        if (lane_queue == NULL)
+            lane_queue_tail = NULL;
+        pthread_mutex_unlock(&lane_lock);
+        part->result = lane_copy(part->work, part->first, part->offset, part->bytes);
+        pthread_mutex_lock(&lane_lock);
+        if (--*part->remaining == 0)
+            pthread_cond_broadcast(&lane_done_cond);
+    }
+    return NULL;
+}
+
+/* The first queued part of the call counting its parts in `remaining`, taken off the queue; NULL if
+ * none is queued. Call under lane_lock. */
+static lane_part_t *
+lane_unqueue(int *remaining)
+{
+    lane_part_t *prev = NULL;
+    for (lane_part_t *part = lane_queue; part != NULL; prev = part, part = part->next) {
+        if (part->remaining != remaining)
+            continue;
+        if (prev != NULL)
+            prev->next = part->next;
+        else
+            lane_queue = part->next;
+        if (lane_queue_tail == part)
+            lane_queue_tail = prev;
+        return part;
+    }
+    return NULL;
+}
+
+/* After fork: the child has none of the parent's lane threads (nor its queue). */
+static void
+lanes_after_fork(void)
+{
+    pthread_mutex_init(&lane_lock, NULL);
+    pthread_cond_init(&lane_work_cond, NULL);
+    pthread_cond_init(&lane_done_cond, NULL);
+    lane_queue = lane_queue_tail = NULL;
+    lane_threads = 0;
+}
+
+/* Copy every entry of `w` (`total` bytes) over up to `lanes` lanes, the calling thread being the
+ * first; call with the GIL released. The bytes moved if every part moved all of its bytes; else
+ * -errno of the first part that failed, or 0 (a part made no progress). One lane: the call's
+ * own answer (a short count included), as one process_vm_* call would give it. */
+static int64_t
+lanes_copy(const lane_work_t *w, uint64_t total, int lanes)
+{
+    if (lanes > MAX_LANES)
+        lanes = MAX_LANES;
+    /* (total / lanes rounded up, then up to a page: never more than `lanes` parts) */
+    uint64_t step = lanes > 1 ? ((total + (uint64_t)lanes - 1) / (uint64_t)lanes + LANE_ALIGN - 1) / LANE_ALIGN * LANE_ALIGN : 0;
+    if (lanes <= 1 || total < LANE_FROM || step == 0 || step >= total)
+        return lane_copy(w, 0, 0, total);
+    lane_part_t parts[MAX_LANES];
+    int count = 0;
+    Py_ssize_t i = 0;
+    uint64_t offset = 0, start = 0;
+    while (start < total && count < MAX_LANES) { /* the part from byte `start`: entry i, `offset` bytes in */
+        uint64_t bytes = total - start < step ? total - start : step;
+        parts[count] = (lane_part_t){w, i, offset, bytes, 0, NULL, NULL};
+        count++;
+        start += bytes;
+        for (uint64_t left = bytes; left > 0 && i < w->count;) { /* walk to where the next begins */
+            uint64_t rest = entry_len(w, i) - offset;
+            if (left < rest) {
+                offset += left;
+                left = 0;
+            } else {
+                left -= rest;
+                i++;
+                offset = 0;
+            }
+        }
+    }
+    int remaining = count - 1;
+    pthread_mutex_lock(&lane_lock);
+    for (int k = 1; k < count; k++) {
+        parts[k].remaining = &remaining;
+        if (lane_queue_tail != NULL)
+            lane_queue_tail->next = &parts[k];
+        else
+            lane_queue = &parts[k];
+        lane_queue_tail = &parts[k];
+    }
+    while (lane_threads < MAX_LANES - 1 && lane_threads < count - 1) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attr, lane_main, NULL);
+        pthread_attr_destroy(&attr);
+        if (failed)
+            break; /* (the parts queued still run: on the threads there are, or here below) */
+        lane_threads++;
+    }
+    pthread_cond_broadcast(&lane_work_cond);
+    pthread_mutex_unlock(&lane_lock);
+    parts[0].result = lane_copy(w, parts[0].first, parts[0].offset, parts[0].bytes);
+    /* Then wait for the lane threads. (Copying here the parts they have not begun, as soon as ours is
+     * done or after a grace, made copies run one part after the other whenever another process kept
+     * the other cores busy for a moment: a woken thread may wait milliseconds for a core, and then
+     * still copies alongside us for most of its part.) */
+    pthread_mutex_lock(&lane_lock);
+    while (remaining > 0) {
+        lane_part_t *part = lane_threads == 0 ? lane_unqueue(&remaining) : NULL;
+        if (part != NULL) { /* no lane thread could be started: copy the parts here */
+            pthread_mutex_unlock(&lane_lock);
+            part->result = lane_copy(part->work, part->first, part->offset, part->bytes);
+            pthread_mutex_lock(&lane_lock);
+            remaining--;
+            continue;
+        }
+        pthread_cond_wait(&lane_done_cond, &lane_lock);
+    }
+    pthread_mutex_unlock(&lane_lock);
+    int64_t short_part = 0;
+    for (int k = 0; k < count; k++) {
+        if (parts[k].result < 0)
+            return parts[k].result;
+        if ((uint64_t)parts[k].result != parts[k].bytes)
+            short_part = 1;
+    }
+    return short_part ? 0 : (int64_t)total;
+}
+
+static int64_t
+lanes_copy_iovs(pid_t pid, int write, const struct iovec *local, const struct iovec *remote, Py_ssize_t count,
+                uint64_t total, int lanes)
+{
+    lane_work_t w = {LANE_CMA, write, pid, local, remote, NULL, NULL, count};
+    return lanes_copy(&w, total, lanes);
+}
+
+PyDoc_STRVAR(cma_window_doc,
+"cma_window(pid, write, local_iovs, remote_iovs, count, lanes) -> int\n\n"
+"process_vm_writev (write) or process_vm_readv of ``count`` iovec pairs at addresses ``local_iovs``\n"
+"and ``remote_iovs`` (equal lengths pairwise), split over up to ``lanes`` threads from LANE_FROM\n"
+"bytes; the GIL released from GIL_FREE_FROM bytes. One lane: one call, its answer (the bytes\n"
+"moved, or -errno). Several: the bytes if every part moved all of its own, else -errno of a part\n"
+"that failed, or 0.");
+
+static PyObject *
+cma_window(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "cma_window takes 6 arguments");
+        return NULL;
+    }
+    long pid = PyLong_AsLong(args[0]);
+    int write = PyObject_IsTrue(args[1]);
+    unsigned long long local = PyLong_AsUnsignedLongLong(args[2]);
+    unsigned long long remote = PyLong_AsUnsignedLongLong(args[3]);
+    Py_ssize_t count = PyLong_AsSsize_t(args[4]);
+    long lanes = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred() || write < 0)
+        return NULL;
+    if (count < 1 || count > IOV_MAX) {
+        PyErr_SetString(PyExc_ValueError, "count must be in [1, IOV_MAX]");
+        return NULL;
+    }
+    lane_work_t w = {LANE_CMA, write, (pid_t)pid, (const struct iovec *)(uintptr_t)local,
+                     (const struct iovec *)(uintptr_t)remote, NULL, NULL, count};
     uint64_t total = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        local[i].iov_base = (void *)(uintptr_t)descs[i].local;
-        local[i].iov_len = descs[i].len;
-        remote[i].iov_base = (void *)(uintptr_t)descs[i].remote;
-        remote[i].iov_len = descs[i].len;
-        total += descs[i].len;
-    }
-    ssize_t moved;
-    int err = 0;
-    if (total >= GIL_FREE_FROM) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        total += w.local[i].iov_len;
+    int64_t moved;
+    if (lanes > 1 && total >= LANE_FROM) {
         Py_BEGIN_ALLOW_THREADS
-        moved = write ? process_vm_writev((pid_t)pid, local, count, remote, count, 0)
-                      : process_vm_readv((pid_t)pid, local, count, remote, count, 0);
-        err = errno;
+        moved = lanes_copy(&w, total, (int)lanes);
         Py_END_ALLOW_THREADS
-    } else {
-        moved = write ? process_vm_writev((pid_t)pid, local, count, remote, count, 0)
-                      : process_vm_readv((pid_t)pid, local, count, remote, count, 0);
+    } else { /* one call, as cma_copy makes it */
+        int err = 0;
+        PyThreadState *released = total >= GIL_FREE_FROM ? PyEval_SaveThread() : NULL;
+        moved = write ? process_vm_writev(w.pid, w.local, count, w.remote, count, 0)
+                      : process_vm_readv(w.pid, w.local, count, w.remote, count, 0);
         err = errno;
+        if (released != NULL)
+            PyEval_RestoreThread(released);
+        if (moved < 0)
+            moved = -(int64_t)err;
     }
-    return PyLong_FromSsize_t(moved < 0 ? -(Py_ssize_t)err : (Py_ssize_t)moved);
+    return PyLong_FromLongLong(moved);
 }
 
 /* A C-contiguous buffer of 8-byte unsigned ints with the given number of dimensions. */
@@ -300,20 +627,22 @@ u64_buffer(PyObject *obj, Py_buffer *view, int ndim, const char *what)
 }
 
 PyDoc_STRVAR(copy_pieces_doc,
-"copy_pieces(pieces, heres, write) -> None\n\n"
+"copy_pieces(pieces, heres, write, lanes=1) -> None\n\n"
 "For every row i of ``pieces`` ((n, 3) uint64: local, remote, len) copy len bytes between the\n"
 "local address and heres[i] (where the remote range is mapped here): to heres[i] if ``write``,\n"
-"from it otherwise. In row order; the GIL is released for large totals.");
+"from it otherwise. In row order (from LANE_FROM bytes on, split over up to ``lanes`` threads:\n"
+"row order within each); the GIL is released for large totals.");
 
 static PyObject *
 copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "copy_pieces takes 3 arguments");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_pieces takes 3 or 4 arguments");
         return NULL;
     }
     int write = PyObject_IsTrue(args[2]);
-    if (write < 0)
+    long lanes = nargs == 4 ? PyLong_AsLong(args[3]) : 1;
+    if (write < 0 || (lanes == -1 && PyErr_Occurred()))
         return NULL;
     Py_buffer pv, hv;
     if (!u64_buffer(args[0], &pv, 2, "pieces"))
@@ -331,8 +660,17 @@ copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     const uint64_t *rows = pv.buf, *heres = hv.buf;
     uint64_t total = 0;
-    for (Py_ssize_t i = 0; i < count && total < GIL_FREE_FROM; i++)
+    for (Py_ssize_t i = 0; i < count && (total < LANE_FROM || lanes > 1); i++)
         total += rows[3 * i + 2];
+    if (lanes > 1 && total >= LANE_FROM) {
+        lane_work_t w = {LANE_MEMCPY, write, 0, NULL, NULL, rows, heres, count};
+        Py_BEGIN_ALLOW_THREADS
+        lanes_copy(&w, total, (int)lanes);
+        Py_END_ALLOW_THREADS
+        PyBuffer_Release(&pv);
+        PyBuffer_Release(&hv);
+        Py_RETURN_NONE;
+    }
     PyThreadState *released = total >= GIL_FREE_FROM ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
         void *local = (void *)(uintptr_t)rows[3 * i], *there = (void *)(uintptr_t)heres[i];
@@ -348,11 +686,825 @@ copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ---- CmaSmall: cma's whole latency path (every check and the syscall) in one call ----------- */
+
+/* Sorted, disjoint intervals [starts[i], ends[i]) as C arrays: a RegionTable's .intervals. */
+typedef struct {
+    Py_ssize_t count;
+    uint64_t *starts, *ends; /* one allocation: ends = starts + count */
+} spans_t;
+
+/* A RemoteRegions table's readable and writable spans, and the table they are of (held: tables
+ * are replaced, never changed in place, so the same object means the same spans). */
+typedef struct {
+    PyObject *table;
+    spans_t readable, writable;
+} spans_cache_t;
+
+static PyObject *str_table, *str_readable, *str_writable, *str_intervals, *str_state, *str_regions, *str_lease,
+    *str_revoking, *str_generation, *str_enter, *str_leave;
+
+static void
+spans_free(spans_t *s)
+{
+    PyMem_Free(s->starts);
+    s->starts = s->ends = NULL;
+    s->count = 0;
+}
+
+/* `region_table.intervals` (a pair of equally long lists of ints) into *out; 0 with an exception
+ * set if it is not that. Reads attributes only (no Python code runs). */
+static int
+spans_load(PyObject *region_table, spans_t *out)
+{
+    PyObject *pair = PyObject_GetAttr(region_table, str_intervals);
+    if (pair == NULL)
+        return 0;
+    int ok = 0;
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyList_CheckExact(PyTuple_GET_ITEM(pair, 0)) ||
+        !PyList_CheckExact(PyTuple_GET_ITEM(pair, 1)) ||
+        PyList_GET_SIZE(PyTuple_GET_ITEM(pair, 0)) != PyList_GET_SIZE(PyTuple_GET_ITEM(pair, 1))) {
+        PyErr_SetString(PyExc_TypeError, "a region table's intervals must be two equally long lists");
+        goto done;
+    }
+    PyObject *starts = PyTuple_GET_ITEM(pair, 0), *ends = PyTuple_GET_ITEM(pair, 1);
+    Py_ssize_t count = PyList_GET_SIZE(starts);
+    uint64_t *mem = PyMem_Malloc(sizeof(uint64_t) * (size_t)(2 * count + 1));
+    if (mem == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!exact_u64(PyList_GET_ITEM(starts, i), &mem[i]) || !exact_u64(PyList_GET_ITEM(ends, i), &mem[count + i])) {
+            PyMem_Free(mem);
+            PyErr_SetString(PyExc_ValueError, "interval lists must hold ints in [0, 2**64)");
+            goto done;
+        }
+    }
+    out->count = count;
+    out->starts = mem;
+    out->ends = mem + count;
+    ok = 1;
+done:
+    Py_DECREF(pair);
+    return ok;
+}
+
+/* Whether [addr, addr + len) lies inside one of the spans (bisect_right, as check_small). */
+static int
+spans_hold(const spans_t *s, uint64_t addr, uint64_t len)
+{
+    Py_ssize_t lo = 0, hi = s->count;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (addr < s->starts[mid])
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo > 0 && addr <= s->ends[lo - 1] && len <= s->ends[lo - 1] - addr;
+}
+
+/* Make `cache` the spans of `table` (a RemoteRegions), unless they are already; 0 with an exception set
+ * if the table is malformed. */
+static int
+spans_cache_load(spans_cache_t *cache, PyObject *table)
+{
+    if (table == cache->table)
+        return 1;
+    spans_t readable = {0, NULL, NULL}, writable = {0, NULL, NULL};
+    PyObject *r = PyObject_GetAttr(table, str_readable);
+    PyObject *w = r == NULL ? NULL : PyObject_GetAttr(table, str_writable);
+    int ok = w != NULL && spans_load(r, &readable) && spans_load(w, &writable);
+    Py_XDECREF(r);
+    Py_XDECREF(w);
+    if (!ok) {
+        spans_free(&readable);
+        return 0;
+    }
+    spans_free(&cache->readable);
+    spans_free(&cache->writable);
+    cache->readable = readable;
+    cache->writable = writable;
+    Py_INCREF(table);
+    Py_XSETREF(cache->table, table);
+    return 1;
+}
+
+static void
+spans_cache_clear(spans_cache_t *cache)
+{
+    spans_free(&cache->readable);
+    spans_free(&cache->writable);
+    Py_CLEAR(cache->table);
+}
+
+typedef struct {
+    PyObject_HEAD
+    long pid, pidfd;
+    unsigned long long chunk;
+    int lanes;
+    PyObject *page, *registry, *link, *regions, *connected, *read_op, *write_op;
+    spans_cache_t local, remote;
+} CmaSmall;
+
+static int
+CmaSmall_init(CmaSmall *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"pid", "pidfd", "generation_page", "registry", "link", "connected", "read", "write",
+                            "chunk", "lanes", NULL};
+    PyObject *page, *registry, *link, *connected, *read_op, *write_op;
+    long pid, pidfd;
+    unsigned long long chunk;
+    int lanes = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "llOOOOOOK|i", names, &pid, &pidfd, &page, &registry, &link,
+                                     &connected, &read_op, &write_op, &chunk, &lanes))
+        return -1;
+    PyObject *regions = PyObject_GetAttr(link, str_regions);
+    if (regions == NULL)
+        return -1;
+    self->pid = pid;
+    self->pidfd = pidfd;
+    self->chunk = chunk;
+    self->lanes = lanes < 1 ? 1 : lanes;
+    Py_INCREF(page);
+    Py_XSETREF(self->page, page);
+    Py_INCREF(registry);
+    Py_XSETREF(self->registry, registry);
+    Py_INCREF(link);
+    Py_XSETREF(self->link, link);
+    Py_XSETREF(self->regions, regions);
+    Py_INCREF(connected);
+    Py_XSETREF(self->connected, connected);
+    Py_INCREF(read_op);
+    Py_XSETREF(self->read_op, read_op);
+    Py_INCREF(write_op);
+    Py_XSETREF(self->write_op, write_op);
+    spans_cache_clear(&self->local);
+    spans_cache_clear(&self->remote);
+    return 0;
+}
+
+static int
+CmaSmall_traverse(CmaSmall *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->page);
+    Py_VISIT(self->registry);
+    Py_VISIT(self->link);
+    Py_VISIT(self->regions);
+    Py_VISIT(self->connected);
+    Py_VISIT(self->read_op);
+    Py_VISIT(self->write_op);
+    Py_VISIT(self->local.table);
+    Py_VISIT(self->remote.table);
+    return 0;
+}
+
+static int
+CmaSmall_clear(CmaSmall *self)
+{
+    Py_CLEAR(self->page);
+    Py_CLEAR(self->registry);
+    Py_CLEAR(self->link);
+    Py_CLEAR(self->regions);
+    Py_CLEAR(self->connected);
+    Py_CLEAR(self->read_op);
+    Py_CLEAR(self->write_op);
+    spans_cache_clear(&self->local);
+    spans_cache_clear(&self->remote);
+    return 0;
+}
+
+static void
+CmaSmall_dealloc(CmaSmall *self)
+{
+    PyObject_GC_UnTrack(self);
+    CmaSmall_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The attribute `name` of `obj` is `expected` (identity); -1 with an exception set if it cannot be read. */
+static int
+attr_is(PyObject *obj, PyObject *name, PyObject *expected)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int same = value == expected;
+    Py_DECREF(value);
+    return same;
+}
+
+PyDoc_STRVAR(CmaSmall_run_doc,
+"run(op, descs) -> bool\n\n"
+"transfer_sync's whole latency path for cma: True once every byte of ``descs`` (a list of up to\n"
+"SMALL_MAX (local, remote, len) int triples, at most ``chunk`` bytes in all) moved in one\n"
+"process_vm_* call; False if nothing was tried or the call fell short (the general path then\n"
+"checks, explains, retries: copying again is harmless). See hixl._accel.pure.CmaSmall.");
+
+/* Why the steps are in this order. Below GIL_FREE_FROM bytes the GIL is held from the lease check
+ * to the end of the syscall and no Python code runs in between (only attribute reads of plain
+ * instance attributes and slots, no allocation of tracked objects): no other thread can run, so
+ * no REVOKE can begin, or take a table away, between our look and our copy. That stands for the
+ * lease's shared hold, as a token would (the pure twin takes one). A larger copy releases the GIL
+ * for its syscall, so it takes a token (Lease.enter) before its checks and gives it back after. */
+static PyObject *
+CmaSmall_run(CmaSmall *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "run takes 2 arguments (op, descs)");
+        return NULL;
+    }
+    int write;
+    if (args[0] == self->write_op)
+        write = 1;
+    else if (args[0] == self->read_op)
+        write = 0;
+    else
+        Py_RETURN_FALSE;
+    desc_t descs[SMALL_MAX];
+    Py_ssize_t count = parse_descs(args[1], descs);
+    if (count < 0)
+        Py_RETURN_FALSE;
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (total + descs[i].len < total)
+            Py_RETURN_FALSE;
+        total += descs[i].len;
+    }
+    if (total > self->chunk)
+        Py_RETURN_FALSE; /* more than a chunk: the general path cuts it */
+    /* Our own registrations (Registry.table is a property: Python code, hence before the lease). A
+     * READ lands in local memory, a WRITE in the peer's: those sides must be writable. */
+    PyObject *local_table = PyObject_GetAttr(self->registry, str_table);
+    if (local_table == NULL)
+        return NULL;
+    int ok = spans_cache_load(&self->local, local_table);
+    Py_DECREF(local_table);
+    if (!ok)
+        return NULL;
+    const spans_t *local = write ? &self->local.readable : &self->local.writable;
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (!spans_hold(local, descs[i].local, descs[i].len))
+            Py_RETURN_FALSE;
+    PyObject *lease = PyObject_GetAttr(self->regions, str_lease);
+    if (lease == NULL)
+        return NULL;
+    PyObject *token = NULL, *result = NULL;
+    if (total >= GIL_FREE_FROM) {
+        token = PyObject_CallMethodNoArgs(lease, str_enter);
+        if (token == NULL)
+            goto done;
+        int held = PyObject_IsTrue(token);
+        if (held <= 0) {
+            result = held < 0 ? NULL : Py_NewRef(Py_False); /* a REVOKE is under way: the general path waits */
+            goto done;
+        }
+    } else {
+        PyObject *revoking = PyObject_GetAttr(lease, str_revoking);
+        if (revoking == NULL)
+            goto done;
+        int busy = PyObject_IsTrue(revoking);
+        Py_DECREF(revoking);
+        if (busy != 0) {
+            result = busy < 0 ? NULL : Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    /* From here to the syscall: attribute reads and C only (see above). */
+    int connected = attr_is(self->link, str_state, self->connected);
+    if (connected <= 0) {
+        result = connected < 0 ? NULL : Py_NewRef(Py_False);
+        goto done;
+    }
+    PyObject *remote_table = PyObject_GetAttr(self->regions, str_table);
+    if (remote_table == NULL)
+        goto done;
+    ok = spans_cache_load(&self->remote, remote_table);
+    Py_DECREF(remote_table); /* (still held by the cache) */
+    if (!ok)
+        goto done;
+    const spans_t *remote = write ? &self->remote.writable : &self->remote.readable;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!spans_hold(remote, descs[i].remote, descs[i].len)) {
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    PyObject *generation_obj = PyObject_GetAttr(self->regions, str_generation);
+    if (generation_obj == NULL)
+        goto done;
+    unsigned long long generation = PyLong_AsUnsignedLongLong(generation_obj);
+    Py_DECREF(generation_obj);
+    if (generation == (unsigned long long)-1 && PyErr_Occurred())
+        goto done;
+    /* The page is read first: the channel closes it before the pidfd, so an open page means an open
+     * pidfd (and no thread runs between the two, or a token holds the channel's lease). */
+    long moved = cma_checked_call(self->pid, self->pidfd, write, descs, count, self->page, generation, self->lanes);
+    result = Py_NewRef(moved >= 0 && (uint64_t)moved == total ? Py_True : Py_False);
+done:
+    if (token != NULL) {
+        if (PyObject_IsTrue(token) > 0) {
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback); /* (an error of the steps above stays the one raised) */
+            PyObject *left = PyObject_CallMethodOneArg(lease, str_leave, token);
+            if (left == NULL && type == NULL)
+                Py_CLEAR(result);
+            else if (left == NULL)
+                PyErr_Clear();
+            Py_XDECREF(left);
+            if (type != NULL)
+                PyErr_Restore(type, value, traceback);
+        }
+        Py_DECREF(token);
+    }
+    Py_DECREF(lease);
+    return result;
+}
+
+static PyMethodDef CmaSmall_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))CmaSmall_run, METH_FASTCALL, CmaSmall_run_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(CmaSmall_doc,
+"CmaSmall(pid, pidfd, generation_page, registry, link, connected, read, write, chunk, lanes=1)\n\n"
+"cma's latency path to one peer in one call (see run): the peer's process ``pid`` pinned by\n"
+"``pidfd``, its mapped generation page; this engine's ``registry`` (its .table), the ``link``\n"
+"(its .state must be ``connected``; its .regions hold the peer's table, generation and lease);\n"
+"``read``/``write``: the two ops; ``chunk``: the most bytes one call may move; ``lanes``: threads a\n"
+"copy of LANE_FROM bytes or more is split over (see cma_window).");
+
+static PyTypeObject CmaSmallType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hixl._accel._native.CmaSmall",
+    .tp_basicsize = sizeof(CmaSmall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = CmaSmall_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)CmaSmall_init,
+    .tp_traverse = (traverseproc)CmaSmall_traverse,
+    .tp_clear = (inquiry)CmaSmall_clear,
+    .tp_dealloc = (destructor)CmaSmall_dealloc,
+    .tp_methods = CmaSmall_methods,
+};
+/* ---- TCP's latency path: a small request's frame out, its reply header in, its data landed ---------
+ * The three steps the initiator's link takes for a small transfer_sync when it holds the read role
+ * (hixl/_session/wire.py). The socket is non-blocking; every wait is a poll bounded by the time the
+ * caller passes (time.monotonic() seconds), the GIL released around it and around each syscall.
+ * Nothing here decides anything: tcp_reply only recognises the expected answer's header, the
+ * connection (Python) then accounts for it, and only then does tcp_land move its data. */
+#include <poll.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#define TCP_HEADER 28
+#define TCP_DATA 7
+#define TCP_ACK 8
+#define TCP_WAIT (-1)
+#define TCP_EOF (-2)
+#define TCP_RANGES 16
+
+static double
+monotonic_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic()'s clock */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Wait (GIL released) until fd is ready for events or the clock reaches until: 1 ready, 0 not
+ * (time is up), -1 with errno set. EINTR is retried after the caller's signal handlers ran. */
+static int
+wait_fd(int fd, short events, double until)
+{
+    for (;;) {
+        double left = until - monotonic_now();
+        if (left <= 0)
+            return 0;
+        struct pollfd p = {fd, events, 0};
+        int ms = left > 3600.0 ? 3600000 : (int)(left * 1000.0) + 1;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = poll(&p, 1, ms);
+        Py_END_ALLOW_THREADS
+        if (rc > 0)
+            return 1;
+        if (rc < 0 && errno != EINTR)
+            return -1;
+        if (rc < 0 && PyErr_CheckSignals() < 0)
+            return -2;
+    }
+}
+
+/* A list of up to TCP_RANGES (addr, len) tuples of exact ints into iov; their count, or -1 with
+ * an exception set. */
+static Py_ssize_t
+parse_ranges(PyObject *list, struct iovec *iov, uint64_t *total)
+{
+    if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) > TCP_RANGES) {
+        PyErr_Format(PyExc_ValueError, "ranges must be a list of at most %d (addr, len) tuples", TCP_RANGES);
+        return -1;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(list);
+    *total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        uint64_t addr, len;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2 || !exact_u64(PyTuple_GET_ITEM(item, 0), &addr) ||
+            !exact_u64(PyTuple_GET_ITEM(item, 1), &len) || addr + len < addr) {
+            PyErr_SetString(PyExc_ValueError, "ranges must be (addr, len) tuples of ints in [0, 2**64)");
+            return -1;
+        }
+        iov[i].iov_base = (void *)(uintptr_t)addr;
+        iov[i].iov_len = (size_t)len;
+        *total += len;
+    }
+    return count;
+}
+
+/* Drop the first n bytes of an iovec array in place; the index of the first one left. */
+static int
+iov_advance(struct iovec *iov, int count, size_t n)
+{
+    int i = 0;
+    while (i < count && n >= iov[i].iov_len) {
+        n -= iov[i].iov_len;
+        i++;
+    }
+    if (i < count) {
+        iov[i].iov_base = (char *)iov[i].iov_base + n;
+        iov[i].iov_len -= n;
+    }
+    return i;
+}
+
+static int
+socket_fd(PyObject *sock)
+{
+    return PyObject_AsFileDescriptor(sock);
+}
+
+PyDoc_STRVAR(tcp_send_doc,
+"tcp_send(sock, frame, ranges, offset, until) -> int\n\n"
+"Send ``frame`` then the memory of ``ranges`` (a list of (addr, len)) on the non-blocking\n"
+"``sock``, from byte ``offset`` of the whole on: one sendmsg, more if the socket takes less,\n"
+"waiting for room until ``until`` (time.monotonic()). The bytes sent in all (``offset``\n"
+"included): fewer than the whole once ``until`` passed. Raises OSError for a socket error.");
+
+static PyObject *
+tcp_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "tcp_send takes 5 arguments");
+        return NULL;
+    }
+    int fd = socket_fd(args[0]);
+    if (fd < 0)
+        return NULL;
+    Py_buffer frame;
+    if (PyObject_GetBuffer(args[1], &frame, PyBUF_SIMPLE) < 0)
+        return NULL;
+    struct iovec iov[TCP_RANGES + 1];
+    uint64_t data = 0;
+    Py_ssize_t ranges = parse_ranges(args[2], iov + 1, &data);
+    Py_ssize_t offset = PyLong_AsSsize_t(args[3]);
+    double until = PyFloat_AsDouble(args[4]);
+    PyObject *result = NULL;
+    if (ranges < 0 || (offset == -1 && PyErr_Occurred()) || (until == -1.0 && PyErr_Occurred()))
+        goto done;
+    iov[0].iov_base = frame.buf;
+    iov[0].iov_len = (size_t)frame.len;
+    uint64_t total = (uint64_t)frame.len + data;
+    if (offset < 0 || (uint64_t)offset > total) {
+        PyErr_SetString(PyExc_ValueError, "offset outside what is to be sent");
+        goto done;
+    }
+    int count = (int)ranges + 1;
+    int first = iov_advance(iov, count, (size_t)offset);
+    uint64_t sent = (uint64_t)offset;
+    while (sent < total) {
+        struct msghdr msg = {0};
+        msg.msg_iov = iov + first;
+        msg.msg_iovlen = (size_t)(count - first);
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        Py_END_ALLOW_THREADS
+        if (n > 0) {
+            sent += (uint64_t)n;
+            first += iov_advance(iov + first, count - first, (size_t)n);
+            continue;
+        }
+        if (n < 0 && errno == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                goto done;
+            continue;
+        }
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        int ready = wait_fd(fd, POLLOUT, until);
+        if (ready == 0)
+            break;
+        if (ready < 0) {
+            if (ready == -1)
+                PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+    }
+    result = PyLong_FromUnsignedLongLong(sent);
+done:
+    PyBuffer_Release(&frame);
+    return result;
+}
+
+PyDoc_STRVAR(tcp_reply_doc,
+"tcp_reply(sock, scratch, have, req_id, until) -> (kind, have, data_len)\n\n"
+"Read from the non-blocking ``sock`` into the writable ``scratch`` (holding ``have`` bytes\n"
+"already) until it holds a frame header, waiting until ``until`` (time.monotonic()) at most.\n"
+"``kind`` is 7 (DATA) or 8 (ACK) if that header is a well-formed one of those for ``req_id``\n"
+"with no body (``data_len``: its data_len); 0 if it is anything else, -1 if no header came in\n"
+"time, -2 if the peer closed its end. ``have``: the bytes ``scratch`` holds now (a header and\n"
+"whatever came with it). Raises OSError for a socket error.");
+
+static PyObject *
+tcp_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "tcp_reply takes 5 arguments");
+        return NULL;
+    }
+    int fd = socket_fd(args[0]);
+    if (fd < 0)
+        return NULL;
+    Py_buffer scratch;
+    if (PyObject_GetBuffer(args[1], &scratch, PyBUF_WRITABLE) < 0)
+        return NULL;
+    Py_ssize_t have = PyLong_AsSsize_t(args[2]);
+    uint64_t req_id;
+    double until = PyFloat_AsDouble(args[4]);
+    PyObject *result = NULL;
+    long kind = TCP_WAIT;
+    uint64_t data_len = 0;
+    if ((have == -1 && PyErr_Occurred()) || (until == -1.0 && PyErr_Occurred()))
+        goto done;
+    if (!exact_u64(args[3], &req_id) || have < 0 || have > scratch.len || scratch.len < TCP_HEADER) {
+        PyErr_SetString(PyExc_ValueError, "tcp_reply: bad req_id, have or scratch");
+        goto done;
+    }
+    char *buf = scratch.buf;
+    while (have < TCP_HEADER) {
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = recv(fd, buf + have, (size_t)(scratch.len - have), 0);
+        Py_END_ALLOW_THREADS
+        if (n > 0) {
+            have += n;
+            continue;
+        }
+        if (n == 0) {
+            kind = TCP_EOF;
+            goto answer;
+        }
+        if (errno == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                goto done;
+            continue;
+        }
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        int ready = wait_fd(fd, POLLIN, until);
+        if (ready == 0)
+            goto answer; /* TCP_WAIT */
+        if (ready < 0) {
+            if (ready == -1)
+                PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+    }
+    /* The header as hixl._protocol.frames lays it out: magic, type, flags, reserved, req_id,
+     * body_len, data_len (little-endian). Anything but the two expected replies is the
+     * connection's to judge. */
+    unsigned char *h = (unsigned char *)buf;
+    uint64_t id, dlen;
+    uint32_t body;
+    memcpy(&id, h + 8, 8);
+    memcpy(&body, h + 16, 4);
+    memcpy(&dlen, h + 20, 8);
+    kind = 0;
+    if (memcmp(h, "HXL1", 4) == 0 && (h[4] == TCP_DATA || h[4] == TCP_ACK) && h[5] == 0 && h[6] == 0 && h[7] == 0 &&
+        id == req_id && body == 0 && (h[4] == TCP_DATA || dlen == 0)) {
+        kind = h[4];
+        data_len = dlen;
+    }
+answer:
+    result = Py_BuildValue("(lnK)", kind, have, (unsigned long long)data_len);
+done:
+    PyBuffer_Release(&scratch);
+    return result;
+}
+
+PyDoc_STRVAR(tcp_land_doc,
+"tcp_land(sock, scratch, start, have, ranges, until) -> (landed, end)\n\n"
+"Land a reply's data into the memory of ``ranges`` (a list of (addr, len)): first what\n"
+"``scratch[start:have]`` holds of it, then straight from the non-blocking ``sock`` with readv,\n"
+"waiting until ``until`` (time.monotonic()) at most and reading nothing once it passed.\n"
+"``landed``: the bytes landed (all of ``ranges`` unless time ran out); ``end``: where what\n"
+"``scratch`` holds beyond the data begins. Raises OSError for a socket error, and\n"
+"ConnectionResetError if the peer closed its end before the data was in.");
+
+static PyObject *
+tcp_land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "tcp_land takes 6 arguments");
+        return NULL;
+    }
+    int fd = socket_fd(args[0]);
+    if (fd < 0)
+        return NULL;
+    Py_buffer scratch;
+    if (PyObject_GetBuffer(args[1], &scratch, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), have = PyLong_AsSsize_t(args[3]);
+    struct iovec iov[TCP_RANGES];
+    uint64_t total = 0;
+    Py_ssize_t ranges = parse_ranges(args[4], iov, &total);
+    double until = PyFloat_AsDouble(args[5]);
+    PyObject *result = NULL;
+    if (ranges < 0 || PyErr_Occurred())
+        goto done;
+    if (start < 0 || have < start || have > scratch.len) {
+        PyErr_SetString(PyExc_ValueError, "tcp_land: start and have must lie in scratch, in order");
+        goto done;
+    }
+    int count = (int)ranges, first = 0;
+    uint64_t landed = 0;
+    const char *held = (const char *)scratch.buf + start;
+    uint64_t buffered = (uint64_t)(have - start) < total ? (uint64_t)(have - start) : total;
+    while (landed < buffered) { /* what came with the header: a memcpy per range */
+        size_t n = iov[first].iov_len < buffered - landed ? iov[first].iov_len : (size_t)(buffered - landed);
+        memcpy(iov[first].iov_base, held + landed, n);
+        landed += n;
+        first += iov_advance(iov + first, count - first, n);
+    }
+    while (landed < total) {
+        if (monotonic_now() >= until)
+            break;
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = readv(fd, iov + first, count - first);
+        Py_END_ALLOW_THREADS
+        if (n > 0) {
+            landed += (uint64_t)n;
+            first += iov_advance(iov + first, count - first, (size_t)n);
+            continue;
+        }
+        if (n == 0) {
+            errno = ECONNRESET;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        if (errno == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                goto done;
+            continue;
+        }
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        int ready = wait_fd(fd, POLLIN, until);
+        if (ready == 0)
+            break;
+        if (ready < 0) {
+            if (ready == -1)
+                PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+    }
+    result = Py_BuildValue("(Kn)", (unsigned long long)landed, start + (Py_ssize_t)buffered);
+done:
+    PyBuffer_Release(&scratch);
+    return result;
+}
+
+PyDoc_STRVAR(tcp_request_doc,
+"tcp_request(sock, scratch) -> (kind, have, end, req_id, deadline, pairs, data_len)\n\n"
+"The target's side of TCP's latency path: one non-blocking recv from ``sock`` into the\n"
+"writable ``scratch``; if what it holds starts with a whole, well-formed READ (5) or WRITE (6)\n"
+"frame of 1 to 8 descriptors, ``kind`` is its type, ``end`` where it ends in ``scratch``, and\n"
+"``req_id``, ``deadline``, ``pairs`` (a list of (addr, len)) and ``data_len`` its fields.\n"
+"Else ``kind`` is 0 (anything else, or a frame not all here yet), -1 (nothing to read) or -2\n"
+"(the peer closed its end), and ``have`` says what ``scratch`` holds. Raises OSError.");
+
+#define TCP_READ 5
+#define TCP_WRITE 6
+#define TCP_SMALL_DESCS 8
+
+static PyObject *
+tcp_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "tcp_request takes 2 arguments");
+        return NULL;
+    }
+    int fd = socket_fd(args[0]);
+    if (fd < 0)
+        return NULL;
+    Py_buffer scratch;
+    if (PyObject_GetBuffer(args[1], &scratch, PyBUF_WRITABLE) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (scratch.len < TCP_HEADER + 8 + 16 * TCP_SMALL_DESCS) {
+        PyErr_SetString(PyExc_ValueError, "tcp_request: scratch too small");
+        goto done;
+    }
+    unsigned char *h = scratch.buf;
+    ssize_t have;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        have = recv(fd, h, (size_t)scratch.len, 0);
+        Py_END_ALLOW_THREADS
+        if (have >= 0 || errno != EINTR)
+            break;
+        if (PyErr_CheckSignals() < 0)
+            goto done;
+    }
+    if (have < 0) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        result = Py_BuildValue("(iiiiiOi)", TCP_WAIT, 0, 0, 0, 0, Py_None, 0);
+        goto done;
+    }
+    if (have == 0) {
+        result = Py_BuildValue("(iiiiiOi)", TCP_EOF, 0, 0, 0, 0, Py_None, 0);
+        goto done;
+    }
+    /* Recognised only if every rule hixl._protocol.frames applies to such a frame holds; for
+     * anything else that parser decides (and says why). */
+    uint64_t id, dlen;
+    uint32_t body;
+    int64_t deadline;
+    if (have < TCP_HEADER + 8)
+        goto other;
+    memcpy(&id, h + 8, 8);
+    memcpy(&body, h + 16, 4);
+    memcpy(&dlen, h + 20, 8);
+    memcpy(&deadline, h + TCP_HEADER, 8);
+    if (memcmp(h, "HXL1", 4) != 0 || (h[4] != TCP_READ && h[4] != TCP_WRITE) || h[5] || h[6] || h[7])
+        goto other;
+    if (body < 8 + 16 || body > 8 + 16 * TCP_SMALL_DESCS || (body - 8) % 16 || (Py_ssize_t)(TCP_HEADER + body) > have)
+        goto other;
+    if (deadline < 0 || (h[4] == TCP_READ && dlen))
+        goto other;
+    Py_ssize_t count = (body - 8) / 16;
+    uint64_t addrs[TCP_SMALL_DESCS], lens[TCP_SMALL_DESCS], total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        memcpy(&addrs[i], h + TCP_HEADER + 8 + 16 * i, 8);
+        memcpy(&lens[i], h + TCP_HEADER + 16 + 16 * i, 8);
+        if (!lens[i] || addrs[i] > UINT64_MAX - lens[i] || total > UINT64_MAX - lens[i])
+            goto other;
+        total += lens[i];
+    }
+    if (h[4] == TCP_WRITE && total != dlen)
+        goto other;
+    PyObject *pairs = PyList_New(count);
+    if (pairs == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)addrs[i], (unsigned long long)lens[i]);
+        if (pair == NULL) {
+            Py_DECREF(pairs);
+            goto done;
+        }
+        PyList_SET_ITEM(pairs, i, pair);
+    }
+    result = Py_BuildValue("(innKLNK)", (int)h[4], (Py_ssize_t)have, (Py_ssize_t)(TCP_HEADER + body),
+                           (unsigned long long)id, (long long)deadline, pairs, (unsigned long long)dlen);
+    goto done;
+other:
+    result = Py_BuildValue("(iniiiOi)", 0, (Py_ssize_t)have, 0, 0, 0, Py_None, 0);
+done:
+    PyBuffer_Release(&scratch);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"check_small", (PyCFunction)(void (*)(void))check_small, METH_FASTCALL, check_small_doc},
     {"mapped_copy", (PyCFunction)(void (*)(void))mapped_copy, METH_FASTCALL, mapped_copy_doc},
     {"copy_pieces", (PyCFunction)(void (*)(void))copy_pieces, METH_FASTCALL, copy_pieces_doc},
     {"cma_copy", (PyCFunction)(void (*)(void))cma_copy, METH_FASTCALL, cma_copy_doc},
+    {"cma_window", (PyCFunction)(void (*)(void))cma_window, METH_FASTCALL, cma_window_doc},
+    {"tcp_send", (PyCFunction)(void (*)(void))tcp_send, METH_FASTCALL, tcp_send_doc},
+    {"tcp_reply", (PyCFunction)(void (*)(void))tcp_reply, METH_FASTCALL, tcp_reply_doc},
+    {"tcp_land", (PyCFunction)(void (*)(void))tcp_land, METH_FASTCALL, tcp_land_doc},
+    {"tcp_request", (PyCFunction)(void (*)(void))tcp_request, METH_FASTCALL, tcp_request_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -363,12 +1515,35 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
+    struct {
+        PyObject **slot;
+        const char *text;
+    } strings[] = {
+        {&str_table, "table"},       {&str_readable, "readable"}, {&str_writable, "writable"},
+        {&str_intervals, "intervals"}, {&str_state, "state"},     {&str_regions, "regions"},
+        {&str_lease, "lease"},       {&str_revoking, "revoking"}, {&str_generation, "generation"},
+        {&str_enter, "enter"},       {&str_leave, "leave"},
+    };
+    for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++)
+        if (*strings[i].slot == NULL && (*strings[i].slot = PyUnicode_InternFromString(strings[i].text)) == NULL)
+            return NULL;
+    if (PyType_Ready(&CmaSmallType) < 0)
+        return NULL;
+    static int forked_handler;
+    if (!forked_handler && pthread_atfork(NULL, NULL, lanes_after_fork) == 0)
+        forked_handler = 1;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "GIL_FREE_FROM", GIL_FREE_FROM) < 0 ||
                       PyModule_AddIntConstant(m, "SMALL_MAX", SMALL_MAX) < 0 ||
+                      PyModule_AddIntConstant(m, "LANE_FROM", LANE_FROM) < 0 ||
+                      PyModule_AddIntConstant(m, "MAX_LANES", MAX_LANES) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_INELIGIBLE", CMA_INELIGIBLE) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_STALE", CMA_STALE) < 0 ||
-                      PyModule_AddIntConstant(m, "CMA_GONE", CMA_GONE) < 0)) {
+                      PyModule_AddIntConstant(m, "CMA_GONE", CMA_GONE) < 0 ||
+                      PyModule_AddObjectRef(m, "CmaSmall", (PyObject *)&CmaSmallType) < 0 ||
+                      PyModule_AddIntConstant(m, "TCP_WAIT", TCP_WAIT) < 0 ||
+                      PyModule_AddIntConstant(m, "TCP_EOF", TCP_EOF) < 0 ||
+                      PyModule_AddIntConstant(m, "TCP_RANGES", TCP_RANGES) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,12 +1,19 @@
 """Types of the C extension (hixl/_accel/_native.c); the contract is hixl._accel's docstring."""
 
+import socket
+
 import numpy as np
 
 GIL_FREE_FROM: int
 SMALL_MAX: int
+LANE_FROM: int
+MAX_LANES: int
 CMA_INELIGIBLE: int
 CMA_STALE: int
 CMA_GONE: int
+TCP_WAIT: int
+TCP_EOF: int
+TCP_RANGES: int
 
 def check_small(
     descs: object, local_starts: list[int], local_ends: list[int], remote_starts: list[int], remote_ends: list[int]
@@ -14,5 +21,19 @@ def check_small(
 def mapped_copy(
     descs: object, write: bool, starts: list[int], ends: list[int], heres: list[int], writable: list[bool]
 ) -> int: ...
-def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool) -> None: ...
+def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool, lanes: int = 1) -> None: ...
 def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: object, generation: int) -> int: ...
+def cma_window(pid: int, write: bool, local_iovs: int, remote_iovs: int, count: int, lanes: int) -> int: ...
+
+class CmaSmall:
+    def __init__(
+        self, pid: int, pidfd: int, generation_page: object, registry: object, link: object, connected: object,
+        read: object, write: object, chunk: int, lanes: int = 1,
+    ) -> None: ...
+    def run(self, op: object, descs: object) -> bool: ...
+def tcp_send(sock: socket.socket, frame: bytes, ranges: list[tuple[int, int]], offset: int, until: float) -> int: ...
+def tcp_reply(sock: socket.socket, scratch: bytearray, have: int, req_id: int, until: float) -> tuple[int, int, int]: ...
+def tcp_land(
+    sock: socket.socket, scratch: bytearray, start: int, have: int, ranges: list[tuple[int, int]], until: float
+) -> tuple[int, int]: ...
+def tcp_request(sock: socket.socket, scratch: bytearray) -> tuple[int, int, int, int, int, list[tuple[int, int]] | None, int]: ...

@@ -28,21 +28,33 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import os
+import errno
+import select
 import signal
+import socket
 import struct
 import sys
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+import time
 
 import numpy as np
 
-from .._iov import process_vm_readv, process_vm_writev
+from .._iov import IOV_MAX, IovCursor, process_vm_readv, process_vm_writev
 
 __all__ = [
     "CMA_GONE",
     "CMA_INELIGIBLE",
     "CMA_STALE",
+    "CmaSmall",
     "GIL_FREE_FROM",
     "SMALL_MAX",
+    "TCP_EOF",
+    "TCP_RANGES",
+    "TCP_WAIT",
     "batch_order",
     "check_small",
     "cma_copy",
@@ -50,10 +62,20 @@ __all__ = [
     "copy_many",
     "copy_pieces",
     "mapped_copy",
+    "tcp_land",
+    "tcp_reply",
+    "tcp_request",
+    "tcp_send",
 ]
 
 GIL_FREE_FROM = 64 << 10
 """Blocks of at least this many bytes are copied with the GIL released."""
+LANE_FROM = 4 << 20
+"""A copy (one call of :func:`cma_window` or :func:`copy_pieces`) of fewer bytes stays in one lane:
+below it, handing a part to another thread costs more than the second core gains."""
+MAX_LANES = 16
+"""The most lanes one copy is split over."""
+_LANE_ALIGN = 4096  # every cut but the last on a page of the copy: no page copied by two lanes
 SMALL_MAX = 64
 """The most descriptors :func:`check_small` and :func:`mapped_copy` take."""
 CMA_INELIGIBLE = -(1 << 20)
@@ -137,8 +159,13 @@ def check_small(
     every local range inside one local interval and every remote one inside one remote interval;
     else None."""
     triples = _triples(descs)
-    if triples is None:
-        return None
+    return None if triples is None else _inside(triples, local_starts, local_ends, remote_starts, remote_ends)
+
+
+def _inside(
+    triples: list[tuple[int, int, int]], local_starts: list[int], local_ends: list[int], remote_starts: list[int], remote_ends: list[int]
+) -> int | None:
+    """:func:`check_small` of descriptors already made triples."""
     total = 0
     for local, remote, nbytes in triples:
         if _interval(local_starts, local_ends, local, nbytes) < 0 or _interval(remote_starts, remote_ends, remote, nbytes) < 0:
@@ -198,6 +225,14 @@ def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: 
     triples = _triples(descs)
     if triples is None:
         return CMA_INELIGIBLE
+    refused = _refusal(pidfd, generation_page, generation)
+    if refused:
+        return refused
+    return _cma_call(pid, write, triples, 1)
+
+
+def _refusal(pidfd: int, generation_page: object, generation: int) -> int:
+    """:func:`cma_copy`'s answer if the page or the process refuses a copy; 0 if neither does."""
     try:
         current = _GENERATION.unpack_from(generation_page)[0]  # type: ignore[arg-type]
     except (TypeError, ValueError):  # unmapped by close()
@@ -210,6 +245,12 @@ def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: 
         pass  # it exists; signalling it is another permission than cma's
     except (OSError, ValueError):
         return CMA_GONE
+    return 0
+
+
+def _cma_call(pid: int, write: bool, triples: list[tuple[int, int, int]], lanes: int) -> int:
+    """The ``process_vm_*`` call of :func:`cma_copy` (over :func:`cma_window`'s lanes, from
+    :data:`LANE_FROM` bytes, if ``lanes`` > 1)."""
     scratch, count = _scratch, len(triples)
     if count == 1:  # the common latency case: both iovecs in one call, no argument lists
         local, remote, length = triples[0]
@@ -218,16 +259,195 @@ def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: 
         pack = _iov_pack[count]
         pack.pack_into(scratch.buf, 0, *[v for d in triples for v in (d[0], d[2])])
         pack.pack_into(scratch.buf, _REMOTE_OFFSET, *[v for d in triples for v in (d[1], d[2])])
+    if lanes > 1 and sum(d[2] for d in triples) >= LANE_FROM:
+        return cma_window(pid, write, scratch.local, scratch.remote, count, lanes)
     moved = (process_vm_writev if write else process_vm_readv)(pid, scratch.local, count, scratch.remote, count, 0)
     return int(moved) if moved >= 0 else -ctypes.get_errno()
 
 
-def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool) -> None:
+class CmaSmall:
+    """cma's latency path to one peer in one call (:meth:`run`); the twin of the C ``CmaSmall``.
+
+    ``pid``/``pidfd``: the peer's process and the pidfd pinning it; ``generation_page``: its
+    mapped generation page; ``registry``: this engine's registrations (``.table``); ``link``: the
+    link to the peer (its ``.state`` must be ``connected``; ``.regions`` holds the peer's table,
+    generation and lease); ``read``/``write``: the two ops; ``chunk``: the most bytes one call
+    may move; ``lanes``: threads a copy of :data:`LANE_FROM` bytes or more is split over.
+    """
+
+    def __init__(
+        self, pid: int, pidfd: int, generation_page: object, registry: Any, link: Any, connected: object,
+        read: object, write: object, chunk: int, lanes: int = 1,
+    ) -> None:
+        self._pid, self._pidfd, self._page, self._lanes = pid, pidfd, generation_page, max(1, lanes)
+        self._registry, self._link, self._regions = registry, link, link.regions
+        self._connected, self._read, self._write, self._chunk = connected, read, write, chunk
+
+    def run(self, op: object, descs: object) -> bool:
+        """True once every byte of ``descs`` (a list of up to :data:`SMALL_MAX` (local, remote, len)
+        int triples, at most ``chunk`` bytes) moved in one ``process_vm_*`` call; False if nothing
+        was tried or the call fell short (the general path then checks, explains, retries)."""
+        if op is self._write:
+            write = True
+        elif op is self._read:
+            write = False
+        else:
+            return False
+        # A READ lands in local memory, a WRITE in the peer's: those sides must be writable.
+        table = self._registry.table
+        local = table.readable if write else table.writable
+        regions = self._regions
+        checked = regions.table
+        remote = checked.writable if write else checked.readable
+        triples = _triples(descs)
+        if triples is None:
+            return False
+        total = _inside(triples, *local.intervals, *remote.intervals)
+        if total is None or total > self._chunk or self._link.state is not self._connected:
+            return False
+        # Python may switch threads between any two steps: a token holds the lease (the C twin
+        # holds the GIL instead for a small copy, which comes to the same).
+        lease = regions.lease
+        token = lease.enter()
+        if not token:
+            return False  # a REVOKE is under way: the general path waits for it
+        try:
+            if regions.table is not checked:
+                return False  # replaced since we checked: the general path checks again
+            moved = _refusal(self._pidfd, self._page, regions.generation) or _cma_call(self._pid, write, triples, self._lanes)
+        finally:
+            lease.leave(token)
+        return moved == total
+
+
+# -- copy lanes (see the C twin's comment on them) -------------------------------------------------
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # (a child has none of its parent's threads)
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _lane_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=MAX_LANES - 1, thread_name_prefix="hixl-lane")
+        return _pool
+
+
+def lane_parts(lens: np.ndarray, lanes: int) -> list[tuple[int, int, int]]:
+    """How a copy of entries of ``lens`` bytes is split over ``lanes``: each part's first entry, its
+    offset into that entry and its bytes, in order (one part below :data:`LANE_FROM` bytes)."""
+    total = int(lens.sum(dtype=np.uint64))
+    lanes = min(lanes, MAX_LANES)
+    step = -(-(-(-total // lanes)) // _LANE_ALIGN) * _LANE_ALIGN if lanes > 1 else 0  # (never more than lanes parts)
+    if lanes <= 1 or total < LANE_FROM or step == 0 or step >= total:
+        return [(0, 0, total)]
+    ends = np.cumsum(lens, dtype=np.uint64)
+    parts = []
+    for start in range(0, total, step):
+        first = int(np.searchsorted(ends, np.uint64(start), side="right"))  # the entry holding byte ``start``
+        parts.append((first, start - (int(ends[first - 1]) if first else 0), min(step, total - start)))
+    return parts
+
+
+def _part_rows(columns: list[np.ndarray], lens: np.ndarray, first: int, offset: int, nbytes: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """The address columns and lengths of one part (see :func:`lane_parts`)."""
+    ends = np.cumsum(lens[first:], dtype=np.uint64) - np.uint64(offset)
+    last = first + int(np.searchsorted(ends, np.uint64(nbytes), side="left")) + 1
+    part_lens = lens[first:last].copy()
+    part_lens[0] -= np.uint64(offset)
+    part_lens[-1] -= ends[last - first - 1] - np.uint64(nbytes)
+    cols = [c[first:last].copy() for c in columns]
+    for c in cols:
+        c[0] += np.uint64(offset)
+    return cols, part_lens
+
+
+def _run_lanes(parts: list[tuple[int, int, int]], copy_part: Callable[[int, int, int], int]) -> list[int]:
+    """Each part's answer, the first copied here and the others on lane threads."""
+    futures = [_lane_pool().submit(copy_part, *part) for part in parts[1:]]
+    return [copy_part(*parts[0])] + [future.result() for future in futures]
+
+
+def _cma_part(pid: int, write: bool, local: np.ndarray, remote: np.ndarray, lens: np.ndarray) -> int:
+    """Every byte of one part through ``process_vm_*``: the bytes moved (fewer if the kernel moved no
+    more), or -errno."""
+    call = process_vm_writev if write else process_vm_readv
+    iov_local = np.column_stack([local, lens]).astype(np.uint64)
+    iov_remote = np.column_stack([remote, lens]).astype(np.uint64)
+    cursor = IovCursor(iov_local, iov_remote)
+    while not cursor.finished:
+        (lp, rp), count, _ = cursor.window()
+        moved = call(pid, lp, count, rp, count, 0)
+        if moved < 0:
+            return -ctypes.get_errno()
+        if moved == 0:
+            break
+        cursor.advance(moved)
+    return cursor.done
+
+
+def cma_window(pid: int, write: bool, local_iovs: int, remote_iovs: int, count: int, lanes: int) -> int:
+    """``process_vm_writev`` (``write``) or ``process_vm_readv`` of ``count`` iovec pairs at
+    addresses ``local_iovs`` and ``remote_iovs`` (equal lengths pairwise), split over up to
+    ``lanes`` threads from :data:`LANE_FROM` bytes. One lane: one call, its answer (the bytes
+    moved, or -errno). Several: the bytes if every part moved all of its own, else -errno of a
+    part that failed, or 0."""
+    if not 1 <= count <= IOV_MAX:
+        raise ValueError("count must be in [1, IOV_MAX]")
+    parts = [(0, 0, 0)]
+    if lanes > 1:
+        local = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(local_iovs)).reshape(count, 2)
+        remote = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(remote_iovs)).reshape(count, 2)
+        lens = local[:, 1].copy()
+        parts = lane_parts(lens, lanes)
+    if len(parts) == 1:  # one call, as cma_copy makes it
+        moved = (process_vm_writev if write else process_vm_readv)(pid, local_iovs, count, remote_iovs, count, 0)
+        return int(moved) if moved >= 0 else -ctypes.get_errno()
+
+    def part(first: int, offset: int, nbytes: int) -> int:
+        (l_addr, r_addr), part_lens = _part_rows([local[:, 0], remote[:, 0]], lens, first, offset, nbytes)
+        moved = _cma_part(pid, write, l_addr, r_addr, part_lens)
+        return moved if moved < 0 or moved == nbytes else -_SHORT
+
+    answers = _run_lanes(parts, part)
+    failed = [a for a in answers if a < 0 and a != -_SHORT]
+    if failed:
+        return failed[0]
+    return 0 if -_SHORT in answers else int(lens.sum(dtype=np.uint64))
+
+
+_SHORT = 1 << 40  # (a part that fell short without an error: not an errno)
+
+
+def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool, lanes: int = 1) -> None:
     """For every row ``i`` of ``pieces`` ((n, 3) uint64: local, remote, len), copy ``len`` bytes
     between the local address and ``heres[i]`` (where the remote range is mapped here): to
-    ``heres[i]`` if ``write``, from it otherwise; in row order."""
+    ``heres[i]`` if ``write``, from it otherwise; in row order (from :data:`LANE_FROM` bytes on,
+    split over up to ``lanes`` threads: row order within each)."""
     local, lens = pieces[:, 0], pieces[:, 2]
-    if write:
+    # Python threads copy at once only while each memmove is long enough to release the GIL for;
+    # many small rows go faster through copy_many's few numpy calls on one thread.
+    laned = lanes > 1 and int(lens.sum(dtype=np.uint64)) >= len(lens) * GIL_FREE_FROM
+    parts = lane_parts(lens, lanes) if laned else [(0, 0, 0)]
+    if len(parts) > 1:
+
+        def part(first: int, offset: int, nbytes: int) -> int:
+            (l_addr, h_addr), part_lens = _part_rows([local, heres], lens, first, offset, nbytes)
+            for dst, src, n in zip(*((h_addr, l_addr) if write else (l_addr, h_addr)), part_lens.tolist()):
+                _memmove(int(dst), int(src), n)  # (releases the GIL: the lanes copy at once)
+            return nbytes
+
+        _run_lanes(parts, part)
+    elif write:
         copy_many(heres, local, lens)
     else:
         copy_many(local, heres, lens)
@@ -280,3 +500,178 @@ def _on_grid(addrs: np.ndarray, length: int) -> tuple[int, np.ndarray] | None:
     if (offsets % np.uint64(length)).any():
         return None
     return base, (offsets // np.uint64(length)).astype(np.intp)
+
+
+# -- TCP's latency path (see the C block of the same name) --------------------------------------------
+TCP_WAIT = -1
+""":func:`tcp_reply`'s kind when no header came in time."""
+TCP_EOF = -2
+""":func:`tcp_reply`'s kind when the peer closed its end."""
+TCP_RANGES = 16
+"""The most (addr, len) ranges :func:`tcp_send` and :func:`tcp_land` take."""
+_TCP_HEADER = struct.Struct("<4sBBHQIQ")  # as hixl._protocol.frames lays a header out
+_TCP_DATA, _TCP_ACK = 7, 8
+
+
+def _ranges(ranges: object) -> list[tuple[int, int]]:
+    """``ranges`` checked as the C twin checks them: a short list of (addr, len) int tuples."""
+    if type(ranges) is not list or len(ranges) > TCP_RANGES:
+        raise ValueError(f"ranges must be a list of at most {TCP_RANGES} (addr, len) tuples")
+    for item in ranges:
+        if not (isinstance(item, tuple) and len(item) == 2 and all(type(v) is int and 0 <= v < 1 << 64 for v in item)):
+            raise ValueError("ranges must be (addr, len) tuples of ints in [0, 2**64)")
+        if item[0] + item[1] >= 1 << 64:
+            raise ValueError("ranges must be (addr, len) tuples of ints in [0, 2**64)")
+    return ranges  # type: ignore[return-value]
+
+
+def _views(ranges: list[tuple[int, int]]) -> list[memoryview]:
+    return [_ALL[addr : addr + n] for addr, n in ranges]
+
+
+def _skip(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` without their first ``n`` bytes."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views = views[1:]
+    if views and n:
+        views = [views[0][n:], *views[1:]]
+    return views
+
+
+def _wait(sock: socket.socket, events: int, until: float) -> bool:
+    """Whether ``sock`` turned ready for ``events`` before ``until`` (time.monotonic())."""
+    left = until - time.monotonic()
+    if left <= 0:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), events)
+    return bool(poller.poll(min(left, 3600.0) * 1000 + 1))
+
+
+def tcp_send(sock: socket.socket, frame: bytes, ranges: list[tuple[int, int]], offset: int, until: float) -> int:
+    """Send ``frame`` then the memory of ``ranges`` on the non-blocking ``sock``, from byte
+    ``offset`` of the whole on, waiting for room until ``until``; the bytes sent in all
+    (``offset`` included): fewer than the whole once ``until`` passed."""
+    views = [memoryview(frame).cast("B"), *_views(_ranges(ranges))]
+    total = sum(len(v) for v in views)
+    if not 0 <= offset <= total:
+        raise ValueError("offset outside what is to be sent")
+    views = _skip(views, offset)
+    sent = offset
+    while sent < total:
+        try:
+            n = sock.sendmsg(views)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        if n:
+            sent += n
+            views = _skip(views, n)
+        elif not _wait(sock, select.POLLOUT, until):
+            break
+    return sent
+
+
+def tcp_reply(sock: socket.socket, scratch: bytearray, have: int, req_id: int, until: float) -> tuple[int, int, int]:
+    """Read into ``scratch`` (holding ``have`` bytes) until it holds a frame header, until ``until``
+    at most: ``(kind, have, data_len)`` with kind 7 (DATA) / 8 (ACK) for a well-formed bodiless one
+    of those for ``req_id``, 0 for anything else, :data:`TCP_WAIT` or :data:`TCP_EOF`."""
+    if type(req_id) is not int or not 0 <= req_id < 1 << 64 or not 0 <= have <= len(scratch) or len(scratch) < _TCP_HEADER.size:
+        raise ValueError("tcp_reply: bad req_id, have or scratch")
+    view = memoryview(scratch)
+    while have < _TCP_HEADER.size:
+        try:
+            n = sock.recv_into(view[have:])
+        except (BlockingIOError, InterruptedError):
+            if not _wait(sock, select.POLLIN, until):
+                return TCP_WAIT, have, 0
+            continue
+        if not n:
+            return TCP_EOF, have, 0
+        have += n
+    magic, kind, flags, reserved, rid, body, data_len = _TCP_HEADER.unpack_from(scratch)
+    if (
+        magic == b"HXL1"
+        and kind in (_TCP_DATA, _TCP_ACK)
+        and not (flags or reserved or body)
+        and rid == req_id
+        and (kind == _TCP_DATA or not data_len)
+    ):
+        return kind, have, data_len
+    return 0, have, 0
+
+
+def tcp_land(
+    sock: socket.socket, scratch: bytearray, start: int, have: int, ranges: list[tuple[int, int]], until: float
+) -> tuple[int, int]:
+    """Land a reply's data into ``ranges``: first what ``scratch[start:have]`` holds of it, then
+    straight from ``sock``, waiting until ``until`` at most and reading nothing once it passed;
+    ``(landed, end)``, ``end`` where what ``scratch`` holds beyond the data begins."""
+    views = _views(_ranges(ranges))
+    if not 0 <= start <= have <= len(scratch):
+        raise ValueError("tcp_land: start and have must lie in scratch, in order")
+    total = sum(len(v) for v in views)
+    buffered = min(have - start, total)
+    held = memoryview(scratch)[start : start + buffered]
+    landed = 0
+    while landed < buffered:
+        n = min(len(views[0]), buffered - landed)
+        views[0][:n] = held[landed : landed + n]
+        landed += n
+        views = _skip(views, n)
+    while landed < total and time.monotonic() < until:
+        try:
+            n = sock.recvmsg_into(views)[0]
+        except (BlockingIOError, InterruptedError):
+            _wait(sock, select.POLLIN, until)
+            continue
+        if not n:
+            raise ConnectionResetError(errno.ECONNRESET, "peer closed the connection mid-data")
+        landed += n
+        views = _skip(views, n)
+    return landed, start + buffered
+
+
+_TCP_READ, _TCP_WRITE = 5, 6
+_TCP_SMALL_DESCS = 8
+_TCP_DEADLINE = struct.Struct("<q")
+_TCP_BODIES = {8 + 16 * n: struct.Struct(f"<{2 * n}Q") for n in range(1, _TCP_SMALL_DESCS + 1)}
+_U64 = (1 << 64) - 1
+
+
+def tcp_request(sock: socket.socket, scratch: bytearray) -> tuple[int, int, int, int, int, list[tuple[int, int]] | None, int]:
+    """One non-blocking ``recv`` into ``scratch``; ``(kind, have, end, req_id, deadline, pairs,
+    data_len)``: kind 5 (READ) / 6 (WRITE) if ``scratch`` starts with a whole, well-formed one of
+    those of 1 to 8 descriptors (``end``: where it ends), else 0, :data:`TCP_WAIT` (nothing to
+    read) or :data:`TCP_EOF`."""
+    if len(scratch) < _TCP_HEADER.size + 8 + 16 * _TCP_SMALL_DESCS:
+        raise ValueError("tcp_request: scratch too small")
+    try:
+        have = sock.recv_into(scratch)
+    except (BlockingIOError, InterruptedError):
+        return TCP_WAIT, 0, 0, 0, 0, None, 0
+    if not have:
+        return TCP_EOF, 0, 0, 0, 0, None, 0
+    other = (0, have, 0, 0, 0, None, 0)
+    if have < _TCP_HEADER.size + 8:
+        return other
+    magic, kind, flags, reserved, req_id, body, data_len = _TCP_HEADER.unpack_from(scratch)
+    unpack = _TCP_BODIES.get(body)
+    if magic != b"HXL1" or kind not in (_TCP_READ, _TCP_WRITE) or flags or reserved or unpack is None:
+        return other
+    end = _TCP_HEADER.size + body
+    (deadline,) = _TCP_DEADLINE.unpack_from(scratch, _TCP_HEADER.size)
+    if end > have or deadline < 0 or (kind == _TCP_READ and data_len):
+        return other
+    words = unpack.unpack_from(scratch, _TCP_HEADER.size + 8)
+    pairs = []
+    total = 0
+    for i in range(0, len(words), 2):
+        addr, length = words[i], words[i + 1]
+        if not length or addr > _U64 - length or total > _U64 - length:
+            return other
+        total += length
+        pairs.append((addr, length))
+    if kind == _TCP_WRITE and total != data_len:
+        return other
+    return kind, have, end, req_id, deadline, pairs, data_len

@@ -90,6 +90,7 @@ from .frames import (
     Welcome,
     WriteRequest,
     encode,
+    encode_header,
     encode_split,
     kind_of,
     small_request,
@@ -484,6 +485,38 @@ class Connection:
         if not 0 <= nbytes <= self.data_left:
             raise RuntimeError(f"moved {nbytes} bytes, only {self.data_left} were due")
         self.data_left -= nbytes
+
+    def took_frame(self, kind: FrameType, req_id: int, data_len: int) -> None:
+        """The driver recognised one of the frames this side receives most (``_FAST``: an
+        initiator's bodiless DATA or ACK, a target's small READ or WRITE) straight off the socket
+        (TCP's latency path, see :func:`hixl._accel.tcp_reply` / :func:`~hixl._accel.tcp_request`),
+        and parsed it itself: account for it as :meth:`next_event` would for the same bytes —
+        refused by the same checks (a :class:`ProtocolError` closes the connection), the request
+        it answers forgotten, ``data_len`` bytes of data due. Only with nothing buffered, so that
+        frames stay in stream order."""
+        if kind not in _FAST[self.role]:
+            raise ValueError(f"took_frame is for the frames a {self.role.value} receives most, not {kind!r}")
+        if self.data_left or self.buffered:
+            raise RuntimeError("a frame read past buffered bytes would leave the stream out of order")
+        if self.state is ConnState.CLOSED:
+            raise ProtocolError(f"{kind.name} after the connection closed")
+        try:
+            answers = self._check_incoming(kind, req_id, data_len)
+        except ProtocolError as exc:
+            self._close(str(exc))
+            raise
+        if answers is not None:
+            del self._outstanding[answers]
+        self.data_left = data_len
+
+    def reply_frame(self, kind: FrameType, req_id: int, data_len: int = 0) -> bytes:
+        """Target: the bytes of a DATA (``data_len`` bytes of data follow) or an ACK for
+        ``req_id`` — :meth:`send` of that message, without building it (the latency path)."""
+        if kind not in (_F.DATA, _F.ACK) or (data_len and kind is not _F.DATA):
+            raise ValueError(f"reply_frame makes a DATA or a bodiless ACK, not a {kind!r} with {data_len} bytes")
+        if kind not in _SENDABLE.get((self.role, self.state), ()):
+            raise ProtocolError(f"a {self.role.value} may not send {kind.name} while {self.state.name}")
+        return encode_header(kind, req_id, 0, data_len)
 
     def _receivable(self) -> frozenset[FrameType]:
         """What the peer may send us now, by the tables (see ``_RECEIVABLE``)."""

@@ -98,6 +98,12 @@ class Pending:
         """Called when the link ends before a reply came; possibly twice, with the same error
         (by the thread that ended the link, and by a caller reading for this entry)."""
 
+    def on_landed(self, nbytes: int) -> None:
+        """Called by the latency path's reader (see :meth:`PeerLink.exchange`) with the reply the
+        connection accepted: an ACK (``nbytes`` 0), or a DATA of which ``nbytes`` landed where
+        the request said — all of it, unless its deadline passed first."""
+        raise ProtocolError("unexpected reply on the latency path")
+
 
 class _Call(Pending):
     """A synchronous request/reply (QUERY_REGIONS, QUERY_META, NOTIFY)."""
@@ -239,11 +245,18 @@ class PeerLink:
         data: list[tuple[int, int]],
         pending: Pending,
         deadline: float,
+        into: list[tuple[int, int]],
     ) -> bool:
         """The latency path: if nobody else is reading, send one request frame (made by
         ``make_frame`` from the connection) and its ``data`` ranges with one ``sendmsg``,
         and read the reply on this thread (or, if another request's data comes first, wait
         for the reader thread to read it). False, having sent nothing, if someone else reads.
+
+        The reply expected — the ACK, or the DATA whose bytes land in ``into`` ((addr, len)
+        ranges) — is read straight off the socket (:meth:`Wire.read_reply`: three calls of
+        :mod:`hixl._accel` and the connection's own accounting) and handed to
+        ``pending.on_landed``; anything else goes the general way, through ``on_reply`` /
+        ``on_data``. Not with fault injection on (``on_event``): it sees every event.
         """
         wire = self.wire
         if self.state is not LinkState.CONNECTED or not self._take_read_role():
@@ -254,7 +267,7 @@ class PeerLink:
             with wire.conn_lock:
                 frame = wire.frame_of(make_frame, wire.conn)
             self._send(req_id, lambda: wire.send_parts(frame, data, deadline))
-            reading = self._read_until(req_id, pending, deadline)
+            reading = self._read_until(req_id, pending, deadline, into)
         finally:
             if reading:
                 self._give_back_read_role()
@@ -310,12 +323,25 @@ class PeerLink:
             self.wire.read_lock.release()
             self._rearm()
 
-    def _read_until(self, req_id: int, pending: Pending, deadline: float | None) -> bool:
+    def _read_until(
+        self, req_id: int, pending: Pending, deadline: float | None, into: list[tuple[int, int]] | None = None
+    ) -> bool:
         """Read (as the reader) until ``pending`` (request ``req_id``) is answered, the link ends,
         or ``deadline``. False if it handed the read role to the reader thread instead, with
         another request's DATA frame: its bytes are that request's I/O, on its deadline, not
-        ours (``pending.waker`` is then set once ours is answered)."""
+        ours (``pending.waker`` is then set once ours is answered). With ``into`` (the latency
+        path, see :meth:`exchange`) the expected reply is first looked for straight off the socket."""
+        wire = self.wire
         try:
+            if into is not None and deadline is not None and self.on_event is None and not (wire.conn.buffered or wire.conn.data_left):
+                landed = wire.read_reply(req_id, into, deadline)
+                if landed is not None:
+                    with self._pending_lock:
+                        mine = self._pending.pop(req_id, None) is pending
+                        self._idle_if_done()
+                    if mine:  # (else the link ended meanwhile, and failed it)
+                        pending.on_landed(landed)
+                        _woken(pending)
             while not pending.done and self.state is LinkState.CONNECTED:
                 event = self.wire.next_event(deadline)
                 if isinstance(event, proto.Data) and event.req_id != req_id:

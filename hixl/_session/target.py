@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import enum
 import errno
 import ipaddress
@@ -51,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _accel
 from .. import _protocol as proto
 from .._exceptions import (
     AuthenticationFailed,
@@ -127,15 +129,15 @@ class _Holds:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._active: dict[int, tuple[_ServedConnection, np.ndarray]] = {}
+        self._active: dict[int, tuple[_ServedConnection, np.ndarray | list[tuple[int, int]]]] = {}
         self._keys = itertools.count()
 
     def hold(self, conn: _ServedConnection, descs: np.ndarray) -> _Hold:
         """A context manager that holds ``descs`` ((N, 2): addr, len) for the duration of the block."""
         return _Hold(self, conn, descs)
 
-    def add(self, conn: _ServedConnection, descs: np.ndarray) -> int:
-        """Record a hold; its key, for :meth:`drop`."""
+    def add(self, conn: _ServedConnection, descs: np.ndarray | list[tuple[int, int]]) -> int:
+        """Record a hold of ``descs`` ((N, 2) addr, len: an array, or a list of pairs); its key, for :meth:`drop`."""
         with self._cond:
             key = next(self._keys)
             self._active[key] = (conn, descs)
@@ -149,7 +151,8 @@ class _Holds:
 
     def _touching(self, removed: list[tuple[int, int]]) -> list[_ServedConnection]:
         touching = []
-        for conn, descs in self._active.values():
+        for conn, held in self._active.values():
+            descs = np.asarray(held, dtype=np.uint64).reshape(-1, 2)  # (the latency path holds (addr, len) pairs)
             starts, ends = descs[:, 0], descs[:, 0] + descs[:, 1]
             if any(bool(((starts < addr + n) & (ends > addr)).any()) for addr, n in removed):
                 touching.append(conn)
@@ -764,9 +767,11 @@ class _ServedConnection:
     # blocks; each call queues, and the loop moves the bytes as the socket allows.
     def reply(self, message: proto.Message) -> None:
         """Send ``message`` (an ACK, an ERROR) after whatever is queued already."""
-        self._put(message)
+        with self.wire.conn_lock:
+            frame = self.wire.frame_of(self.conn.send, message)
+        self._send_now(frame, [], None)
 
-    def take_hold(self, descs: np.ndarray) -> Callable[[], None]:
+    def take_hold(self, descs: np.ndarray | list[tuple[int, int]]) -> Callable[[], None]:
         """Hold ``descs`` ((N, 2): addr, len) of this engine's memory (take it before checking
         them); the function that releases the hold (once; later calls do nothing)."""
         holds = self.server.holds
@@ -793,6 +798,58 @@ class _ServedConnection:
             self._outbox.put([frame])
             self._outbox.put_cursor(IovCursor(np.ascontiguousarray(ranges, dtype=np.uint64)), done=release)
         self.flush()
+
+    def send_small(self, req_id: int, pairs: list[tuple[int, int]], release: Callable[[], None]) -> None:
+        """The DATA answering ``req_id`` and the bytes of a few (addr, len) ``pairs`` of registered
+        memory (the latency path of :meth:`send_data`): one ``sendmsg`` when nothing is queued."""
+        with self.wire.conn_lock:
+            frame = self.wire.frame_of(self.conn.reply_frame, proto.FrameType.DATA, req_id, sum(n for _, n in pairs))
+        self._send_now(frame, pairs, release)
+
+    def _send_now(self, frame: bytes, pairs: list[tuple[int, int]], done: Callable[[], None] | None) -> None:
+        """Send ``frame`` and the memory of ``pairs`` now, as far as the socket takes them without
+        waiting, if nothing is queued before them (frames never interleave); the rest queued.
+        ``done()`` once all went out, or the connection ended."""
+        sent = 0
+        if not self._outbox and not self.busy and self.phase is not _Phase.ENDED:
+            try:
+                sent = _accel.tcp_send(self.wire.sock, frame, pairs, 0, 0.0)
+            except OSError as exc:
+                if done is not None:
+                    done()
+                self.end(f"socket error: {exc}")
+                return
+            if pairs and sent > len(frame):
+                self.wire.last_alive = time.monotonic()  # our data taken by a peer that reads it
+            if sent == len(frame) + sum(n for _, n in pairs):
+                if done is not None:
+                    done()
+                return
+        views = [memoryview(frame), *(memory_view(a, n) for a, n in pairs)]
+        while sent and sent >= len(views[0]):  # (what the socket took)
+            sent -= len(views.pop(0))
+        if sent:
+            views[0] = views[0][sent:]
+        self._outbox.put(views, data=bool(pairs), done=done)
+
+    def land_small(
+        self, pairs: list[tuple[int, int]], deadline: float, landed: Callable[[bool], None], release: Callable[[], None]
+    ) -> None:
+        """:meth:`land_data` into a few (addr, len) ``pairs``: if their data all came with the frame
+        (a small WRITE, one segment) and ``deadline`` has not passed, copied from there at once."""
+        conn = self.conn
+        total = sum(n for _, n in pairs)
+        if conn.data_left == total and conn.buffered >= total and time.monotonic() < deadline:
+            with self.wire.conn_lock:
+                data = conn.take_data(total)
+            offset = 0
+            for addr, n in pairs:
+                ctypes.memmove(addr, data[offset : offset + n], n)
+                offset += n
+            release()
+            landed(True)
+            return
+        self.land_data(IovCursor(np.array(pairs, dtype=np.uint64).reshape(-1, 2)), deadline, landed, release)
 
     def land_data(
         self,
@@ -943,6 +1000,10 @@ class _ServedConnection:
                 continue
             if self._outbox.nbytes >= _OUTBOX_READ_LIMIT:
                 return  # it reads its answers first
+            if readable and self.phase is _Phase.OPEN and not (self.conn.buffered or self.conn.data_left):
+                readable = False  # (one recv per readiness, here or in buffered_event)
+                if self._serve_straight():
+                    continue
             event = wire.buffered_event(readable)
             if event is NEED_DATA:
                 return
@@ -952,6 +1013,37 @@ class _ServedConnection:
             else:
                 self._handshake_step(event)
         self.server.loop.again(self)  # its share is used up: the rest in the next round
+
+    def _serve_straight(self) -> bool:
+        """TCP's latency path: one ``recv``; a small READ or WRITE that arrived whole is accounted
+        for by the connection (:meth:`Connection.took_frame`) and served from its fields, no
+        message built, and what came after it handed to the connection. False if what came is
+        anything else: it is all the connection's then, for the general path to parse."""
+        wire, conn = self.wire, self.conn
+        try:
+            kind, have, end, req_id, deadline, pairs, data_len = _accel.tcp_request(wire.sock, wire.scratch)
+        except OSError as exc:
+            raise PeerDisconnected(f"{wire.peer}: socket error: {exc}") from exc
+        if have:
+            wire.last_alive = time.monotonic()
+        transport = self.server.servers_of.get(proto.FrameType(kind)) if kind > 0 else None
+        straight = transport is not None and not transport.capabilities.serve_blocks
+        with wire.conn_lock:
+            if straight:
+                conn.took_frame(proto.FrameType(kind), req_id, data_len)
+            else:
+                end = 0
+            if end < have:
+                conn.receive_data(memoryview(wire.scratch)[end:have])
+            if kind == _accel.TCP_EOF:
+                conn.receive_data(b"")
+        if not straight:
+            return False
+        assert transport is not None and pairs is not None
+        transport.serve_small(self, kind == proto.FrameType.WRITE, req_id, deadline, pairs, data_len)
+        if self._outbox:
+            self.flush()
+        return True
 
     def on_timer(self, now: float, full: bool) -> None:
         """The sweep: handshake deadlines; with ``full``, an open connection's too: a frame arriving

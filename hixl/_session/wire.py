@@ -29,12 +29,11 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import numpy as np
 
+from .. import _accel
 from .. import _protocol as proto
 from .._exceptions import PeerDisconnected, ProtocolError, TransferTimeout
 from .._iov import IovCursor, bytes_cursor, readv, writev
-from .._memory import memory_view
 from .._protocol.connection import (
     NEED_DATA,
     Connection,
@@ -42,6 +41,7 @@ from .._protocol.connection import (
     ConnState,
     Event,
 )
+from .._protocol.frames import HEADER_SIZE
 
 __all__ = ["CHUNK", "READ_SIZE", "Wire"]
 
@@ -91,8 +91,9 @@ class Wire:
         self._asked_at = 0.0  # the first PING since the peer was last heard (0: none yet)
         self.dead_reason = ""
         self._frame_started: float | None = None
-        self._scratch = bytearray(READ_SIZE)
-        self._scratch_view = memoryview(self._scratch)
+        self.scratch = bytearray(READ_SIZE)
+        """Where each ``recv`` of frames lands (its reader's: one thread at a time)."""
+        self._scratch_view = memoryview(self.scratch)
 
     # -- life -----------------------------------------------------------------------------------
     def mark_dead(self, reason: str) -> None:
@@ -281,6 +282,39 @@ class Wire:
                 self.last_alive = time.monotonic()
             return True
 
+    def read_reply(self, req_id: int, into: list[tuple[int, int]], deadline: float) -> int | None:
+        """TCP's latency path: read the reply to request ``req_id`` straight off the socket, for a
+        reader holding ``read_lock`` with nothing buffered. If it is the DATA or ACK that request
+        waits for, the connection accounts for it (:meth:`Connection.took_frame`: its checks,
+        its verdict) and only then does the DATA's data land in ``into`` ((addr, len) ranges of
+        local memory; ``[]`` for an ACK): the bytes landed, fewer than asked only if
+        ``deadline`` passed first (the rest is the next reader's to drop). None if the reply is
+        anything else, or nothing came for a heartbeat interval: what arrived is then the
+        connection's, and the general path (:meth:`next_event`) goes on from it."""
+        scratch = self.scratch
+        try:
+            kind, have, data_len = _accel.tcp_reply(self.sock, scratch, 0, req_id, min(deadline, time.monotonic() + self.interval))
+            if have:
+                self.last_alive = time.monotonic()
+            if kind <= 0:
+                with self.conn_lock:
+                    if have:
+                        self.conn.receive_data(self._scratch_view[:have])
+                    if kind == _accel.TCP_EOF:
+                        self.conn.receive_data(b"")
+                return None
+            with self.conn_lock:
+                self.conn.took_frame(proto.FrameType(kind), req_id, data_len)
+            landed, end = _accel.tcp_land(self.sock, scratch, HEADER_SIZE, have, into, deadline) if data_len else (0, HEADER_SIZE)
+        except OSError as exc:
+            raise self._fail(f"socket error: {exc}", exc) from exc
+        if landed:
+            self.conn.data_moved(landed)
+        if end < have:  # frames that came behind the reply in the same recv
+            with self.conn_lock:
+                self.conn.receive_data(self._scratch_view[end:have])
+        return landed
+
     def receive_into(
         self,
         cursor: IovCursor,
@@ -444,22 +478,29 @@ class Wire:
             self.send_lock.release()
 
     def _send_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None) -> None:
-        if not data:
-            self._send_frame(frame, deadline)
-            return
-        try:
-            sent = self.sock.sendmsg([frame, *(memory_view(addr, n) for addr, n in data)])
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as exc:
-            raise self._fail(f"socket error: {exc}", exc) from exc
-        if sent < len(frame):
-            self._send_frame(frame[sent:], deadline)
-            sent = len(frame)
-        if sent - len(frame) < sum(n for _, n in data):
-            rest = IovCursor(np.array(data, dtype=np.uint64).reshape(-1, 2))
-            rest.advance(sent - len(frame))
-            self._send_data(rest, deadline)
+        # One hixl._accel.tcp_send call nearly always: it retries a short send itself, and waits for
+        # room at most an interval at a time, so heartbeat duty and the deadline are checked here.
+        total = len(frame) + sum(n for _, n in data)
+        started = now = time.monotonic()
+        sent = 0
+        while True:
+            until = now + self.interval if deadline is None else min(deadline, now + self.interval)
+            before = sent
+            try:
+                sent = _accel.tcp_send(self.sock, frame, data, sent, until)
+            except OSError as exc:
+                raise self._fail(f"socket error: {exc}", exc) from exc
+            if sent == total:
+                return
+            now = time.monotonic()
+            if sent > max(before, len(frame)):
+                self.last_alive = now  # our data taken by a peer that reads it (a frame alone is not)
+            if deadline is not None and now >= deadline:
+                # Part of a frame may be on the wire: the stream can't be resumed.
+                self.mark_dead("a send passed its deadline mid-frame")
+                raise TransferTimeout(f"sending with {self.peer} timed out")
+            self.check_alive()
+            self.on_idle(waiting_since=started)
 
     def send_raw(self, frame: bytes, deadline: float | None = None) -> None:
         """Send bytes the connection already produced (handshake steps); caller sequences them."""

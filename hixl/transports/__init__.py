@@ -18,7 +18,7 @@ __all__ = [
 
 def default_transports(copy_lanes: int = 1) -> list[Transport]:
     """Every built-in transport, most preferred first: cma (one kernel copy of any registered memory;
-    needs ptrace permission; a large copy split over ``copy_lanes`` threads), shm (one copy through
-    the target's pool memory, for same-host peers cma cannot reach), tcp (anywhere, any registered
-    memory)."""
-    return [CmaTransport(copy_lanes), ShmTransport(), TcpTransport()]
+    needs ptrace permission), shm (one copy through the target's pool memory, for same-host peers
+    cma cannot reach), tcp (anywhere, any registered memory). A large cma or shm copy is split over
+    ``copy_lanes`` threads."""
+    return [CmaTransport(copy_lanes), ShmTransport(copy_lanes=copy_lanes), TcpTransport()]

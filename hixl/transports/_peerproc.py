@@ -121,7 +121,12 @@ class Watched:
         if self._fd < 0:
             return False
         try:
-            return not self._poll.poll(0)
+            try:
+                return not self._poll.poll(0)
+            except RuntimeError:  # another thread polls it this instant (a poll object is not shared)
+                own = select.poll()
+                own.register(self._fd, select.POLLIN)
+                return not own.poll(0)
         except (OSError, ValueError):  # closed
             return False
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .._protocol.frames import FrameType
+from .._protocol.frames import FrameType, ReadRequest, WriteRequest
 from .._types import MemType, Op
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from .. import _protocol as proto
     from .._iov import IovCursor
-    from .._memory import RemoteRegions
+    from .._memory import Registry, RemoteRegions
     from .._request import TransferReq
     from .._session.initiator import LinkState, Pending
     from .._session.peer_regions import PeerRegions
@@ -74,9 +74,16 @@ class LinkSession(Protocol):
         """Send a request (and its bulk ``data``) whose reply goes to ``pending``."""
 
     def exchange(
-        self, req_id: int, make_frame: Callable[[Any], bytes], data: list[tuple[int, int]], pending: Pending, deadline: float
+        self,
+        req_id: int,
+        make_frame: Callable[[Any], bytes],
+        data: list[tuple[int, int]],
+        pending: Pending,
+        deadline: float,
+        into: list[tuple[int, int]],
     ) -> bool:
-        """The latency path: one request frame and its data in one send, the reply read on this thread."""
+        """The latency path: one request frame and its data in one send, the reply read on this
+        thread (a DATA's bytes straight into ``into``)."""
 
     def call(self, message: proto.Message, timeout: float) -> proto.Message:
         """Send a request and wait for its reply."""
@@ -141,13 +148,23 @@ class ServedSession(Protocol):
     def reply(self, message: Any) -> None:
         """Send ``message`` (an ACK, an ERROR) after whatever is queued already."""
 
-    def take_hold(self, descs: np.ndarray) -> Callable[[], None]:
+    def take_hold(self, descs: np.ndarray | list[tuple[int, int]]) -> Callable[[], None]:
         """:meth:`hold`, released by calling the function returned (once; later calls do nothing),
         or passing it to :meth:`send_data` / :meth:`land_data`."""
 
     def send_data(self, message: Any, ranges: np.ndarray, release: Callable[[], None]) -> None:
         """Send ``message`` (a DATA), then the bytes of ``ranges`` ((N, 2): addr, len of this
         engine's memory) straight from there; ``release()`` once sent, or the connection ended."""
+
+    def send_small(self, req_id: int, pairs: list[tuple[int, int]], release: Callable[[], None]) -> None:
+        """:meth:`send_data` of the DATA answering ``req_id`` with the bytes of a few (addr, len)
+        ``pairs``: frame and bytes in one ``sendmsg`` when nothing is queued before them."""
+
+    def land_small(
+        self, pairs: list[tuple[int, int]], deadline: float, landed: Callable[[bool], None], release: Callable[[], None]
+    ) -> None:
+        """:meth:`land_data` into a few (addr, len) ``pairs``: copied at once if the data all came
+        with its frame (a small WRITE), else landed as it arrives, exactly as :meth:`land_data`."""
 
     def land_data(
         self, cursor: IovCursor | None, deadline: float, landed: Callable[[bool], None], release: Callable[[], None]
@@ -224,6 +241,18 @@ class Channel(abc.ABC):
         """
         return False
 
+    def latency_path(self, registry: Registry) -> Callable[[Op, object], bool] | None:
+        """``transfer_sync``'s whole latency path to this peer in one call, or None (the default).
+
+        A transport whose small copy is one system call offers a callable taking ``(op,
+        op_descs)`` as the application passed them, which checks both sides' ranges itself (the
+        local ones against ``registry``, this engine's registrations) and moves the bytes at
+        once: True if every byte moved; False sends the caller down the general path, which
+        checks again and reports any error (so moving bytes twice must be harmless). The engine
+        then calls it instead of its own checks and :meth:`run_small`.
+        """
+        return None
+
     def check_remote(self, addrs: np.ndarray, lens: np.ndarray, timeout: float, write: bool) -> None:
         """Raise :class:`~hixl.MemoryRangeError` unless every range is inside the peer's regions
         (and :class:`~hixl.AccessDenied` if ``write`` and one is read-only).
@@ -250,6 +279,18 @@ class Transport(abc.ABC):
     def serve(self, session: ServedSession, message: Any) -> None:
         """Target side: answer one frame of a type in :attr:`Capabilities.serves`."""
         raise NotImplementedError(f"{self.capabilities.name} serves no frames")
+
+    def serve_small(
+        self, session: ServedSession, write: bool, req_id: int, deadline: int, pairs: list[tuple[int, int]], data_len: int
+    ) -> None:
+        """Target side, on the I/O loop (``serve_blocks`` False): :meth:`serve` for a small READ or
+        WRITE read straight off the socket, given by its fields (``pairs``: (addr, len); the
+        connection has accounted for the frame already). By default the message is built and
+        served; a transport may answer from the fields alone (TCP's latency path) — and one that
+        overrides :meth:`serve` to watch what it serves then overrides this one too."""
+        descs = np.array(pairs, dtype=np.uint64).reshape(-1, 2)
+        message = WriteRequest(req_id, descs, data_len, deadline) if write else ReadRequest(req_id, descs, deadline)
+        self.serve(session, message)
 
     @abc.abstractmethod
     def probe(self, link: LinkSession) -> str | None:

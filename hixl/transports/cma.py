@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import mmap
 import os
 import struct
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -45,17 +43,17 @@ import numpy as np
 
 from .. import _accel
 from .._exceptions import HixlError, PeerDisconnected, TransferError
-from .._iov import IovCursor, iovecs, process_vm_readv, process_vm_writev
-from .._protocol.frames import SMALL_DESCS
+from .._iov import IovCursor, iovecs, process_vm_readv
 from .._session.address import boot_id as _boot_id
 from .._session.initiator import LinkState
 from .._types import MemType, Op
-from ._lanes import LANE_FROM, Lanes, split_even
 from ._peerproc import PeerProcess, far_end_owner_error, map_peer_file
 from .base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
-    from .._memory import RemoteRegions
+    from collections.abc import Callable
+
+    from .._memory import Registry
     from .._request import TransferReq
     from .base import LinkSession, ServedSession
 
@@ -89,7 +87,6 @@ def _pid_namespace() -> str:
 CHUNK = 16 << 20
 """Most bytes one ``process_vm_*`` call moves under the lease (a few milliseconds): what a REVOKE or a
 cancel waits for at most."""
-_SMALL_IOVECS = SMALL_DESCS
 # (For the latency path: a module global is read ten times faster than an Enum member.)
 _WRITE, _CONNECTED = Op.WRITE, LinkState.CONNECTED
 
@@ -107,7 +104,7 @@ class CmaChannel(Channel):
     the lease for one chunk at most), and a REVOKE waits for one chunk each.
     """
 
-    def __init__(self, link: LinkSession, process: PeerProcess, generation: mmap.mmap, lanes: Lanes) -> None:
+    def __init__(self, link: LinkSession, process: PeerProcess, generation: mmap.mmap, lanes: int) -> None:
         self.link = link
         self._lanes = lanes
         self.pid = process.pid
@@ -137,35 +134,26 @@ class CmaChannel(Channel):
         self.link.check_remote(addrs, lens, timeout, write)
 
     def start(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
-        """Run the copy in the calling thread (no target involvement) — a large one over the
-        copy lanes as well, each lane a part of about equal bytes."""
-        lanes = self._lanes
-        parts = split_even(descs, lanes.count) if lanes.count > 1 and req.nbytes >= LANE_FROM else [descs]
+        """Run the copy in the calling thread (no target involvement)."""
         try:
             self.link.ensure_alive()
-            if len(parts) == 1:
-                finished = self._copy(req, op, descs, req.io_lock)
-            else:
-                locks = [req.io_lock] + [req.lane_lock() for _ in parts[1:]]
-                outcomes = lanes.run([functools.partial(self._copy, req, op, p, lock) for p, lock in zip(parts, locks)], req.deadline)
-                errors = [e for e in outcomes if e is not None]
-                for error in errors:
-                    if not isinstance(error, HixlError):
-                        raise error  # a bug: not to be reported as a transfer's failure
-                if errors:
-                    raise errors[0]
-                finished = not req.cancelled
+            finished = self._copy(req, op, descs)
         except HixlError as exc:
             req.fail(exc)
         else:
             if finished:
                 req.complete()
 
-    def _copy(self, req: TransferReq, op: Op, descs: np.ndarray, lock: threading.Lock) -> bool:
-        """Copy ``descs`` chunk by chunk, each under ``lock`` (checking cancellation first) and a shared
-        hold of the lease; False if the request was cancelled (or expired) on the way."""
-        call = process_vm_readv if op is Op.READ else process_vm_writev
+    def _copy(self, req: TransferReq, op: Op, descs: np.ndarray) -> bool:
+        """Copy ``descs`` window by window, each under ``req.io_lock`` (checking cancellation first)
+        and a shared hold of the lease; False if the request was cancelled (or expired) on the way.
+
+        A window is up to CHUNK bytes per copy lane, split over the lanes inside one call of
+        hixl._accel (which returns once every lane has ended): so the lock and the hold cover
+        every lane's bytes, and a REVOKE or a cancel waits for about one chunk's time, as with one lane.
+        """
         write = op is Op.WRITE
+        lanes = self._lanes
         cursor = IovCursor(iovecs(descs[:, 0], descs[:, 2]), iovecs(descs[:, 1], descs[:, 2]))
         regions = self.link.regions
         # Checked again before the first syscall: an async request may start well after the
@@ -173,7 +161,7 @@ class CmaChannel(Channel):
         checked = None
         while not cursor.finished:
             regions.lease.wait_for_revoke(req.deadline)  # (not under the lock: cancel would wait too)
-            with lock:
+            with req.io_lock:
                 if req.cancelled:
                     return False
                 with regions.lease.shared(req.deadline):
@@ -181,56 +169,40 @@ class CmaChannel(Channel):
                     if not self._process.alive():
                         raise PeerDisconnected(f"target process {self.pid} exited")
                     if current:
-                        # At most CHUNK bytes under one hold: a REVOKE waits for one chunk, not
+                        # At most CHUNK bytes a lane under one hold: a REVOKE waits for one chunk, not
                         # for a whole transfer of up to IOV_MAX ranges.
-                        (local, remote), count, restore = cursor.window_of(CHUNK)
+                        (local, remote), count, restore = cursor.window_of(CHUNK * lanes)
                         try:
-                            moved = call(self.pid, local, count, remote, count, 0)
-                            err = ctypes.get_errno()
+                            moved = _accel.cma_window(self.pid, write, local, remote, count, lanes)
                         finally:
                             restore()
             if not current:
-                # The peer's regions changed under the request: fetch them (outside the
-                # locks: that is a network round trip), and go on only if it still fits.
+                # The peer's regions changed under the request: fetch them (outside the locks: that
+                # is a network round trip), and go on only if it still fits.
                 self._fresh(req.remaining())
                 checked = regions.table
                 checked.check(descs[:, 1], descs[:, 2], write)
                 continue
             if moved <= 0:
-                raise _errno_error(err, self.pid) if moved < 0 else TransferError("copy made no progress")
+                raise _errno_error(-moved, self.pid) if moved < 0 else TransferError("copy made no progress")
             cursor.advance(moved)
         return True
 
-    def run_small(
-        self, op: Op, descs: list[tuple[int, int, int]], nbytes: int, timeout: float, checked: RemoteRegions
-    ) -> bool:
-        """One syscall straight from the tuples: no numpy, no cursor, no request object — the
-        generation and liveness checks and the call in one step of hixl._accel, under the lease.
+    def latency_path(self, registry: Registry) -> Callable[[Op, object], bool]:
+        """One call of hixl._accel per small ``transfer_sync``: both sides' region checks, the
+        lease, the generation and liveness checks and the syscall (see :class:`hixl._accel.CmaSmall`).
 
-        Every step here is on the 8-byte latency path, hence the inlined checks.
+        An 8-byte copy is one system call of under a microsecond; every Python call on its way
+        costs a tenth of that, so nothing else runs between the engine and it.
         """
-        link = self.link
-        if len(descs) > _SMALL_IOVECS or nbytes > CHUNK or link.state is not _CONNECTED:
-            return False  # (more than a chunk: the general path cuts it)
-        regions = link.regions
-        lease = regions.lease
-        token = lease.enter()
-        if not token:
-            return False  # a REVOKE is under way: the general path waits for it
-        try:
-            if regions.table is not checked:
-                return False  # replaced since the engine checked: check again on the general path
-            # A changed generation, a gone process, a short or failed copy: the general path
-            # refreshes, resumes (copying again is harmless) or reports it — and never copies
-            # into a reused pid.
-            moved = _accel.cma_copy(self.pid, self._process.fd, op is _WRITE, descs, self._generation, regions.generation)
-        finally:
-            lease.leave(token)
-        return bool(moved == nbytes)
+        return _accel.CmaSmall(
+            self.pid, self._process.fd, self._generation, registry, self.link, _CONNECTED, Op.READ, _WRITE,
+            CHUNK * self._lanes, self._lanes,
+        ).run
 
     def close(self) -> None:
         """Unmap the peer's generation page and let go of its process."""
-        self._generation.close()
+        self._generation.close()  # (first: the latency path reads it before it trusts the pidfd)
         self._process.close()
 
 
@@ -244,8 +216,9 @@ class CmaTransport(Transport):
     )
 
     def __init__(self, copy_lanes: int = 1) -> None:
-        """``copy_lanes``: threads a large copy is split over (the caller's included; see :mod:`._lanes`)."""
-        self._lanes = Lanes(copy_lanes)
+        """``copy_lanes``: threads a large copy is split over (the caller's included; see
+        :func:`hixl._accel.cma_window`)."""
+        self._lanes = max(1, min(int(copy_lanes), _accel.MAX_LANES))
         # Registration generation, in a memfd that initiators map (see CmaChannel.check_remote).
         # Without one (memfd refused), initiators' probes fail and they use another transport.
         self._generation_fd = -1
@@ -278,8 +251,7 @@ class CmaTransport(Transport):
             _GENERATION.pack_into(self._generation_map, 0, generation)
 
     def close(self) -> None:
-        """Release the generation page and stop the lane threads; idempotent."""
-        self._lanes.close()
+        """Release the generation page; idempotent."""
         if self._generation_map is not None:
             self._generation_map.close()
             self._generation_map = None

@@ -132,7 +132,8 @@ class ShmTransport(Transport):
     ``allowed_uids``: target side, the uids (``SO_PEERCRED``) that may fetch
     grants; None (default) lets any uid that proves the binding of an
     authenticated connection. ``timeout``: the longest one exchange on the
-    socket may take, for both halves.
+    socket may take, for both halves. ``copy_lanes``: threads (the caller's
+    included) a large copy is split over (see :func:`hixl._accel.copy_pieces`).
     """
 
     capabilities = Capabilities(
@@ -144,8 +145,13 @@ class ShmTransport(Transport):
     )
 
     def __init__(
-        self, socket_dir: str | os.PathLike[str] | None = None, allowed_uids: Iterable[int] | None = None, timeout: float = 2.0
+        self,
+        socket_dir: str | os.PathLike[str] | None = None,
+        allowed_uids: Iterable[int] | None = None,
+        timeout: float = 2.0,
+        copy_lanes: int = 1,
     ) -> None:
+        self._lanes = max(1, min(int(copy_lanes), _accel.MAX_LANES))
         self.socket_dir = os.fspath(socket_dir or os.environ.get(DIR_ENV) or DEFAULT_DIR)
         self.allowed_uids = None if allowed_uids is None else frozenset(int(u) for u in allowed_uids)
         self.timeout = float(timeout)
@@ -241,6 +247,12 @@ class ShmTransport(Transport):
         """READ and WRITE frames (memory outside the pool, or a peer that maps nothing): as TCP."""
         self._tcp.serve(session, message)
 
+    def serve_small(
+        self, session: ServedSession, write: bool, req_id: int, deadline: int, pairs: list[tuple[int, int]], data_len: int
+    ) -> None:
+        """A small READ or WRITE from its fields: as TCP."""
+        self._tcp.serve_small(session, write, req_id, deadline, pairs, data_len)
+
     def close(self) -> None:
         """Stop listening and remove the socket; idempotent."""
         with self._lock:
@@ -285,7 +297,7 @@ class ShmTransport(Transport):
 
     def open(self, link: LinkSession) -> Channel:
         """A channel over the memory :meth:`probe` mapped (and TCP for the rest)."""
-        return ShmChannel(self._proven.pop(link), TcpChannel(link))
+        return ShmChannel(self._proven.pop(link), TcpChannel(link), self._lanes)
 
 
 def _pieces(descs: np.ndarray) -> np.ndarray:
@@ -313,8 +325,9 @@ class ShmChannel(Channel):
     confirmed (and the mappings it withdrew unmapped) only between two copies.
     """
 
-    def __init__(self, memory: PeerMemory, tcp: TcpChannel) -> None:
+    def __init__(self, memory: PeerMemory, tcp: TcpChannel, lanes: int = 1) -> None:
         self.link = memory.link
+        self._lanes = lanes
         self._memory = memory
         self._tcp = tcp
         self._over_tcp: list[TransferReq] = []  # started over TCP and maybe unfinished
@@ -330,7 +343,7 @@ class ShmChannel(Channel):
         self._move(req, op, descs, wait=True)
 
     def _move(self, req: TransferReq, op: Op, descs: np.ndarray, wait: bool) -> None:
-        link, memory, write = self.link, self._memory, op is Op.WRITE
+        link, memory, write, lanes = self.link, self._memory, op is Op.WRITE, self._lanes
         try:
             link.ensure_alive()
             if not memory.in_step():
@@ -364,10 +377,13 @@ class ShmChannel(Channel):
                             if plan is None:
                                 unmapped = True
                             elif fenced:
+                                # Up to CHUNK bytes a lane under one hold, split over the lanes inside
+                                # one call (it returns once every lane has ended): a REVOKE or a
+                                # cancel waits for about one chunk's time, as with one lane.
                                 start = int(ends[done - 1]) if done else 0
-                                end = min(done + _WINDOW, int(np.searchsorted(ends, start + CHUNK, side="right")))
+                                end = min(done + _WINDOW, int(np.searchsorted(ends, start + CHUNK * lanes, side="right")))
                                 end = max(end, done + 1)
-                                _accel.copy_pieces(pieces[done:end], plan[2][done - plan[1] : end - plan[1]], write)
+                                _accel.copy_pieces(pieces[done:end], plan[2][done - plan[1] : end - plan[1]], write, lanes)
                                 done = end
                                 continue
                 if stale:
@@ -416,8 +432,8 @@ class ShmChannel(Channel):
         interpreter's own data cold), hence the inlined checks and one call for find-and-copy.
         """
         memory = self._memory
-        if nbytes > CHUNK or (self._over_tcp and self._tcp_unfinished()):
-            return False  # the general path cuts it into chunks / waits for those first
+        if nbytes > CHUNK or (self._lanes > 1 and nbytes >= _accel.LANE_FROM) or (self._over_tcp and self._tcp_unfinished()):
+            return False  # the general path cuts it into chunks, splits it over lanes / waits for those first
         link = self.link
         now = time.monotonic()
         if now >= self._next_look:  # (both look at most once a millisecond themselves: one clock read)

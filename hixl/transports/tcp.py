@@ -115,11 +115,19 @@ class _InFlight(Pending):
 class _Small(Pending):
     """The reply to a latency-path request: a READ's data is scattered straight into ``descs``."""
 
-    def __init__(self, descs: list[tuple[int, int, int]], deadline: float) -> None:
+    def __init__(self, descs: list[tuple[int, int, int]], deadline: float, size: int) -> None:
         self.descs = descs
         self.deadline = deadline
+        self.size = size
+        """Bytes of DATA the reply brings (0: a WRITE's, answered by an ACK)."""
         self.ok = False
         self.error: HixlError | None = None
+
+    def on_landed(self, nbytes: int) -> None:
+        self.done = True
+        self.ok = nbytes == self.size
+        if not self.ok:
+            self.error = TransferTimeout(f"the reply to a READ of {self.size} B stalled past its deadline")
 
     def on_data(self, link: LinkSession, nbytes: int) -> None:
         self.done = True
@@ -173,15 +181,16 @@ class TcpChannel(Channel):
         req_id = link.next_id()
         write = op is Op.WRITE
         peer_deadline = link.peer_deadline(deadline)
-        pending = _Small(descs, deadline)
+        pending = _Small(descs, deadline, 0 if write else nbytes)
         pairs = [(remote, length) for _, remote, length in descs]
 
         def frame(conn: Connection) -> bytes:
             return conn.transfer_frame(write, req_id, peer_deadline, pairs, nbytes if write else 0)
 
-        data = [(local, length) for local, _, length in descs] if write else []
+        local = [(addr, length) for addr, _, length in descs]
+        data, into = (local, []) if write else ([], local)
         try:
-            if not link.exchange(req_id, frame, data, pending, deadline):
+            if not link.exchange(req_id, frame, data, pending, deadline, into):
                 return False  # someone else is reading: queue behind them on the general path
         except HixlError as exc:
             if pending.error is None:
@@ -242,12 +251,41 @@ class TcpTransport(Transport):
         The request holds its ranges from before the check until its last byte moved,
         so a deregistration of them waits for it (or cuts it off).
         """
+        write = isinstance(message, proto.WriteRequest)
+        if len(message.descs) <= proto.frames.SMALL_DESCS:
+            pairs = [(a, n) for a, n in message.descs.tolist()]
+            self.serve_small(session, write, message.req_id, message.deadline, pairs, message.data_len if write else 0)
+            return
         release = session.take_hold(message.descs)
         try:
-            if isinstance(message, proto.ReadRequest):
-                self._serve_read(session, message, release)
-            else:
+            if write:
                 self._serve_write(session, message, release)
+            else:
+                self._serve_read(session, message, release)
+        except BaseException:
+            release()
+            raise
+
+    def serve_small(
+        self, session: ServedSession, write: bool, req_id: int, deadline: int, pairs: list[tuple[int, int]], data_len: int
+    ) -> None:
+        """The latency path of :meth:`serve`, from the request's fields: a few ranges checked with
+        bisect (numpy costs more than it saves), a READ's DATA and bytes in one ``sendmsg``, a
+        small WRITE's data copied from what came with its frame — the same rules, in fewer steps."""
+        release = session.take_hold(pairs)
+        try:
+            table = session.regions()
+            if not write and self._late(session, req_id, deadline, release):
+                return
+            if not all(table.contains(a, n, write) for a, n in pairs):
+                refusal = self._refusal(session, req_id, np.array(pairs, dtype=np.uint64).reshape(-1, 2), write)
+                if refusal is not None:  # (the check that explains is the one that decides)
+                    self._refuse(session, write, refusal, release)
+                    return
+            if write:
+                session.land_small(pairs, session.local_deadline(deadline), self._landed(session, req_id), release)
+            else:
+                session.send_small(req_id, pairs, release)
         except BaseException:
             release()
             raise
@@ -260,36 +298,46 @@ class TcpTransport(Transport):
             return proto.Error(req_id, int(exc.status), str(exc))
         return None
 
-    def _serve_read(self, session: ServedSession, message: proto.ReadRequest, release: Callable[[], None]) -> None:
-        if session.expired(message.deadline):
-            release()
-            session.reply(proto.Error(message.req_id, Status.TIMEOUT, "the READ arrived after its deadline"))
-            return
-        descs = message.descs
-        if len(descs) <= proto.frames.SMALL_DESCS:
-            # The latency path: a few ranges checked with bisect (numpy costs more than it saves).
-            table = session.regions()
-            ok = all(table.contains(a, n, False) for a, n in descs.tolist())
+    @staticmethod
+    def _refuse(session: ServedSession, write: bool, refusal: proto.Error, release: Callable[[], None]) -> None:
+        if write:
+            session.land_data(None, 0.0, lambda _: session.reply(refusal), release)  # dropped: the stream stays in step
         else:
-            ok = False
-        refusal = None if ok else self._refusal(session, message.req_id, descs, write=False)
-        if refusal is not None:
             release()
             session.reply(refusal)
+
+    @staticmethod
+    def _landed(session: ServedSession, req_id: int) -> Callable[[bool], None]:
+        def landed(complete: bool) -> None:
+            if complete:
+                session.reply(proto.Ack(req_id))
+            else:
+                session.reply(proto.Error(req_id, Status.TIMEOUT, "the WRITE passed its deadline; the rest was dropped"))
+
+        return landed
+
+    @staticmethod
+    def _late(session: ServedSession, req_id: int, deadline: int, release: Callable[[], None]) -> bool:
+        """Refuse a READ that arrived after its deadline (True), moving nothing."""
+        if not session.expired(deadline):
+            return False
+        release()
+        session.reply(proto.Error(req_id, Status.TIMEOUT, "the READ arrived after its deadline"))
+        return True
+
+    def _serve_read(self, session: ServedSession, message: proto.ReadRequest, release: Callable[[], None]) -> None:
+        if self._late(session, message.req_id, message.deadline, release):
             return
-        session.send_data(proto.Data(message.req_id, int(descs[:, 1].sum())), descs, release)
+        refusal = self._refusal(session, message.req_id, message.descs, write=False)
+        if refusal is not None:
+            self._refuse(session, False, refusal, release)
+            return
+        session.send_data(proto.Data(message.req_id, int(message.descs[:, 1].sum())), message.descs, release)
 
     def _serve_write(self, session: ServedSession, message: proto.WriteRequest, release: Callable[[], None]) -> None:
         refusal = self._refusal(session, message.req_id, message.descs, write=True)
         if refusal is not None:
-            session.land_data(None, 0.0, lambda _: session.reply(refusal), release)  # dropped: the stream stays in step
+            self._refuse(session, True, refusal, release)
             return
         cursor = IovCursor(iovecs(message.descs[:, 0], message.descs[:, 1]))
-
-        def landed(complete: bool) -> None:
-            if complete:
-                session.reply(proto.Ack(message.req_id))
-            else:
-                session.reply(proto.Error(message.req_id, Status.TIMEOUT, "the WRITE passed its deadline; the rest was dropped"))
-
-        session.land_data(cursor, session.local_deadline(message.deadline), landed, release)
+        session.land_data(cursor, session.local_deadline(message.deadline), self._landed(session, message.req_id), release)

@@ -29,6 +29,13 @@ class CountingShm(ShmTransport):
         self._served += 1
         super().serve(session, message)
 
+    def serve_small(
+        self, session: ServedSession, write: bool, req_id: int, deadline: int, pairs: list[tuple[int, int]], data_len: int
+    ) -> None:
+        """Count, then serve as shm does (a small READ or WRITE the target read straight off the socket)."""
+        self._served += 1
+        super().serve_small(session, write, req_id, deadline, pairs, data_len)
+
     def served(self) -> int:
         """Frames served so far (read with ``TargetProcess.transport_call("shm", "served")``)."""
         return self._served

@@ -5,6 +5,7 @@ above all, which decides what the latency path may copy without the general path
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 from types import ModuleType
@@ -361,3 +362,113 @@ def test_the_cma_answers_are_the_same_in_both_implementations() -> None:
     if native is None:
         pytest.skip("the C extension is not built here")
     assert (native.CMA_INELIGIBLE, native.CMA_STALE, native.CMA_GONE) == (pure.CMA_INELIGIBLE, pure.CMA_STALE, pure.CMA_GONE)
+
+
+# -- cma's whole latency path in one call (CmaSmall) ---------------------------------------------------
+
+READ_ONLY_AT = 2 * BLOCK
+"""The "peer's" region from this offset on is registered read-only."""
+
+
+@pytest.fixture
+def small_path(impl: ModuleType, own_process: Any) -> Any:
+    """A CmaSmall over this process as its own peer: real registrations on both sides (the local
+    buffer read-write; the peer's first two blocks read-write, the rest read-only) and the real
+    PeerRegions with its lease, on a stand-in link (only .state and .regions are read)."""
+    from types import SimpleNamespace
+
+    from hixl._memory import Registry
+    from hixl._session.initiator import LinkState
+    from hixl._session.peer_regions import PeerRegions
+    from hixl._types import Op
+
+    pid, pidfd, page = own_process
+    local, peer = hixl.empty(4 * BLOCK), hixl.empty(4 * BLOCK)
+    registry = Registry()
+    registry.register(local)
+    p = int(peer.ctypes.data)
+    regions = PeerRegions([[p, READ_ONLY_AT, 1], [p + READ_ONLY_AT, 4 * BLOCK - READ_ONLY_AT, 0]], 7)
+    link = SimpleNamespace(state=LinkState.CONNECTED, regions=regions)
+    path = impl.CmaSmall(pid, pidfd, page, registry, link, LinkState.CONNECTED, Op.READ, Op.WRITE, 1 << 20)
+    return SimpleNamespace(run=path.run, local=local, peer=peer, l=int(local.ctypes.data), p=p, link=link,
+                           registry=registry, regions=regions, page=page, READ=Op.READ, WRITE=Op.WRITE)
+
+
+def test_cma_small_moves_exactly_the_bytes_asked_for(small_path: Any) -> None:
+    s = small_path
+    s.peer[:] = np.arange(4 * BLOCK, dtype=np.uint8)
+    s.local.fill(0)
+    assert s.run(s.READ, [(s.l + 8, s.p + 100, 16), TransferOpDesc(s.l + 64, s.p + READ_ONLY_AT, 8)]) is True
+    expect = np.zeros(4 * BLOCK, dtype=np.uint8)
+    expect[8:24] = s.peer[100:116]
+    expect[64:72] = s.peer[READ_ONLY_AT : READ_ONLY_AT + 8]
+    assert np.array_equal(s.local, expect)  # and nothing else
+    s.local[:] = 0xAB
+    before = s.peer.copy()
+    assert s.run(s.WRITE, [(s.l, s.p + BLOCK, BLOCK)]) is True
+    before[BLOCK : 2 * BLOCK] = 0xAB
+    assert np.array_equal(s.peer, before)
+
+
+def test_cma_small_copies_nothing_that_any_rule_refuses(small_path: Any) -> None:
+    from hixl._session.initiator import LinkState
+
+    s = small_path
+    s.peer.fill(1)
+    s.local.fill(0)
+    ok = [(s.l, s.p, 8)]
+    refused = {
+        "local range outside registrations": (s.READ, [(s.l + 4 * BLOCK - 4, s.p, 8)]),
+        "remote range outside regions": (s.READ, [(s.l, s.p + 4 * BLOCK - 4, 8)]),
+        "WRITE into a read-only region": (s.WRITE, [(s.l, s.p + READ_ONLY_AT, 8)]),
+        "one bad of two": (s.READ, [(s.l, s.p, 8), (s.l + 8, s.p + 5 * BLOCK, 8)]),
+        "an op that is neither": ("READ", ok),
+        "not a list": (s.READ, tuple(ok)),
+        "an empty list": (s.READ, []),
+        "a zero length": (s.READ, [(s.l, s.p, 0)]),
+        "a negative address": (s.READ, [(-1, s.p, 8)]),
+        "more than SMALL_MAX": (s.READ, ok * (pure.SMALL_MAX + 1)),
+        "more than a chunk": (s.READ, [(s.l, s.p, 3 * BLOCK)] * 200),
+    }
+    for why, (op, descs) in refused.items():
+        assert s.run(op, descs) is False, why
+    assert (s.local == 0).all()
+    # The state of the link, the lease and the peer's generation are looked at on every call.
+    s.link.state = LinkState.CLOSED
+    assert s.run(s.READ, ok) is False
+    s.link.state = LinkState.CONNECTED
+    s.regions.lease.revoking = True
+    assert s.run(s.READ, ok) is False
+    assert s.run(s.READ, [(s.l, s.p, 1 << 17)]) is False  # (the large way asks the lease for a token)
+    s.regions.lease.revoking = False
+    s.regions.generation = 8  # the page still says 7: our table is stale
+    assert s.run(s.READ, ok) is False
+    s.regions.generation = 7
+    assert (s.local == 0).all()
+    assert s.run(s.READ, ok) is True and (s.local[:8] == 1).all()
+
+
+def test_cma_small_follows_both_tables_as_they_are_replaced(small_path: Any) -> None:
+    s = small_path
+    at = [(s.l, s.p + BLOCK, 8)]
+    assert s.run(s.READ, at) is True
+    from hixl import _protocol as proto
+
+    # The peer withdraws its read-write region (a REVOKE installs the table without it).
+    s.regions.apply(proto.Revoke(8, 7, np.zeros((0, 3), np.uint64), np.array([[s.p, READ_ONLY_AT, 1]], np.uint64)))
+    struct.pack_into("<Q", s.page, 0, 8)
+    assert s.run(s.READ, at) is False
+    assert s.run(s.READ, [(s.l, s.p + READ_ONLY_AT, 8)]) is True
+    # Our own buffer deregistered: nothing lands in it any more.
+    (handle,) = s.registry._by_range.values()
+    s.registry.deregister(handle)
+    assert s.run(s.READ, [(s.l, s.p + READ_ONLY_AT, 8)]) is False
+
+
+def test_cma_small_gives_its_lease_token_back(small_path: Any) -> None:
+    s = small_path
+    big = [(s.l, s.p, 2 * BLOCK), (s.l + 2 * BLOCK, s.p, 2 * BLOCK)] * 4  # 128 KiB: the GIL is released
+    s.local.fill(0)
+    s.peer.fill(3)
+    assert s.run(s.READ, big) is True and (s.local == 3).all()
+    assert not s.regions.lease._holders

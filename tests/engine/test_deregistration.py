@@ -115,10 +115,11 @@ def _scattered(local: int, remote: int, size: int, block: int = 4096) -> np.ndar
 
 
 @contextmanager
-def _cma_to(target: TargetProcess, size: int) -> Iterator[tuple[Engine, np.ndarray, hixl.MemDesc]]:
-    """An engine connected to ``target`` over cma, a registered local buffer of ``size`` bytes,
+def _same_host(target: TargetProcess, size: int, transport: str) -> Iterator[tuple[Engine, np.ndarray, hixl.MemDesc]]:
+    """An engine connected to ``target`` over ``transport`` (cma or shm) with three copy lanes (so a
+    window of the copies below is split over threads), a registered local buffer of ``size`` bytes,
     and the target's first region (which the test deregisters and registers again)."""
-    with Engine("127.0.0.1", {"transport": "cma"}) as eng:
+    with Engine("127.0.0.1", {"transport": transport, "copy_lanes": 3}) as eng:
         buf = hixl.empty(size)
         eng.register_mem(buf)
         eng.connect(target.engine)
@@ -133,11 +134,12 @@ def _assert_nothing_after(op: Op, target: TargetProcess, buf: np.ndarray, size: 
         assert REUSED not in buf, "a copy read memory after deregister_mem returned"
 
 
+@pytest.mark.parametrize("transport", ["cma", "shm"])
 @pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
-def test_same_host_copies_stop_before_deregistration_returns(make_target: MakeTarget, op: Op) -> None:
+def test_same_host_copies_stop_before_deregistration_returns(make_target: MakeTarget, op: Op, transport: str) -> None:
     size = 64 * MiB
     target = make_target([size])
-    with _cma_to(target, size) as (eng, buf, region):
+    with _same_host(target, size, transport) as (eng, buf, region):
         handle = target.call("register_mem", region)  # the registration it made (idempotent)
         outcomes = []
         for _ in range(3):
@@ -157,14 +159,18 @@ def test_same_host_copies_stop_before_deregistration_returns(make_target: MakeTa
         assert all(status in (TransferStatus.COMPLETED, TransferStatus.FAILED) for status in outcomes), outcomes
 
 
+@pytest.mark.parametrize("transport", ["cma", "shm"])
 @pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
-def test_parallel_same_host_copies_to_one_peer_all_stop_before_deregistration_returns(make_target: MakeTarget, op: Op) -> None:
-    """Four threads copy to one peer at once (cma copies share the link's lease); a deregistration
-    waits for every one of them, and none touches the memory once it has returned."""
+def test_parallel_same_host_copies_to_one_peer_all_stop_before_deregistration_returns(
+    make_target: MakeTarget, op: Op, transport: str
+) -> None:
+    """Four threads copy to one peer at once (same-host copies share the link's lease, each of
+    their windows split over lanes); a deregistration waits for every one of them, and none touches
+    the memory once it has returned."""
     threads, part = 4, 8 * MiB
     size = threads * part
     target = make_target([size])
-    with _cma_to(target, size) as (eng, buf, region):
+    with _same_host(target, size, transport) as (eng, buf, region):
         handle = target.call("register_mem", region)
         for _ in range(2):
             buf[:] = 0x22

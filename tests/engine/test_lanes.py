@@ -1,10 +1,13 @@
-"""Copy lanes: a large cma copy split over threads moves the same bytes, and keeps every rule."""
+"""Copy lanes: a large cma or shm copy split over threads moves exactly the same bytes, in both
+implementations of hixl._accel, and keeps every rule (a window's lanes all end before the call
+returns: the lease and the request's lock cover them)."""
 
 from __future__ import annotations
 
-import threading
+import os
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -12,110 +15,197 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hixl
-from hixl import Engine, Op, TransferReq, TransferStatus
+from hixl import Engine, Op, TransferStatus, _accel
+from hixl._accel import pure
+from hixl._iov import iovecs
 from hixl.testing import TargetProcess
-from hixl.transports._lanes import LANE_FROM, split_even
 
 MakeTarget = Callable[..., TargetProcess]
 MiB = 1 << 20
+LANE_FROM = _accel.LANE_FROM
 
 
-def _bytes_of(descs: np.ndarray) -> list[list[int]]:
-    """The (local, remote, length) runs a descriptor list moves, neighbours that continue each
-    other on both sides merged: the same for any split of the same transfer."""
-    runs: list[list[int]] = []
-    for local, remote, length in descs.tolist():
-        if runs and runs[-1][0] + runs[-1][2] == local and runs[-1][1] + runs[-1][2] == remote:
-            runs[-1][2] += length
-        else:
-            runs.append([local, remote, length])
-    return runs
+def _native() -> ModuleType | None:
+    try:
+        from hixl._accel import _native
+    except ImportError:
+        return None
+    return _native
+
+
+@pytest.fixture(params=["pure", "native"])
+def impl(request: pytest.FixtureRequest) -> ModuleType:
+    if request.param == "pure":
+        return pure
+    native = _native()
+    if native is None:
+        pytest.skip("the C extension is not built here")
+    return native
+
+
+def test_both_implementations_cut_at_the_same_size() -> None:
+    native = _native()
+    if native is None:
+        pytest.skip("the C extension is not built here")
+    assert (native.LANE_FROM, native.MAX_LANES) == (pure.LANE_FROM, pure.MAX_LANES)
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    lens=st.lists(st.integers(1, 3 * 4096 + 5), min_size=1, max_size=30),
-    parts=st.integers(1, 6),
-)
-def test_a_split_moves_every_byte_once_in_order(lens: list[int], parts: int) -> None:
-    rows, local, remote = [], 1 << 30, 1 << 40
-    for n in lens:
-        rows.append((local, remote, n))
-        local, remote = local + n + 64, remote + n + 128  # gaps: nothing merges by accident
-    descs = np.array(rows, dtype=np.uint64)
-    runs = split_even(descs, parts)
-    assert 1 <= len(runs) <= parts
-    assert all(len(run) and (run[:, 2] > 0).all() for run in runs)
-    joined = np.concatenate(runs)
-    assert _bytes_of(joined) == _bytes_of(descs)
-    sizes = [int(run[:, 2].sum()) for run in runs]
+@given(lens=st.lists(st.integers(1, 3 * MiB + 5), min_size=1, max_size=30), lanes=st.integers(1, 20))
+def test_a_split_covers_every_byte_once_in_order(lens: list[int], lanes: int) -> None:
+    array = np.array(lens, dtype=np.uint64)
+    parts = pure.lane_parts(array, lanes)
     total = sum(lens)
-    if len(runs) > 1:
-        step = sizes[0]
-        assert step % 4096 == 0 and all(size == step for size in sizes[:-1]) and 0 < sizes[-1] <= step
-    assert sum(sizes) == total
+    assert 1 <= len(parts) <= min(lanes, pure.MAX_LANES)
+    ends = np.cumsum(lens)
+    at = 0
+    for first, offset, nbytes in parts:  # each part starts where the one before ended
+        assert (int(ends[first - 1]) if first else 0) + offset == at and 0 <= offset < lens[first] and nbytes > 0
+        at += nbytes
+    assert at == total
+    if len(parts) > 1:
+        step = parts[0][2]
+        assert total >= LANE_FROM and step % 4096 == 0 and all(p[2] == step for p in parts[:-1])
+    else:
+        assert lanes == 1 or total < LANE_FROM or -(-(-(-total // lanes)) // 4096) * 4096 >= total
 
 
-def test_a_small_transfer_stays_one_part() -> None:
-    descs = np.array([[4096, 8192, 4096]], dtype=np.uint64)
-    assert len(split_even(descs, 4)) == 1
+def _scattered(buf: np.ndarray, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` ranges of uneven lengths at scattered places in ``buf`` (none overlapping): addresses, lengths."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 2 * (buf.nbytes // count // 3), count).astype(np.uint64)
+    slot = buf.nbytes // count
+    starts = np.arange(count, dtype=np.uint64) * np.uint64(slot) + rng.integers(0, slot - lens.max(), count).astype(np.uint64)
+    return np.uint64(buf.ctypes.data) + starts, lens
 
 
+@pytest.mark.parametrize("lanes", [1, 2, 3, 16])
+@pytest.mark.parametrize("write", [False, True], ids=["READ", "WRITE"])
+def test_cma_window_moves_exactly_the_bytes_over_any_lanes(impl: ModuleType, lanes: int, write: bool) -> None:
+    """This process as its own peer: scattered ranges of uneven lengths, many times LANE_FROM."""
+    size = 6 * LANE_FROM
+    here, there = hixl.empty(size), hixl.empty(size)
+    here[:] = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    there.fill(0)
+    a, lens = _scattered(here, 37, 2)
+    b, _ = _scattered(there, 37, 3)
+    # The bytes go from here's ranges (a) to there's (b): a WRITE from local to remote, a READ
+    # from remote into local.
+    local, remote = (iovecs(a, lens), iovecs(b, lens)) if write else (iovecs(b, lens), iovecs(a, lens))
+    moved = impl.cma_window(os.getpid(), write, int(local.ctypes.data), int(remote.ctypes.data), len(lens), lanes)
+    assert moved == int(lens.sum())
+    want = np.zeros(size, np.uint8)
+    base_here, base_there = int(here.ctypes.data), int(there.ctypes.data)
+    for x, y, n in zip(a.tolist(), b.tolist(), lens.tolist()):
+        want[y - base_there : y - base_there + n] = here[x - base_here : x - base_here + n]
+    assert np.array_equal(there, want)  # those bytes, and nothing else
+
+
+def test_cma_window_reports_a_fault_in_any_lane(impl: ModuleType) -> None:
+    size = 4 * LANE_FROM
+    here = hixl.empty(size)
+    lens = np.full(4, LANE_FROM, np.uint64)
+    local = iovecs(np.uint64(here.ctypes.data) + np.arange(4, dtype=np.uint64) * np.uint64(LANE_FROM), lens)
+    remote = local.copy()
+    remote[3, 0] = 1 << 46  # nothing mapped there: the last lane's part faults
+    import errno
+
+    for lanes in (1, 4):
+        moved = impl.cma_window(os.getpid(), False, int(local.ctypes.data), int(remote.ctypes.data), 4, lanes)
+        assert moved == (3 * LANE_FROM if lanes == 1 else -errno.EFAULT)  # one call: the bytes before it
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 5])
+@pytest.mark.parametrize("write", [False, True], ids=["READ", "WRITE"])
+def test_copy_pieces_over_lanes_moves_exactly_the_bytes(impl: ModuleType, lanes: int, write: bool) -> None:
+    size = 6 * LANE_FROM
+    local, mapped = hixl.empty(size), hixl.empty(size)
+    src, dst = (local, mapped) if write else (mapped, local)
+    src[:] = np.random.default_rng(4).integers(0, 256, size, dtype=np.uint8)
+    dst.fill(0)
+    a, lens = _scattered(local, 41, 5)
+    h, _ = _scattered(mapped, 41, 6)
+    pieces = np.ascontiguousarray(np.stack([a, np.zeros_like(a), lens], axis=1).astype(np.uint64))
+    impl.copy_pieces(pieces, np.ascontiguousarray(h), write, lanes)
+    want = np.zeros(size, np.uint8)
+    s_base, d_base = int(src.ctypes.data), int(dst.ctypes.data)
+    for x, y, n in zip(*(((a, h) if write else (h, a))), lens):
+        x, y, n = int(x), int(y), int(n)
+        want[y - d_base : y - d_base + n] = src[x - s_base : x - s_base + n]
+    assert np.array_equal(dst, want)
+
+
+@pytest.mark.parametrize("transport", ["cma", "shm"])
 @pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
 @pytest.mark.parametrize("lanes", [1, 3])
-def test_a_laned_copy_moves_exactly_the_bytes(make_target: MakeTarget, op: Op, lanes: int) -> None:
+def test_a_laned_copy_moves_exactly_the_bytes(make_target: MakeTarget, op: Op, lanes: int, transport: str) -> None:
     size = 4 * LANE_FROM + 12345  # not a multiple of anything
     target = make_target([size])
     target.fill(0, 5)
-    with Engine("127.0.0.1", {"transport": "cma", "copy_lanes": lanes}) as eng:
+    with Engine("127.0.0.1", {"transport": transport, "copy_lanes": lanes}) as eng:
         buf = hixl.empty(size)
         eng.register_mem(buf)
         eng.connect(target.engine)
-        if op is Op.READ:
-            eng.transfer_sync(target.engine, op, [(int(buf.ctypes.data), target.addrs[0], size)])
-            assert np.array_equal(buf, TargetProcess.expected(size, 5))
-        else:
-            buf[:] = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
-            eng.transfer_sync(target.engine, op, [(int(buf.ctypes.data), target.addrs[0], size)])
-            assert target.read(0, 0, size) == buf.tobytes()
-        lane_threads = [t for t in threading.enumerate() if t.name.startswith("hixl-lane")]
-        assert len(lane_threads) == lanes - 1  # the caller is the first lane
+        for descs in ([(int(buf.ctypes.data), target.addrs[0], size)], _blocks(int(buf.ctypes.data), target.addrs[0], size)):
+            if op is Op.READ:
+                buf[:] = 0
+                eng.transfer_sync(target.engine, op, descs)
+                assert np.array_equal(buf, TargetProcess.expected(size, 5))
+            else:
+                buf[:] = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+                eng.transfer_sync(target.engine, op, descs)
+                assert target.read(0, 0, size) == buf.tobytes()
 
 
-def test_cancel_and_expiry_wait_for_a_lanes_chunk_in_flight() -> None:
-    """The guarantee across lanes: a lane holds its own lock while it lands a chunk, and cancel()
-    (or expiry) returns only once every lane's lock is free — so no byte lands after it returns."""
-    for end in ("cancel", "expire"):
-        req = TransferReq("127.0.0.1:1", Op.READ, 1, 4096, 0.05 if end == "expire" else None)
-        lane = req.lane_lock()
-        lane.acquire()  # a lane in the middle of a chunk
-        # Expiry: someone looks at the status once the 50 ms deadline passed.
-        ender = threading.Thread(target=req.cancel if end == "cancel" else lambda: (time.sleep(0.1), req.status))
-        ender.start()
-        time.sleep(0.3)
-        assert ender.is_alive(), f"{end} did not wait for the lane's chunk"
-        assert req.cancelled  # the lane sees it before its next chunk
-        lane.release()
-        ender.join(2)
-        assert not ender.is_alive()
-        assert req.status is (TransferStatus.FAILED if end == "cancel" else TransferStatus.TIMEOUT)
+def _blocks(local: int, remote: int, size: int, block: int = 16 << 10) -> np.ndarray:
+    """The same bytes as 16 KiB blocks, in reverse order (nothing merges): a KV-style batch."""
+    offsets = np.arange(0, size, block, dtype=np.uint64)[::-1]
+    lens = np.minimum(np.uint64(block), np.uint64(size) - offsets)
+    return np.stack([local + offsets, remote + offsets, lens], axis=1)
 
 
-def test_no_lane_goes_on_copying_after_cancel_returns(make_target: MakeTarget) -> None:
+@pytest.mark.parametrize("transport", ["cma", "shm"])
+def test_no_lane_goes_on_copying_after_cancel_returns(make_target: MakeTarget, transport: str) -> None:
     """A cancelled laned READ: once cancel() returned, no lane lands more (checked over time)."""
     size = 512 * MiB
     target = make_target([size])
     target.fill(0, 9)
-    with Engine("127.0.0.1", {"transport": "cma", "copy_lanes": 3}) as eng:
+    with Engine("127.0.0.1", {"transport": transport, "copy_lanes": 3}) as eng:
         buf = hixl.empty(size)
         eng.register_mem(buf)
         eng.connect(target.engine)
         for _ in range(3):
             buf[:] = 0
             req = eng.transfer_async(target.engine, Op.READ, [(int(buf.ctypes.data), target.addrs[0], size)])
-            time.sleep(0.02)  # some chunks landed in every lane, most not yet
+            time.sleep(0.02)  # some windows landed, most not yet
             status = req.cancel()
             snapshot = buf.copy()
             time.sleep(0.3)  # a lane still copying would land more now
             assert np.array_equal(buf, snapshot), "a lane landed bytes after cancel() returned"
             assert status in (TransferStatus.FAILED, TransferStatus.COMPLETED)
+
+
+def test_lanes_work_in_a_forked_child(impl: ModuleType) -> None:
+    """The lane threads are the parent's: a child forked after they started starts its own."""
+    size = 2 * LANE_FROM
+    here, there = hixl.empty(size), hixl.empty(size)
+    here.fill(7)
+    pieces = np.array([[int(here.ctypes.data), 0, size]], dtype=np.uint64)
+    heres = np.array([int(there.ctypes.data)], dtype=np.uint64)
+    impl.copy_pieces(pieces, heres, True, 2)  # the lanes started here
+    assert (there == 7).all()
+    pid = os.fork()
+    if pid == 0:  # the child: copy over lanes again, exit 0 if it lands (a hang is the failure)
+        here.fill(9)
+        impl.copy_pieces(pieces, heres, True, 2)
+        os._exit(0 if (there == 9).all() else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("a forked child's laned copy hung")
