@@ -32,11 +32,13 @@ confirmations, so it takes one round trip plus the slowest peer, bounded by
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import ctypes
 import enum
 import errno
+import fcntl
 import ipaddress
 import itertools
 import logging
@@ -44,6 +46,7 @@ import os
 import resource
 import selectors
 import socket
+import termios
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -90,7 +93,8 @@ _MAX_IDLE_PING = 60.0
 """The longest idle silence a peer may announce (idle_ping): a peer that says more gets this."""
 _LOWAT = 256 << 10
 """Most bytes a landing WRITE waits to have arrived before its next ``readv`` (see _landing_window)."""
-"""Most ranges of a READ's data queued as buffers behind its frame (one sendmsg); more: an iovec cursor."""
+_WORD = 8
+"""A landing WRITE never leaves a word of this many bytes half-written while it waits (see _land)."""
 _DROPPED = bytearray(64 << 10)
 _DROPPED_VIEW = memoryview(_DROPPED)
 """Where the loop reads data it drops (refused or late WRITEs): one buffer, one thread."""
@@ -117,6 +121,12 @@ class ServerLimits:
     max_connections_per_peer: int
     serve_threads: int
     allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+
+
+def _whole_words(done: int, n: int, left: int) -> int:
+    """Of ``n`` bytes that could land now, after ``done`` landed and with ``left`` still due: all
+    of them if they are the last, else as many as end on a word boundary of the data."""
+    return left if n >= left else max(0, n - (done + n) % _WORD)
 
 
 class _Holds:
@@ -695,6 +705,7 @@ class _ServedConnection:
         self._landing: _Landing | None = None
         """The bulk data of a WRITE being landed (or dropped) as it arrives."""
         self._lowat = 1  # the socket's SO_RCVLOWAT (see _landing_window)
+        self._unread = array.array("i", [0])  # (FIONREAD's answer, see _socket_holds)
         self._outbox = Outbox()
         self._close_after_flush = ""
         self._marked_one_sided = False
@@ -866,31 +877,25 @@ class _ServedConnection:
         self._land()
 
     def _land(self) -> bool:
-        """Move what arrived of the data being landed; True once it is all in (or dropped)."""
+        """Move what arrived of the data being landed; True once it is all in (or dropped).
+
+        Every piece it lands ends on an 8-byte word boundary of the data, except its last: a word
+        is never left half-written while the rest of it is awaited, so a concurrent reader of that
+        memory (a cma peer, the application) sees each word old or new, never torn. The bytes of a
+        word not yet whole wait where they arrived: in the connection's buffer or in the socket."""
         landing, wire, conn = self._landing, self.wire, self.conn
         assert landing is not None
         while conn.data_left:
             cursor = landing.cursor
             if cursor is not None and not cursor.finished and time.monotonic() >= landing.deadline:
                 landing.cursor = cursor = None  # past its deadline nothing lands: the rest is dropped
-            landing_now = cursor is not None and not cursor.finished
-            want = min(CHUNK, cursor.total - cursor.done) if landing_now else conn.data_left  # type: ignore[union-attr]
-            if conn.buffered:
-                with wire.conn_lock:
-                    data = conn.take_data(want)
-                if landing_now:
-                    cursor.copy_in(data)  # type: ignore[union-attr]
-            elif landing_now:
-                window = self._landing_window(cursor, min(want, conn.data_left))  # type: ignore[arg-type]
-                try:
-                    moved = readv(wire.fd, cursor, window, landing.deadline)  # type: ignore[arg-type]
-                except OSError as exc:  # (ConnectionError included: the peer closed mid-data)
-                    raise PeerDisconnected(f"{wire.peer}: {exc}") from exc
-                if moved == 0:
-                    return False  # the rest when the socket says it came
-                if moved > 0:
-                    conn.data_moved(moved)
-            elif not self._drop(min(want, len(_DROPPED))):
+            if cursor is None or cursor.finished:
+                if conn.buffered:
+                    with wire.conn_lock:
+                        conn.take_data(conn.data_left)
+                elif not self._drop(min(conn.data_left, len(_DROPPED))):
+                    return False
+            elif not self._land_piece(cursor, min(CHUNK, cursor.total - cursor.done, conn.data_left), landing.deadline):
                 return False
             wire.last_alive = time.monotonic()
         self._landing = None
@@ -899,16 +904,65 @@ class _ServedConnection:
         landing.landed(landing.cursor is not None and landing.cursor.finished)
         return True
 
+    def _land_piece(self, cursor: IovCursor, want: int, deadline: float) -> bool:
+        """Land up to ``want`` bytes into ``cursor`` from the connection's buffer, or else straight
+        from the socket, in whole words (see :meth:`_land`); False if none could land yet."""
+        wire, conn = self.wire, self.conn
+        if conn.buffered:
+            take = _whole_words(cursor.done, min(want, conn.buffered), conn.data_left)
+            if take:
+                with wire.conn_lock:
+                    data = conn.take_data(take)
+                cursor.copy_in(data)
+                return True
+            return self._buffer_rest_of_word(cursor)  # (the first bytes of a word wait in the buffer)
+        window = self._landing_window(cursor, want)
+        ready = self._socket_holds()
+        if ready < window:
+            window = _whole_words(cursor.done, ready, conn.data_left)
+            if not window:
+                return False  # the rest when the socket says it came (SO_RCVLOWAT)
+        try:
+            moved = readv(wire.fd, cursor, window, deadline)
+        except OSError as exc:  # (ConnectionError included: the peer closed mid-data)
+            raise PeerDisconnected(f"{wire.peer}: {exc}") from exc
+        if moved > 0:
+            conn.data_moved(moved)
+        return moved != 0
+
+    def _buffer_rest_of_word(self, cursor: IovCursor) -> bool:
+        """Receive into the connection's buffer the rest of the word whose first bytes it holds (so
+        that word lands whole, and what follows lands straight from the socket again); False if
+        nothing had come: the socket is then asked (SO_RCVLOWAT) to turn readable once it has."""
+        wire, conn = self.wire, self.conn
+        rest = min(_WORD - (cursor.done + conn.buffered) % _WORD, conn.data_left - conn.buffered)
+        try:
+            got = wire.sock.recv_into(wire.scratch, rest)
+        except (BlockingIOError, InterruptedError):
+            self._set_lowat(rest)
+            return False
+        except OSError as exc:
+            raise PeerDisconnected(f"{wire.peer}: {exc}") from exc
+        if not got:
+            raise PeerDisconnected(f"{wire.peer} closed the connection mid-data")
+        with wire.conn_lock:
+            conn.receive_data(memoryview(wire.scratch)[:got])
+        return True
+
+    def _socket_holds(self) -> int:
+        """Bytes waiting unread in the socket (FIONREAD): how much a ``readv`` takes now."""
+        try:
+            fcntl.ioctl(self.wire.fd, termios.FIONREAD, self._unread, True)
+        except OSError:
+            return 1 << 62  # (closed or failing: the readv reports it)
+        return self._unread[0]
+
     def _landing_window(self, cursor: IovCursor, want: int) -> int:
         """How much of a WRITE's data to take in the next ``readv``: at most ``_LOWAT``, ending on a
         word boundary while more is to come — and the socket is asked (``SO_RCVLOWAT``) to turn
         readable only once that much has arrived. So the data lands in large pieces, as a blocking
-        read would take it (not a ``readv`` per segment), and no 8-byte word is written in two
-        parts with a wait between them (a concurrent reader of that memory sees it whole)."""
-        window = min(want, _LOWAT)
-        if window < self.conn.data_left:
-            aligned = window - (cursor.done + window) % 8
-            window = aligned if aligned > 0 else window
+        read would take it (not a ``readv`` per segment)."""
+        window = _whole_words(cursor.done, min(want, _LOWAT), self.conn.data_left) or min(want, _LOWAT)
         self._set_lowat(window)
         return window
 

@@ -79,11 +79,15 @@ def test_an_async_read_frozen_mid_data_reports_timeout_on_time(make_target: Make
         assert req.status is TransferStatus.TIMEOUT
 
 
-@pytest.mark.parametrize("freeze_first", [True, False], ids=["frozen-before-the-write", "frozen-mid-write"])
-def test_no_byte_of_a_timed_out_write_lands_after_timeout(make_target: MakeTarget, freeze_first: bool) -> None:
-    """Freeze the target, let the WRITE time out, snapshot its memory, resume it, and check that
-    not one byte changed afterwards — whether the whole WRITE was already in the target's socket
-    buffer (small) or still being sent (large)."""
+_TRIES = 3
+_PIECE = 256 << 10
+"""The most a target lands per ``readv`` (hixl._session.target._LOWAT): what one stopped between
+its deadline check and its copy may land on resuming (the gap docs/engine.md names)."""
+
+
+def _bytes_landing_after_a_timed_out_write(make_target: MakeTarget, freeze_first: bool) -> int:
+    """Freeze the target before or 20 ms into a WRITE, let the WRITE time out, snapshot the
+    target's memory, resume it: the bytes that changed afterwards."""
     size = 4 * MiB if freeze_first else 256 * MiB
     target = make_target([size])
     target.write(0, 0, b"\x11" * size)
@@ -104,10 +108,27 @@ def test_no_byte_of_a_timed_out_write_lands_after_timeout(make_target: MakeTarge
         target.stop(signal.SIGCONT)
         time.sleep(1.5)  # the target resumes, finds the deadline passed, and drops the rest
         after = _snapshot(target.pid, target.addrs[0], size)
-        changed = int(np.count_nonzero(after != seen))
-        assert changed == 0, f"{changed} bytes landed after the WRITE reported TIMEOUT"
         if freeze_first:
             assert (seen == 0x11).all()  # nothing at all landed: the target was frozen throughout
+    target.close()
+    return int(np.count_nonzero(after != seen))
+
+
+@pytest.mark.parametrize("freeze_first", [True, False], ids=["frozen-before-the-write", "frozen-mid-write"])
+def test_no_byte_of_a_timed_out_write_lands_after_timeout(make_target: MakeTarget, freeze_first: bool) -> None:
+    """Not one byte changes after the WRITE reported TIMEOUT — whether the whole WRITE was already
+    in the target's socket buffer (small) or still being sent (large).
+
+    The one exception is the gap no user-space check closes: a target stopped mid-write in the
+    instant between its deadline check and its ``readv`` lands that one piece when it resumes.
+    So a mid-write freeze that lands at most one piece is tried again (up to 3 times in all): a
+    freeze rarely falls in that instant, while a real fault lands more, or lands every time."""
+    for _ in range(_TRIES if not freeze_first else 1):
+        changed = _bytes_landing_after_a_timed_out_write(make_target, freeze_first)
+        if changed == 0:
+            return
+        assert not freeze_first and changed <= _PIECE, f"{changed} bytes landed after the WRITE reported TIMEOUT"
+    pytest.fail(f"a piece landed after the WRITE reported TIMEOUT in all {_TRIES} tries: not a stop between check and copy")
 
 
 def test_a_request_that_arrives_after_its_deadline_moves_nothing(make_target: MakeTarget) -> None:

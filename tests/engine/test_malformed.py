@@ -170,12 +170,32 @@ def test_write_body_then_close_mid_data(raw: ScriptedPeer, target: TargetProcess
     descs = np.array([[target.addrs[0] + 8192, 4096]], dtype=np.uint64)
     raw.send(proto.WriteRequest(1, descs, 4096), b"\x01" * 100)
     raw.close()
-    # The bytes that arrived went straight into registered memory (zero copy),
-    # so restore the pattern once they have landed.
-    deadline = time.monotonic() + 5
-    while target.read(0, 8192 + 99, 1) != b"\x01" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert target.read(0, 8192, 4096) == b"\x01" * 100 + bytes(3996)  # what arrived, and nothing else
+    # The words that arrived whole went straight into registered memory (zero copy); the
+    # 4 bytes of the 13th word did not: no word lands in two parts. Restore the pattern after.
+    _wait_until(lambda: target.read(0, 8192 + 95, 1) == b"\x01")
+    time.sleep(0.2)
+    assert target.read(0, 8192, 4096) == b"\x01" * 96 + bytes(4000)  # what arrived, and nothing else
+    target.fill(0, 11)
+
+
+@pytest.mark.parametrize("first", [12, (16 << 10) + 12], ids=["from-the-buffer", "from-the-buffer-and-the-socket"])
+def test_a_write_never_leaves_a_word_half_written_while_it_waits(raw: ScriptedPeer, target: TargetProcess, first: int) -> None:
+    """A 64 KiB WRITE's data arrives ``first`` bytes with its frame, then a pause, then the rest:
+    during the pause every whole word that came has landed and the word that came in part is
+    still all old — a concurrent reader never sees it torn. 12 bytes all wait in the connection's
+    buffer; 16 KiB + 12 go partly there (the frame's recv: a part-word at its end) and partly
+    straight from the socket (a part-word at its end too)."""
+    raw.handshake()
+    size, whole = 64 << 10, first // 8 * 8
+    target.write(0, 8192, bytes(size))
+    descs = np.array([[target.addrs[0] + 8192, size]], dtype=np.uint64)
+    raw.send(proto.WriteRequest(1, descs, size), b"\x01" * first)
+    _wait_until(lambda: target.read(0, 8192 + whole - 1, 1) == b"\x01")
+    time.sleep(0.3)
+    assert target.read(0, 8192, whole + 8) == b"\x01" * whole + bytes(8), "a word landed in two parts"
+    raw.send_raw(b"\x01" * (size - first))
+    assert isinstance(raw.recv(), proto.Ack)
+    assert target.read(0, 8192, size) == b"\x01" * size
     target.fill(0, 11)
 
 
