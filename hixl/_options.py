@@ -37,6 +37,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "serve_threads": 4,
     "max_inflight": 4096,
     "copy_lanes": min(4, os.cpu_count() or 1),
+    "busy_poll": 50e-6,
     "auth_secret": None,
     "allow_unauthenticated": False,
     "allowed_networks": None,
@@ -82,6 +83,10 @@ DEFAULT_OPTIONS: dict[str, Any] = {
 - ``copy_lanes``: threads (the caller's included) a same-host copy (cma, shm) is split over, window
   by window from 4 MiB, each copying a part of about equal bytes (default: the cores, at most 4; 1:
   one thread). The lease and cancel rules hold per window, as with one lane.
+- ``busy_poll``: seconds (0 to 0.01; 0: never) that a TCP reply is waited for by trying again
+  before sleeping, and that the target's I/O thread polls for its next frame after one came: a
+  sleeping thread woken by a reply due in microseconds costs that much more again on a VM whose
+  idle CPU halts (~30 µs per wake-up here). Costs up to that much CPU after each request.
 - ``auth_secret``: shared secret (str or bytes; default ``$HIXL_AUTH_SECRET``) both ends must know.
 - ``allow_unauthenticated``: listen on a non-loopback address without a secret (refused otherwise).
 - ``allowed_networks`` (target): CIDR strings; connections from elsewhere are refused.
@@ -117,6 +122,7 @@ _POSITIVE_COUNTS = (
 # At least 4096, so that the largest notification (two 1 KiB strings) always fits.
 _NOTIFY_BYTES = ("max_notify_bytes", "max_notify_bytes_per_connection")
 _FLAGS = ("connect_fail_fast", "allow_unauthenticated")
+_MOST_BUSY_POLL = 0.01  # (longer would be a CPU burnt per request, not a wake-up saved)
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,10 @@ class EngineOptions:
                     f"({values['handshake_timeout']})"
                 )
             values["hello_timeout"] = values["handshake_timeout"]
+        spin = values["busy_poll"]
+        if isinstance(spin, bool) or not isinstance(spin, (int, float)) or not 0 <= spin <= _MOST_BUSY_POLL:
+            raise ParamInvalid(f"option busy_poll must be 0 to {_MOST_BUSY_POLL} seconds, not {spin!r}")
+        values["busy_poll"] = float(spin)
         for name in _POSITIVE_COUNTS:
             value = values[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

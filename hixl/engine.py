@@ -220,6 +220,7 @@ class Engine:
                 max_connections=o["max_connections"],
                 max_connections_per_peer=o["max_connections_per_peer"],
                 serve_threads=o["serve_threads"],
+                busy_poll=o["busy_poll"],
                 allowed_networks=parsed.networks,
             )
             identity = {"engine_id": self._id, "boot_id": _boot_id()}
@@ -384,6 +385,7 @@ class Engine:
         sock = self._dial(name, host, port, deadline)
         interval, misses = float(self.options["heartbeat_interval"]), int(self.options["heartbeat_misses"])
         wire = Wire(sock, Connection(Role.INITIATOR, self._secret), name, interval, misses)
+        wire.busy_poll = float(self.options["busy_poll"])
         try:
             hello = self._hello_info()
             handshake(wire, hello, deadline)

@@ -1054,6 +1054,7 @@ static PyTypeObject CmaSmallType = {
  * Nothing here decides anything: tcp_reply only recognises the expected answer's header, the
  * connection (Python) then accounts for it, and only then does tcp_land move its data. */
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -1220,9 +1221,11 @@ done:
 }
 
 PyDoc_STRVAR(tcp_reply_doc,
-"tcp_reply(sock, scratch, have, req_id, until) -> (kind, have, data_len)\n\n"
+"tcp_reply(sock, scratch, have, req_id, until, spin=0.0) -> (kind, have, data_len)\n\n"
 "Read from the non-blocking ``sock`` into the writable ``scratch`` (holding ``have`` bytes\n"
-"already) until it holds a frame header, waiting until ``until`` (time.monotonic()) at most.\n"
+"already) until it holds a frame header, waiting until ``until`` (time.monotonic()) at most:\n"
+"for the first ``spin`` seconds by trying again (yielding the CPU between tries, the GIL\n"
+"released), then asleep in poll().\n"
 "``kind`` is 7 (DATA) or 8 (ACK) if that header is a well-formed one of those for ``req_id``\n"
 "with no body (``data_len``: its data_len); 0 if it is anything else, -1 if no header came in\n"
 "time, -2 if the peer closed its end. ``have``: the bytes ``scratch`` holds now (a header and\n"
@@ -1231,8 +1234,8 @@ PyDoc_STRVAR(tcp_reply_doc,
 static PyObject *
 tcp_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "tcp_reply takes 5 arguments");
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "tcp_reply takes 5 or 6 arguments");
         return NULL;
     }
     int fd = socket_fd(args[0]);
@@ -1244,11 +1247,13 @@ tcp_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t have = PyLong_AsSsize_t(args[2]);
     uint64_t req_id;
     double until = PyFloat_AsDouble(args[4]);
+    double spin = nargs == 6 ? PyFloat_AsDouble(args[5]) : 0.0;
     PyObject *result = NULL;
     long kind = TCP_WAIT;
     uint64_t data_len = 0;
-    if ((have == -1 && PyErr_Occurred()) || (until == -1.0 && PyErr_Occurred()))
+    if ((have == -1 && PyErr_Occurred()) || (until == -1.0 && PyErr_Occurred()) || (spin == -1.0 && PyErr_Occurred()))
         goto done;
+    double spin_until = spin > 0.0 ? monotonic_now() + spin : 0.0;
     if (!exact_u64(args[3], &req_id) || have < 0 || have > scratch.len || scratch.len < TCP_HEADER) {
         PyErr_SetString(PyExc_ValueError, "tcp_reply: bad req_id, have or scratch");
         goto done;
@@ -1256,9 +1261,16 @@ tcp_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     char *buf = scratch.buf;
     while (have < TCP_HEADER) {
         ssize_t n;
+        int err;
         Py_BEGIN_ALLOW_THREADS
-        n = recv(fd, buf + have, (size_t)(scratch.len - have), 0);
+        /* A reply due within microseconds is caught by trying again: asleep in poll(), the wake-up
+         * alone costs ~30 us on a VM whose idle vCPU halts (see docs/engine.md, busy_poll). */
+        while ((n = recv(fd, buf + have, (size_t)(scratch.len - have), 0)) < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) &&
+               spin_until > 0.0 && monotonic_now() < spin_until)
+            sched_yield();
+        err = errno;
         Py_END_ALLOW_THREADS
+        errno = err;
         if (n > 0) {
             have += n;
             continue;

@@ -572,17 +572,24 @@ def tcp_send(sock: socket.socket, frame: bytes, ranges: list[tuple[int, int]], o
     return sent
 
 
-def tcp_reply(sock: socket.socket, scratch: bytearray, have: int, req_id: int, until: float) -> tuple[int, int, int]:
+def tcp_reply(
+    sock: socket.socket, scratch: bytearray, have: int, req_id: int, until: float, spin: float = 0.0
+) -> tuple[int, int, int]:
     """Read into ``scratch`` (holding ``have`` bytes) until it holds a frame header, until ``until``
-    at most: ``(kind, have, data_len)`` with kind 7 (DATA) / 8 (ACK) for a well-formed bodiless one
-    of those for ``req_id``, 0 for anything else, :data:`TCP_WAIT` or :data:`TCP_EOF`."""
+    at most (the first ``spin`` seconds trying again, yielding the CPU between tries; then asleep):
+    ``(kind, have, data_len)`` with kind 7 (DATA) / 8 (ACK) for a well-formed bodiless one of those
+    for ``req_id``, 0 for anything else, :data:`TCP_WAIT` or :data:`TCP_EOF`."""
     if type(req_id) is not int or not 0 <= req_id < 1 << 64 or not 0 <= have <= len(scratch) or len(scratch) < _TCP_HEADER.size:
         raise ValueError("tcp_reply: bad req_id, have or scratch")
     view = memoryview(scratch)
+    spin_until = time.monotonic() + spin if spin > 0 else 0.0
     while have < _TCP_HEADER.size:
         try:
             n = sock.recv_into(view[have:])
         except (BlockingIOError, InterruptedError):
+            if spin_until and time.monotonic() < spin_until:
+                os.sched_yield()  # (releases the GIL)
+                continue
             if not _wait(sock, select.POLLIN, until):
                 return TCP_WAIT, have, 0
             continue

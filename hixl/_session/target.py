@@ -75,7 +75,7 @@ from .admission import Admission
 from .backend import NetworkBackend
 from .outbox import Outbox
 from .pool import WorkerPool
-from .wire import CHUNK, SENDMSG_RANGES, Wire
+from .wire import CHUNK, READ_SIZE, SENDMSG_RANGES, Wire
 
 __all__ = ["ServerLimits", "TargetServer", "check_fd_limit"]
 
@@ -120,6 +120,7 @@ class ServerLimits:
     max_connections: int
     max_connections_per_peer: int
     serve_threads: int
+    busy_poll: float
     allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
 
 
@@ -452,6 +453,8 @@ class _Loop:
         self.tick = max(0.01, min(0.25, limits.hello_timeout / 4, limits.handshake_timeout / 4))
         self.open_tick = max(self.tick, min(limits.heartbeat_interval / 2, limits.frame_timeout / 4))
         self._next_open_sweep = 0.0
+        self.busy_poll = limits.busy_poll
+        self._polling_until = 0.0  # (see _events)
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(server.listener, selectors.EVENT_READ, None)
@@ -588,7 +591,7 @@ class _Loop:
 
     def _once(self) -> None:
         timeout = 0.0 if self._ready or self._calls or self._to_flush else max(0.0, self._next_sweep - time.monotonic())
-        for key, mask in self._selector.select(timeout):
+        for key, mask in self._events(timeout):
             conn = key.data
             if conn is not None:
                 conn.on_ready(mask)
@@ -610,6 +613,23 @@ class _Loop:
         if now >= self._next_sweep:
             self._next_sweep = now + self.tick
             self._sweep(now)
+
+    def _events(self, timeout: float) -> list[tuple[selectors.SelectorKey, int]]:
+        """The selector's events, waiting ``timeout`` at most. For ``busy_poll`` seconds after the
+        last events it polls again and again (yielding the CPU between looks) before it sleeps: the
+        next request of a peer that waits on its answer is often due within microseconds, and a
+        sleeping thread's wake-up would cost more than that."""
+        if timeout > 0.0 and self._polling_until:
+            while not (events := self._selector.select(0)) and time.monotonic() < self._polling_until:
+                os.sched_yield()
+            if not events:
+                self._polling_until = 0.0
+                events = self._selector.select(timeout)
+        else:
+            events = self._selector.select(timeout)
+        if events and self.busy_poll:
+            self._polling_until = time.monotonic() + self.busy_poll
+        return events
 
     def again(self, conn: _ServedConnection) -> None:
         """``conn`` stopped with complete frames still buffered (its share of this round): later."""
@@ -909,13 +929,15 @@ class _ServedConnection:
         from the socket, in whole words (see :meth:`_land`); False if none could land yet."""
         wire, conn = self.wire, self.conn
         if conn.buffered:
+            if conn.buffered < want <= READ_SIZE:
+                return self._gather(want - conn.buffered)  # a small rest: gathered whole, then copied once
             take = _whole_words(cursor.done, min(want, conn.buffered), conn.data_left)
-            if take:
-                with wire.conn_lock:
-                    data = conn.take_data(take)
-                cursor.copy_in(data)
-                return True
-            return self._buffer_rest_of_word(cursor)  # (the first bytes of a word wait in the buffer)
+            if not take:  # the first bytes of a word wait in the buffer: the rest of it first
+                return self._gather(min(_WORD - (cursor.done + conn.buffered) % _WORD, conn.data_left - conn.buffered))
+            with wire.conn_lock:
+                data = conn.take_data(take)
+            cursor.copy_in(data)
+            return True
         window = self._landing_window(cursor, want)
         ready = self._socket_holds()
         if ready < window:
@@ -930,23 +952,23 @@ class _ServedConnection:
             conn.data_moved(moved)
         return moved != 0
 
-    def _buffer_rest_of_word(self, cursor: IovCursor) -> bool:
-        """Receive into the connection's buffer the rest of the word whose first bytes it holds (so
-        that word lands whole, and what follows lands straight from the socket again); False if
-        nothing had come: the socket is then asked (SO_RCVLOWAT) to turn readable once it has."""
-        wire, conn = self.wire, self.conn
-        rest = min(_WORD - (cursor.done + conn.buffered) % _WORD, conn.data_left - conn.buffered)
+    def _gather(self, nbytes: int) -> bool:
+        """Receive up to ``nbytes`` more of the data into the connection's buffer (a few
+        ``recv`` calls and one copy cost less than landing a small piece straight from the socket);
+        False if none had come: the socket is then asked (SO_RCVLOWAT) to turn readable once all
+        ``nbytes`` have."""
+        wire = self.wire
         try:
-            got = wire.sock.recv_into(wire.scratch, rest)
+            got = wire.sock.recv_into(wire.scratch, nbytes)
         except (BlockingIOError, InterruptedError):
-            self._set_lowat(rest)
+            self._set_lowat(nbytes)
             return False
         except OSError as exc:
             raise PeerDisconnected(f"{wire.peer}: {exc}") from exc
         if not got:
             raise PeerDisconnected(f"{wire.peer} closed the connection mid-data")
         with wire.conn_lock:
-            conn.receive_data(memoryview(wire.scratch)[:got])
+            self.conn.receive_data(memoryview(wire.scratch)[:got])
         return True
 
     def _socket_holds(self) -> int:

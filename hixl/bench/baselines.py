@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from .._types import Op
-from .target import ECHO, ECHO_SIZE, RAW_HEADER, STREAM, recv_exact, tune_stream
+from .target import ECHO, ECHO_SIZE, RAW_HEADER, STREAM, await_bytes, readable, recv_exact, tune_stream
 
 __all__ = [
     "GIL_HELD_BELOW",
@@ -193,14 +193,17 @@ class RawStream:
     def round_trip(self) -> Copier:
         """One 8-byte request and its 8-byte answer (a stream made with ``echo=True``).
 
-        ``send`` and ``recv_into(MSG_WAITALL)`` of one preallocated buffer: two syscalls,
-        nothing allocated, no poll; the far end is the same loop (``target._echo``)."""
+        ``send`` and ``recv_into(MSG_WAITALL)`` of one preallocated buffer, nothing allocated,
+        the answer looked for a moment before the read blocks (:func:`~hixl.bench.target.await_bytes`);
+        the far end is the same loop (``target._echo``)."""
         sock, timeout = self.sock, self.timeout
         message = bytearray(ECHO_SIZE)
+        poller = readable(sock)
 
         def copy() -> None:
             try:
                 sock.send(message)
+                await_bytes(poller)
                 got = sock.recv_into(message, ECHO_SIZE, socket.MSG_WAITALL)
             except BlockingIOError as exc:
                 raise TimeoutError(f"raw server sent no echo within {timeout:g} s") from exc
@@ -216,12 +219,14 @@ class RawStream:
         nbytes = len(local)
         header = RAW_HEADER.pack(b"R" if op is Op.READ else b"W", remote_addr, nbytes)
         ack = bytearray(1)
+        poller = readable(sock)
 
         if op is Op.READ:
 
             def copy() -> None:
                 try:
                     sock.sendall(header)
+                    await_bytes(poller)
                     complete = recv_exact(sock, local)
                 except BlockingIOError as exc:
                     raise TimeoutError(f"raw server sent no data within {timeout:g} s") from exc
@@ -238,6 +243,7 @@ class RawStream:
                             sock.sendall(header[sent:])
                             sent = len(header)
                         sock.sendall(local[sent - len(header) :])
+                    await_bytes(poller)
                     got = sock.recv_into(ack)
                 except BlockingIOError as exc:
                     raise TimeoutError(f"raw server took no data or sent no ack within {timeout:g} s") from exc

@@ -13,16 +13,19 @@ The child is a ``python -m hixl.bench._target_main`` process started through
 The raw server speaks the smallest protocol that can do the job: a 17-byte
 request ``op ('R'|'W'), addr, nbytes``; for ``R`` it ``sendall``\\s the bytes,
 for ``W`` it ``recv_into``\\s them (:func:`recv_exact`) and answers one byte.
-Both ends of a raw stream set the same options (:func:`tune_stream`).
+Both ends of a raw stream set the same options (:func:`tune_stream`), and both poll for
+the next bytes a moment before they block (:func:`await_bytes`), as hixl does.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -44,6 +47,8 @@ __all__ = [
     "STREAM_LOWAT_FROM",
     "BenchTarget",
     "RemoteBuffer",
+    "await_bytes",
+    "readable",
     "recv_exact",
     "sample_bytes",
     "tune_stream",
@@ -53,6 +58,11 @@ RAW_HEADER = struct.Struct("<cQQ")
 STREAM, ECHO = b"S", b"E"
 """First byte of a raw connection: a READ/WRITE stream, or 8-byte echo (the round-trip baseline)."""
 ECHO_SIZE = 8
+BUSY_POLL = 50e-6
+"""Seconds both ends of a raw stream poll for the next bytes before a blocking read (the default
+of hixl's option ``busy_poll``): a blocked thread's wake-up costs ~30 us on a VM whose idle CPU
+halts, and the baseline is to be the fastest plain loop — as fast as the echo of two threads
+that happen to share a CPU, wherever the scheduler puts them."""
 STREAM_LOWAT = 256 << 10
 """The low-water mark (``SO_RCVLOWAT``) a raw stream's receiver reads a large message at: see
 :func:`recv_exact`. hixl's own receiver asks for the same."""
@@ -121,7 +131,8 @@ class _RawServer:
 
     def _stream(self, sock: socket.socket) -> None:
         header = bytearray(RAW_HEADER.size)
-        while recv_exact(sock, memoryview(header)):
+        poller = readable(sock)
+        while await_bytes(poller) and recv_exact(sock, memoryview(header)):
             op, addr, nbytes = RAW_HEADER.unpack(header)
             view = self._view(addr, nbytes)
             if op == b"R":
@@ -135,8 +146,26 @@ class _RawServer:
 def _echo(sock: socket.socket) -> None:
     """The round-trip baseline's far end: 8-byte messages back as they come, the plainest loop."""
     message = bytearray(ECHO_SIZE)
-    while sock.recv_into(message, ECHO_SIZE, socket.MSG_WAITALL) == ECHO_SIZE:
+    poller = readable(sock)
+    while await_bytes(poller) and sock.recv_into(message, ECHO_SIZE, socket.MSG_WAITALL) == ECHO_SIZE:
         sock.send(message)
+
+
+def readable(sock: socket.socket) -> select.poll:
+    """A poll object watching ``sock`` for input, for :func:`await_bytes`."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return poller
+
+
+def await_bytes(poller: select.poll, spin: float = BUSY_POLL) -> bool:
+    """Look (yielding the CPU between looks) for up to ``spin`` seconds whether the socket of
+    ``poller`` (:func:`readable`) has input, so that the blocking read that follows finds it
+    there rather than sleeps; True (for use in a loop condition)."""
+    end = time.monotonic() + spin
+    while not poller.poll(0) and time.monotonic() < end:
+        os.sched_yield()
+    return True
 
 
 def tune_stream(sock: socket.socket) -> None:

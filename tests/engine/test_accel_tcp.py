@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from types import ModuleType
@@ -151,6 +152,22 @@ def test_tcp_reply_from_a_peer_that_stalls_mid_header_waits_until_told(
     assert 0.15 <= time.monotonic() - started < 2.0
     peer.sendall(encode_header(F.ACK, 1, 0, 0)[10:])  # the rest: resumed from what it holds
     assert impl.tcp_reply(ours, scratch, have, 1, time.monotonic() + 2) == (F.ACK, HEADER_SIZE, 0)
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.3])
+def test_tcp_reply_spins_for_its_reply_only_as_long_as_told(
+    impl: ModuleType, pair: tuple[socket.socket, socket.socket], spin: float
+) -> None:
+    """A reply due 0.15 s later: with ``spin`` 0.3 s it is waited for by trying again (the
+    process burns CPU meanwhile), with 0 asleep (it burns almost none); caught either way."""
+    ours, peer = pair
+    answer = threading.Timer(0.15, peer.sendall, [encode_header(F.ACK, 3, 0, 0)])
+    cpu = time.process_time()
+    answer.start()
+    assert impl.tcp_reply(ours, bytearray(1 << 12), 0, 3, time.monotonic() + 5, spin) == (F.ACK, HEADER_SIZE, 0)
+    burnt = time.process_time() - cpu
+    answer.join()
+    assert burnt > 0.03 if spin else burnt < 0.03, f"{burnt:.3f} s of CPU while waiting"
 
 
 def test_tcp_reply_reports_the_end_of_the_stream(impl: ModuleType, pair: tuple[socket.socket, socket.socket]) -> None:

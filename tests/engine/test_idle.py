@@ -12,6 +12,7 @@ import pytest
 
 import hixl
 from hixl import Engine, Op, PeerDisconnected, TransferTimeout
+from hixl.bench.procstat import cpu_ns
 from hixl.testing import TargetProcess
 
 MakeTarget = Callable[..., TargetProcess]
@@ -82,3 +83,21 @@ def test_an_idle_frozen_target_is_found_dead_within_its_idle_ping_and_a_budget(m
         finally:
             target.stop(signal.SIGCONT)
         assert IDLE * 0.9 <= took < IDLE + BUDGET + 1.0, f"the idle link broke after {took:.1f} s"
+
+
+@pytest.mark.parametrize("busy_poll", [0.0, 0.01])
+def test_a_target_busy_polls_only_right_after_a_request(busy_poll: float) -> None:
+    """The target's I/O thread polls for ``busy_poll`` seconds after a request (0.01, the most
+    allowed), then sleeps: idle afterwards, the target burns well under 2 % of a core; and with
+    busy polling off, requests are served just the same."""
+    with TargetProcess([1 << 20], {"busy_poll": busy_poll}) as target, Engine("127.0.0.1", {"transport": "tcp", "busy_poll": busy_poll}) as eng:
+        buf = hixl.empty(4096)
+        eng.register_mem(buf)
+        eng.connect(target.engine)
+        for _ in range(20):
+            eng.transfer_sync(target.engine, Op.READ, [(int(buf.ctypes.data), target.addrs[0], 8)])
+        time.sleep(0.05)
+        before = cpu_ns(target.pid)
+        time.sleep(1.0)
+        burnt = (cpu_ns(target.pid) - before) / 1e9
+        assert burnt < 0.02, f"the idle target burnt {burnt * 100:.1f} % of a core"

@@ -153,6 +153,9 @@ def test_allowed_networks(make_target: MakeTarget) -> None:
         {"frame_timeout": -1.0},
         {"heartbeat_interval": True},
         {"connect_fail_fast": 1},
+        {"busy_poll": -1e-6},
+        {"busy_poll": 0.5},  # more than 10 ms: a CPU burnt per request, not a wake-up saved
+        {"busy_poll": "50us"},
     ],
     ids=lambda o: next(iter(o)),
 )
