@@ -1097,6 +1097,21 @@ wait_fd(int fd, short events, double until)
     }
 }
 
+/* As wait_fd, but while the clock is before spin_until only yield the CPU once (the GIL released)
+ * and answer 1, for the caller to try again: a peer due within microseconds costs a sleeping
+ * thread's wake-up otherwise (~30 us on a VM whose idle vCPU halts; docs/engine.md, busy polling). */
+static int
+spin_or_wait(int fd, short events, double until, double spin_until)
+{
+    if (spin_until > 0.0 && monotonic_now() < spin_until) {
+        Py_BEGIN_ALLOW_THREADS
+        sched_yield();
+        Py_END_ALLOW_THREADS
+        return 1;
+    }
+    return wait_fd(fd, events, until);
+}
+
 /* A list of up to TCP_RANGES (addr, len) tuples of exact ints into iov; their count, or -1 with
  * an exception set. */
 static Py_ssize_t
@@ -1146,17 +1161,18 @@ socket_fd(PyObject *sock)
 }
 
 PyDoc_STRVAR(tcp_send_doc,
-"tcp_send(sock, frame, ranges, offset, until) -> int\n\n"
+"tcp_send(sock, frame, ranges, offset, until, spin=0.0) -> int\n\n"
 "Send ``frame`` then the memory of ``ranges`` (a list of (addr, len)) on the non-blocking\n"
 "``sock``, from byte ``offset`` of the whole on: one sendmsg, more if the socket takes less,\n"
-"waiting for room until ``until`` (time.monotonic()). The bytes sent in all (``offset``\n"
+"waiting for room until ``until`` (time.monotonic()): for ``spin`` seconds after the last\n"
+"bytes went by trying again (as tcp_reply), then asleep. The bytes sent in all (``offset``\n"
 "included): fewer than the whole once ``until`` passed. Raises OSError for a socket error.");
 
 static PyObject *
 tcp_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "tcp_send takes 5 arguments");
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "tcp_send takes 5 or 6 arguments");
         return NULL;
     }
     int fd = socket_fd(args[0]);
@@ -1170,9 +1186,11 @@ tcp_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t ranges = parse_ranges(args[2], iov + 1, &data);
     Py_ssize_t offset = PyLong_AsSsize_t(args[3]);
     double until = PyFloat_AsDouble(args[4]);
+    double spin = nargs == 6 ? PyFloat_AsDouble(args[5]) : 0.0;
     PyObject *result = NULL;
-    if (ranges < 0 || (offset == -1 && PyErr_Occurred()) || (until == -1.0 && PyErr_Occurred()))
+    if (ranges < 0 || PyErr_Occurred())
         goto done;
+    double spin_until = spin > 0.0 ? monotonic_now() + spin : 0.0;
     iov[0].iov_base = frame.buf;
     iov[0].iov_len = (size_t)frame.len;
     uint64_t total = (uint64_t)frame.len + data;
@@ -1194,6 +1212,8 @@ tcp_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (n > 0) {
             sent += (uint64_t)n;
             first += iov_advance(iov + first, count - first, (size_t)n);
+            if (spin > 0.0)
+                spin_until = monotonic_now() + spin;
             continue;
         }
         if (n < 0 && errno == EINTR) {
@@ -1205,7 +1225,7 @@ tcp_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetFromErrno(PyExc_OSError);
             goto done;
         }
-        int ready = wait_fd(fd, POLLOUT, until);
+        int ready = spin_or_wait(fd, POLLOUT, until, spin_until);
         if (ready == 0)
             break;
         if (ready < 0) {
@@ -1320,10 +1340,11 @@ done:
 }
 
 PyDoc_STRVAR(tcp_land_doc,
-"tcp_land(sock, scratch, start, have, ranges, until) -> (landed, end)\n\n"
+"tcp_land(sock, scratch, start, have, ranges, until, spin=0.0) -> (landed, end)\n\n"
 "Land a reply's data into the memory of ``ranges`` (a list of (addr, len)): first what\n"
 "``scratch[start:have]`` holds of it, then straight from the non-blocking ``sock`` with readv,\n"
-"waiting until ``until`` (time.monotonic()) at most and reading nothing once it passed.\n"
+"waiting until ``until`` (time.monotonic()) at most and reading nothing once it passed; for\n"
+"``spin`` seconds after the last bytes came by trying again (as tcp_reply), then asleep.\n"
 "``landed``: the bytes landed (all of ``ranges`` unless time ran out); ``end``: where what\n"
 "``scratch`` holds beyond the data begins. Raises OSError for a socket error, and\n"
 "ConnectionResetError if the peer closed its end before the data was in.");
@@ -1331,8 +1352,8 @@ PyDoc_STRVAR(tcp_land_doc,
 static PyObject *
 tcp_land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "tcp_land takes 6 arguments");
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "tcp_land takes 6 or 7 arguments");
         return NULL;
     }
     int fd = socket_fd(args[0]);
@@ -1346,9 +1367,11 @@ tcp_land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t total = 0;
     Py_ssize_t ranges = parse_ranges(args[4], iov, &total);
     double until = PyFloat_AsDouble(args[5]);
+    double spin = nargs == 7 ? PyFloat_AsDouble(args[6]) : 0.0;
     PyObject *result = NULL;
     if (ranges < 0 || PyErr_Occurred())
         goto done;
+    double spin_until = spin > 0.0 ? monotonic_now() + spin : 0.0;
     if (start < 0 || have < start || have > scratch.len) {
         PyErr_SetString(PyExc_ValueError, "tcp_land: start and have must lie in scratch, in order");
         goto done;
@@ -1373,6 +1396,8 @@ tcp_land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (n > 0) {
             landed += (uint64_t)n;
             first += iov_advance(iov + first, count - first, (size_t)n);
+            if (spin > 0.0)
+                spin_until = monotonic_now() + spin;
             continue;
         }
         if (n == 0) {
@@ -1389,7 +1414,7 @@ tcp_land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetFromErrno(PyExc_OSError);
             goto done;
         }
-        int ready = wait_fd(fd, POLLIN, until);
+        int ready = spin_or_wait(fd, POLLIN, until, spin_until);
         if (ready == 0)
             break;
         if (ready < 0) {

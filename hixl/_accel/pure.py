@@ -549,16 +549,29 @@ def _wait(sock: socket.socket, events: int, until: float) -> bool:
     return bool(poller.poll(min(left, 3600.0) * 1000 + 1))
 
 
-def tcp_send(sock: socket.socket, frame: bytes, ranges: list[tuple[int, int]], offset: int, until: float) -> int:
+def _spin_or_wait(sock: socket.socket, events: int, until: float, spin_until: float) -> bool:
+    """As :func:`_wait`, but before ``spin_until`` only yield the CPU once (releasing the GIL) and
+    answer True, for the caller to try again."""
+    if time.monotonic() < spin_until:
+        os.sched_yield()
+        return True
+    return _wait(sock, events, until)
+
+
+def tcp_send(
+    sock: socket.socket, frame: bytes, ranges: list[tuple[int, int]], offset: int, until: float, spin: float = 0.0
+) -> int:
     """Send ``frame`` then the memory of ``ranges`` on the non-blocking ``sock``, from byte
-    ``offset`` of the whole on, waiting for room until ``until``; the bytes sent in all
-    (``offset`` included): fewer than the whole once ``until`` passed."""
+    ``offset`` of the whole on, waiting for room until ``until`` (for ``spin`` seconds after the
+    last bytes went by trying again, then asleep); the bytes sent in all (``offset`` included):
+    fewer than the whole once ``until`` passed."""
     views = [memoryview(frame).cast("B"), *_views(_ranges(ranges))]
     total = sum(len(v) for v in views)
     if not 0 <= offset <= total:
         raise ValueError("offset outside what is to be sent")
     views = _skip(views, offset)
     sent = offset
+    spin_until = time.monotonic() + spin
     while sent < total:
         try:
             n = sock.sendmsg(views)
@@ -567,7 +580,8 @@ def tcp_send(sock: socket.socket, frame: bytes, ranges: list[tuple[int, int]], o
         if n:
             sent += n
             views = _skip(views, n)
-        elif not _wait(sock, select.POLLOUT, until):
+            spin_until = time.monotonic() + spin
+        elif not _spin_or_wait(sock, select.POLLOUT, until, spin_until):
             break
     return sent
 
@@ -609,11 +623,18 @@ def tcp_reply(
 
 
 def tcp_land(
-    sock: socket.socket, scratch: bytearray, start: int, have: int, ranges: list[tuple[int, int]], until: float
+    sock: socket.socket,
+    scratch: bytearray,
+    start: int,
+    have: int,
+    ranges: list[tuple[int, int]],
+    until: float,
+    spin: float = 0.0,
 ) -> tuple[int, int]:
     """Land a reply's data into ``ranges``: first what ``scratch[start:have]`` holds of it, then
-    straight from ``sock``, waiting until ``until`` at most and reading nothing once it passed;
-    ``(landed, end)``, ``end`` where what ``scratch`` holds beyond the data begins."""
+    straight from ``sock``, waiting until ``until`` at most (for ``spin`` seconds after the last
+    bytes came by trying again, then asleep) and reading nothing once it passed; ``(landed,
+    end)``, ``end`` where what ``scratch`` holds beyond the data begins."""
     views = _views(_ranges(ranges))
     if not 0 <= start <= have <= len(scratch):
         raise ValueError("tcp_land: start and have must lie in scratch, in order")
@@ -626,16 +647,18 @@ def tcp_land(
         views[0][:n] = held[landed : landed + n]
         landed += n
         views = _skip(views, n)
+    spin_until = time.monotonic() + spin
     while landed < total and time.monotonic() < until:
         try:
             n = sock.recvmsg_into(views)[0]
         except (BlockingIOError, InterruptedError):
-            _wait(sock, select.POLLIN, until)
+            _spin_or_wait(sock, select.POLLIN, until, spin_until)
             continue
         if not n:
             raise ConnectionResetError(errno.ECONNRESET, "peer closed the connection mid-data")
         landed += n
         views = _skip(views, n)
+        spin_until = time.monotonic() + spin
     return landed, start + buffered
 
 

@@ -331,7 +331,10 @@ class Wire:
                 return None
             with self.conn_lock:
                 self.conn.took_frame(proto.FrameType(kind), req_id, data_len)
-            landed, end = _accel.tcp_land(self.sock, scratch, HEADER_SIZE, have, into, deadline) if data_len else (0, HEADER_SIZE)
+            if data_len:
+                landed, end = _accel.tcp_land(self.sock, scratch, HEADER_SIZE, have, into, deadline, self.busy_poll)
+            else:
+                landed, end = 0, HEADER_SIZE
         except OSError as exc:
             raise self._fail(f"socket error: {exc}", exc) from exc
         if landed:
@@ -513,7 +516,7 @@ class Wire:
             until = now + self.interval if deadline is None else min(deadline, now + self.interval)
             before = sent
             try:
-                sent = _accel.tcp_send(self.sock, frame, data, sent, until)
+                sent = _accel.tcp_send(self.sock, frame, data, sent, until, self.busy_poll)
             except OSError as exc:
                 raise self._fail(f"socket error: {exc}", exc) from exc
             if sent == total:

@@ -221,6 +221,25 @@ def test_tcp_land_from_a_stalled_peer_lands_nothing_after_until(impl: ModuleType
     assert not dst[4:].any()  # past until, not a byte read into memory
 
 
+@pytest.mark.parametrize("spin", [0.0, 0.3])
+def test_tcp_land_spins_for_the_rest_only_as_long_as_told(
+    impl: ModuleType, pair: tuple[socket.socket, socket.socket], spin: float
+) -> None:
+    """Half the data now, the rest 0.15 s later: with ``spin`` 0.3 s the rest is waited for by
+    trying again (CPU burnt), with 0 asleep; all of it lands either way."""
+    ours, peer = pair
+    dst = np.zeros(16, dtype=np.uint8)
+    peer.sendall(b"12345678")
+    rest = threading.Timer(0.15, peer.sendall, [b"abcdefgh"])
+    cpu = time.process_time()
+    rest.start()
+    assert impl.tcp_land(ours, bytearray(8), 0, 0, [(_addr(dst), 16)], time.monotonic() + 5, spin) == (16, 0)
+    burnt = time.process_time() - cpu
+    rest.join()
+    assert bytes(dst) == b"12345678abcdefgh"
+    assert burnt > 0.03 if spin else burnt < 0.03, f"{burnt:.3f} s of CPU while waiting"
+
+
 def test_tcp_land_reports_a_peer_that_closes_mid_data(impl: ModuleType, pair: tuple[socket.socket, socket.socket]) -> None:
     ours, peer = pair
     dst = np.zeros(16, dtype=np.uint8)

@@ -93,6 +93,7 @@ def test_default_options() -> None:
         "serve_threads": 4,
         "max_inflight": 4096,
         "copy_lanes": min(4, os.cpu_count() or 1),
+        "busy_poll": 50e-6,
         "auth_secret": None,
         "allow_unauthenticated": False,
         "allowed_networks": None,
