@@ -68,7 +68,7 @@ __all__ = [
     "tcp_send",
 ]
 
-GIL_FREE_FROM = 64 << 10
+GIL_FREE_FROM = 256 << 10
 """Blocks of at least this many bytes are copied with the GIL released."""
 LANE_FROM = 4 << 20
 """A copy (one call of :func:`cma_window` or :func:`copy_pieces`) of fewer bytes stays in one lane:
