@@ -943,7 +943,10 @@ class _ServedConnection:
         if ready < window:
             window = _whole_words(cursor.done, ready, conn.data_left)
             if not window:
-                return False  # the rest when the socket says it came (SO_RCVLOWAT)
+                # Not one whole word: into the buffer with it, not left in the socket — a few bytes
+                # left of a large segment hold all its memory there, and with enough of those the
+                # window closes while the socket turns readable for them alone (a spin, no data).
+                return self._gather(ready) if ready else False
         try:
             moved = readv(wire.fd, cursor, window, deadline)
         except OSError as exc:  # (ConnectionError included: the peer closed mid-data)
