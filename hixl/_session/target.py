@@ -902,7 +902,7 @@ class _ServedConnection:
         Every piece it lands ends on an 8-byte word boundary of the data, except its last: a word
         is never left half-written while the rest of it is awaited, so a concurrent reader of that
         memory (a cma peer, the application) sees each word old or new, never torn. The bytes of a
-        word not yet whole wait where they arrived: in the connection's buffer or in the socket."""
+        word not yet whole wait in the connection's buffer."""
         landing, wire, conn = self._landing, self.wire, self.conn
         assert landing is not None
         while conn.data_left:

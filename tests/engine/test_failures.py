@@ -343,7 +343,10 @@ def _sync_read_while_the_link_ends(target: TargetProcess, end: Callable[[Engine]
         descs = np.array([[_addr(buf), target.addrs[0], 8]] * busy, dtype=np.uint64)
         eng.transfer_async_split(target.engine, Op.READ, descs, [1] * busy, timeout=20)
         time.sleep(0.3)  # they are sent (or queued in a full socket): the link is busy
-        ender = threading.Timer(0.1, end, (eng,))
+        # Half a second for the sync READ below to be waiting before the link ends: with 0.1 s, a
+        # loaded machine (the async worker holding the GIL) once ended it first, and the READ,
+        # not yet begun, was rightly told NotConnected — a run that tested nothing.
+        ender = threading.Timer(0.5, end, (eng,))
         ender.start()
         try:
             eng.transfer_sync(target.engine, Op.READ, [(_addr(buf), target.addrs[0], 8)], timeout=20)
