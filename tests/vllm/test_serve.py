@@ -54,10 +54,15 @@ def readme_blocks() -> tuple[str, str]:
     return blocks[1], blocks[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free now: each stays bound until all are chosen. Chosen one at a
+    time, the kernel handed out one just released twice: a prefill and a decode listened on it
+    together (vLLM binds with SO_REUSEPORT), and the decode's requests reached the prefill."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def healthy(url: str) -> bool:
@@ -88,7 +93,8 @@ class Servers:
 
     def __init__(self, model: Path, logs: Path) -> None:
         self.model, self.logs = model, logs
-        self.ports = {name: free_port() for name in ("prefill", "decode", "proxy", "reference")}
+        names = ("prefill", "decode", "proxy", "reference")
+        self.ports = dict(zip(names, free_ports(len(names))))
         self.serve, self.stop = readme_blocks()
         self.example = ""  # what the README's block printed: its wait's messages, then the example's answer
         env = dict(

@@ -36,7 +36,7 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer")
 
 from instances import HERE, ROOT  # noqa: E402
-from test_serve import free_port, healthy  # noqa: E402
+from test_serve import free_ports, healthy  # noqa: E402
 from tiny_model import build, words  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -65,7 +65,8 @@ class Fleet:
 
     def __init__(self, model: Path, logs: Path) -> None:
         self.model, self.logs = model, logs
-        self.ports = {name: free_port() for name in [*VLLMS, *PROXIES]}
+        names = [*VLLMS, *PROXIES]
+        self.ports = dict(zip(names, free_ports(len(names))))
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for name, (role, cpu, flags, policy) in VLLMS.items():
