@@ -38,12 +38,7 @@ def tcp_reply(
     sock: socket.socket, scratch: bytearray, have: int, req_id: int, until: float, spin: float = 0.0
 ) -> tuple[int, int, int]: ...
 def tcp_land(
-    sock: socket.socket,
-    scratch: bytearray,
-    start: int,
-    have: int,
-    ranges: list[tuple[int, int]],
-    until: float,
-    spin: float = 0.0,
+    sock: socket.socket, scratch: bytearray, start: int, have: int, ranges: list[tuple[int, int]],
+    until: float, spin: float = 0.0,
 ) -> tuple[int, int]: ...
 def tcp_request(sock: socket.socket, scratch: bytearray) -> tuple[int, int, int, int, int, list[tuple[int, int]] | None, int]: ...
