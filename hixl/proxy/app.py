@@ -214,7 +214,8 @@ class _Proxy:
             try:
                 yield hop
             except asyncio.CancelledError:
-                hop.outcome = Outcome.CANCELLED
+                if hop.outcome is not Outcome.OK:  # (a stream's client may leave once it has it all)
+                    hop.outcome = Outcome.CANCELLED
                 raise
             finally:
                 self.metrics.hop(up, hop.outcome, time.monotonic() - started)
@@ -265,11 +266,16 @@ class _Proxy:
     async def _stream(self, hop: _Hop, request: web.Request, resp: ClientResponse, first: bytes) -> web.StreamResponse:
         """Relay decode's stream from its first chunk on; no failure from here is retried, none escapes."""
         out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
-        chunk = first
+        chunk, seen = first, b""
         try:
             await out.prepare(request)
             while chunk:
                 await out.write(chunk)
+                seen = seen[-len(_DONE) :] + chunk  # (the marker may be cut between two chunks)
+                if _DONE in seen:
+                    # The client has the whole answer: one that closes at once (the OpenAI SDK does)
+                    # has not cancelled anything, though the stream's end can no longer reach it.
+                    hop.outcome = Outcome.OK
                 try:
                     chunk = await resp.content.readany()
                 except (ClientError, asyncio.TimeoutError) as exc:
@@ -282,8 +288,13 @@ class _Proxy:
                 hop.outcome = Outcome.OK
             await out.write_eof()
         except ConnectionResetError:  # the client went away (aiohttp's own reset errors are these too)
-            hop.outcome = Outcome.CANCELLED
+            if hop.outcome is not Outcome.OK:
+                hop.outcome = Outcome.CANCELLED
         return out
+
+
+_DONE = b"data: [DONE]"
+"""The event that ends an OpenAI-style stream: once relayed, the client has the whole answer."""
 
 
 def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:

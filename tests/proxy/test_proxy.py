@@ -73,7 +73,8 @@ class FakeVllm:
     next completion answers 500, then the fault clears), ``"hang"`` (no
     answer until stopped), ``"break"`` (decode: one chunk of the stream, then
     the connection drops), ``"stall"`` (decode: one chunk, then nothing until
-    stopped). ``gate``: when an Event, completions wait for it.
+    stopped), ``"linger"`` (decode: the whole stream, then 0.3 s before it ends). ``gate``: when
+    an Event, completions wait for it.
     ``bodies``: the completion request bodies received, in order.
     """
 
@@ -139,6 +140,8 @@ class FakeVllm:
             if self.fault == "stall":
                 await self._stopping.wait()
         await out.write(b"data: [DONE]\n\n")
+        if self.fault == "linger":
+            await asyncio.sleep(0.3)
         await out.write_eof()
         return out
 
@@ -472,6 +475,23 @@ async def test_a_client_leaving_mid_stream_frees_the_decode_without_blaming_it()
         )
         assert await f.value("hixl_proxy_upstream_outstanding", upstream=decode.url) == 0
         assert await f.value("hixl_proxy_upstream_up", upstream=decode.url) == 1
+
+
+@async_test
+async def test_a_client_leaving_after_the_last_event_counts_as_served() -> None:
+    """A client that closes its connection as soon as it has ``[DONE]`` (the OpenAI SDK does) has
+    had the whole answer: the decode hop is ``ok``, not ``cancelled``, though the stream's
+    terminating chunk can no longer be written to it."""
+    async with fleet(prefills=1, decodes=1) as f:
+        decode = f.decodes[0]
+        decode.fault = "linger"
+        body = {"model": "fake", "prompt": "hi", "stream": True}
+        async with f.client.post(f.url("/v1/completions"), json=body) as resp:
+            while b"[DONE]" not in await resp.content.readuntil(b"\n\n"):
+                pass
+            resp.close()  # (at once: not waiting for the stream's end)
+        await until(lambda: _is(f.value("hixl_proxy_upstream_outstanding", upstream=decode.url), 0), "the decode hop ends")
+        assert await f.value("hixl_proxy_requests_total", upstream=decode.url, outcome="ok") == 1
 
 
 @async_test
