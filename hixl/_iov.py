@@ -74,6 +74,12 @@ class IovCursor:
         """The ``(addr, len)`` ranges of the first side not yet moved."""
         return [(int(a), int(n)) for a, n in self._work[0][self._index :]]
 
+    def pending_rows(self) -> tuple[np.ndarray, int]:
+        """The first side's iovec array as it stands (its first pending row already shortened by
+        what moved of it) and that row's index: for a compiled loop that moves bytes into it,
+        :meth:`advance` by what it moved afterwards."""
+        return self._work[0], self._index
+
     @property
     def finished(self) -> bool:
         """True once every byte has been moved."""

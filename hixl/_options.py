@@ -86,7 +86,9 @@ DEFAULT_OPTIONS: dict[str, Any] = {
 - ``busy_poll``: seconds (0 to 0.01; 0: never) that a TCP reply is waited for by trying again
   before sleeping, and that the target's I/O thread polls for its next frame after one came: a
   sleeping thread woken by a reply due in microseconds costs that much more again on a VM whose
-  idle CPU halts (~30 µs per wake-up here). Costs up to that much CPU after each request.
+  idle CPU halts (~30 µs per wake-up here); a WRITE's ACK longer, by its data at 1 GiB/s (at most
+  1 ms more), and a target landing a WRITE tries again as long for more of it. Costs up to that
+  much CPU after each request.
 - ``auth_secret``: shared secret (str or bytes; default ``$HIXL_AUTH_SECRET``) both ends must know.
 - ``allow_unauthenticated``: listen on a non-loopback address without a secret (refused otherwise).
 - ``allowed_networks`` (target): CIDR strings; connections from elsewhere are refused.

@@ -34,7 +34,11 @@ these functions are handed the tables their callers checked and hold current.
   ``poll`` bounded by the caller's time, with the GIL released (see :mod:`hixl._session.wire`).
 - :func:`tcp_request` — the target's side: one ``recv``, and a small READ or WRITE that arrived
   whole recognised and its fields handed back (anything else: "not mine", for the connection's
-  parser); :func:`tcp_send` then sends its DATA from registered memory, never waiting.
+  parser); given the registry, the C twin also serves a small READ every rule lets through (its
+  DATA and bytes sent in the same call, the GIL held from the check to the send), else
+  :func:`tcp_send` then sends its DATA from registered memory, never waiting;
+  :func:`tcp_land_words` lands a WRITE's data from the socket as it streams in, in whole words,
+  trying again while more is coming rather than going back to the loop between pieces.
 - :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`
   cheaper (only the pure one has a use for it: numpy's calls want one side back
   to back; C copies in any order at the same speed).
@@ -59,6 +63,7 @@ __all__ = [
     "PURE_ENV",
     "TCP_EOF",
     "TCP_RANGES",
+    "TCP_SERVE_MAX",
     "TCP_WAIT",
     "batch_order",
     "check_small",
@@ -67,6 +72,7 @@ __all__ = [
     "copy_pieces",
     "mapped_copy",
     "tcp_land",
+    "tcp_land_words",
     "tcp_reply",
     "tcp_request",
     "tcp_send",
@@ -106,10 +112,12 @@ CmaSmall = _impl.CmaSmall
 tcp_send = _impl.tcp_send
 tcp_reply = _impl.tcp_reply
 tcp_land = _impl.tcp_land
+tcp_land_words = _impl.tcp_land_words
 tcp_request = _impl.tcp_request
 TCP_WAIT: int = _impl.TCP_WAIT
 TCP_EOF: int = _impl.TCP_EOF
 TCP_RANGES: int = _impl.TCP_RANGES
+TCP_SERVE_MAX: int = _impl.TCP_SERVE_MAX
 
 
 def _any_order(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> None:

@@ -611,7 +611,7 @@ cma_window(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* A C-contiguous buffer of 8-byte unsigned ints with the given number of dimensions. */
 static int
-u64_buffer(PyObject *obj, Py_buffer *view, int ndim, const char *what)
+u64_buffer(PyObject *obj, Py_buffer *view, int ndim, Py_ssize_t columns, const char *what)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return 0;
@@ -619,9 +619,11 @@ u64_buffer(PyObject *obj, Py_buffer *view, int ndim, const char *what)
     if (*f == '<' || *f == '=' || *f == '@')
         f++;
     if (view->itemsize != 8 || (strcmp(f, "Q") != 0 && strcmp(f, "L") != 0) || view->ndim != ndim ||
-        (ndim == 2 && view->shape[1] != 3)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous uint64 array of %s", what,
-                     ndim == 2 ? "shape (n, 3)" : "one dimension");
+        (ndim == 2 && view->shape[1] != columns)) {
+        if (ndim == 2)
+            PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous uint64 array of shape (n, %zd)", what, columns);
+        else
+            PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous uint64 array of one dimension", what);
         PyBuffer_Release(view);
         return 0;
     }
@@ -647,9 +649,9 @@ copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (write < 0 || (lanes == -1 && PyErr_Occurred()))
         return NULL;
     Py_buffer pv, hv;
-    if (!u64_buffer(args[0], &pv, 2, "pieces"))
+    if (!u64_buffer(args[0], &pv, 2, 3, "pieces"))
         return NULL;
-    if (!u64_buffer(args[1], &hv, 1, "heres")) {
+    if (!u64_buffer(args[1], &hv, 1, 0, "heres")) {
         PyBuffer_Release(&pv);
         return NULL;
     }
@@ -714,21 +716,32 @@ spans_free(spans_t *s)
     s->count = 0;
 }
 
+/* `region_table.intervals` (a new reference), checked to be a pair of equally long lists; NULL with an
+ * exception set if it is not that. Reads attributes only (no Python code runs). */
+static PyObject *
+intervals_of(PyObject *region_table)
+{
+    PyObject *pair = PyObject_GetAttr(region_table, str_intervals);
+    if (pair != NULL &&
+        (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyList_CheckExact(PyTuple_GET_ITEM(pair, 0)) ||
+         !PyList_CheckExact(PyTuple_GET_ITEM(pair, 1)) ||
+         PyList_GET_SIZE(PyTuple_GET_ITEM(pair, 0)) != PyList_GET_SIZE(PyTuple_GET_ITEM(pair, 1)))) {
+        Py_DECREF(pair);
+        PyErr_SetString(PyExc_TypeError, "a region table's intervals must be two equally long lists");
+        return NULL;
+    }
+    return pair;
+}
+
 /* `region_table.intervals` (a pair of equally long lists of ints) into *out; 0 with an exception
  * set if it is not that. Reads attributes only (no Python code runs). */
 static int
 spans_load(PyObject *region_table, spans_t *out)
 {
-    PyObject *pair = PyObject_GetAttr(region_table, str_intervals);
+    PyObject *pair = intervals_of(region_table);
     if (pair == NULL)
         return 0;
     int ok = 0;
-    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyList_CheckExact(PyTuple_GET_ITEM(pair, 0)) ||
-        !PyList_CheckExact(PyTuple_GET_ITEM(pair, 1)) ||
-        PyList_GET_SIZE(PyTuple_GET_ITEM(pair, 0)) != PyList_GET_SIZE(PyTuple_GET_ITEM(pair, 1))) {
-        PyErr_SetString(PyExc_TypeError, "a region table's intervals must be two equally long lists");
-        goto done;
-    }
     PyObject *starts = PyTuple_GET_ITEM(pair, 0), *ends = PyTuple_GET_ITEM(pair, 1);
     Py_ssize_t count = PyList_GET_SIZE(starts);
     uint64_t *mem = PyMem_Malloc(sizeof(uint64_t) * (size_t)(2 * count + 1));
@@ -1057,6 +1070,7 @@ static PyTypeObject CmaSmallType = {
  * connection (Python) then accounts for it, and only then does tcp_land move its data. */
 #include <poll.h>
 #include <sched.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -1066,6 +1080,7 @@ static PyTypeObject CmaSmallType = {
 #define TCP_WAIT (-1)
 #define TCP_EOF (-2)
 #define TCP_RANGES 16
+#define IOV_BATCH 64 /* iovecs per readv in tcp_land_words (a WRITE's data: one to a few, mostly) */
 
 static double
 monotonic_now(void)
@@ -1162,6 +1177,18 @@ socket_fd(PyObject *sock)
     return PyObject_AsFileDescriptor(sock);
 }
 
+/* The socket's descriptor for a tcp_* call taking ``fixed`` arguments and an optional spin; -1 with
+ * an exception set. */
+static int
+tcp_call_fd(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t fixed)
+{
+    if (nargs != fixed && nargs != fixed + 1) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd or %zd arguments", name, fixed, fixed + 1);
+        return -1;
+    }
+    return socket_fd(args[0]);
+}
+
 PyDoc_STRVAR(tcp_send_doc,
 "tcp_send(sock, frame, ranges, offset, until, spin=0.0) -> int\n\n"
 "Send ``frame`` then the memory of ``ranges`` (a list of (addr, len)) on the non-blocking\n"
@@ -1173,11 +1200,7 @@ PyDoc_STRVAR(tcp_send_doc,
 static PyObject *
 tcp_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5 && nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "tcp_send takes 5 or 6 arguments");
-        return NULL;
-    }
-    int fd = socket_fd(args[0]);
+    int fd = tcp_call_fd("tcp_send", args, nargs, 5);
     if (fd < 0)
         return NULL;
     Py_buffer frame;
@@ -1256,11 +1279,7 @@ PyDoc_STRVAR(tcp_reply_doc,
 static PyObject *
 tcp_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5 && nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "tcp_reply takes 5 or 6 arguments");
-        return NULL;
-    }
-    int fd = socket_fd(args[0]);
+    int fd = tcp_call_fd("tcp_reply", args, nargs, 5);
     if (fd < 0)
         return NULL;
     Py_buffer scratch;
@@ -1354,11 +1373,7 @@ PyDoc_STRVAR(tcp_land_doc,
 static PyObject *
 tcp_land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6 && nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "tcp_land takes 6 or 7 arguments");
-        return NULL;
-    }
-    int fd = socket_fd(args[0]);
+    int fd = tcp_call_fd("tcp_land", args, nargs, 6);
     if (fd < 0)
         return NULL;
     Py_buffer scratch;
@@ -1431,26 +1446,247 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(tcp_land_words_doc,
+"tcp_land_words(sock, iovs, first, want, done, left, until, piece, spin=0.0) -> int\n\n"
+"The target's side of a WRITE's data: land up to ``want`` bytes of it straight from the\n"
+"non-blocking ``sock`` into the iovecs ``iovs[first:]`` (a C-contiguous (N, 2) uint64 array:\n"
+"addr, len; only read), ``done`` bytes of the data landed before and ``left`` still due\n"
+"(these included). Each readv takes at most ``piece`` bytes, only what the socket holds\n"
+"already (FIONREAD) and, except for the data's last bytes, only whole 8-byte words of the\n"
+"data: no word is left half-written while the rest of it is awaited. ``until``\n"
+"(time.monotonic()) is checked before each readv, nothing read once it passed. When the\n"
+"socket has nothing more (or only part of a word), it tries again for ``spin`` seconds\n"
+"after the last bytes came (yielding the CPU), never sleeps. The GIL is released\n"
+"throughout. The bytes landed:\n"
+"fewer than ``want`` when the socket ran dry, held only part of a word, or ``until``\n"
+"passed. Raises ConnectionResetError at end of stream, OSError for a socket error.");
+
+static PyObject *
+tcp_land_words(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int fd = tcp_call_fd("tcp_land_words", args, nargs, 8);
+    if (fd < 0)
+        return NULL;
+    Py_buffer iovs;
+    if (!u64_buffer(args[1], &iovs, 2, 2, "iovs"))
+        return NULL;
+    Py_ssize_t first = PyLong_AsSsize_t(args[2]);
+    uint64_t want, done, left, piece;
+    double until = PyFloat_AsDouble(args[6]);
+    double spin = nargs == 9 ? PyFloat_AsDouble(args[8]) : 0.0;
+    PyObject *result = NULL;
+    if (!exact_u64(args[3], &want) || !exact_u64(args[4], &done) || !exact_u64(args[5], &left) ||
+        !exact_u64(args[7], &piece) || PyErr_Occurred()) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "tcp_land_words: want, done, left and piece must be ints >= 0");
+        goto done;
+    }
+    Py_ssize_t rows = iovs.shape[0];
+    if (first < 0 || first > rows || want > left || piece < 8) {
+        PyErr_SetString(PyExc_ValueError, "tcp_land_words: bad iovs, first, want or piece");
+        goto done;
+    }
+    const uint64_t *table = (const uint64_t *)iovs.buf;
+    uint64_t room = 0; /* what iovs[first:] can take: never more is read */
+    for (Py_ssize_t i = first; i < rows && room < want; i++)
+        room += table[2 * i + 1];
+    if (want > room)
+        want = room;
+    uint64_t moved = 0;
+    int failed = 0; /* errno of a failure, or -1: end of stream */
+    Py_ssize_t row = first;
+    uint64_t into_row = 0; /* bytes of iovs[row] landed in this call */
+    Py_BEGIN_ALLOW_THREADS
+    double spin_until = spin > 0.0 ? monotonic_now() + spin : 0.0;
+    while (moved < want) {
+        int ready = 0;
+        if (ioctl(fd, FIONREAD, &ready) < 0) {
+            failed = errno;
+            break;
+        }
+        uint64_t n = want - moved;
+        if ((uint64_t)ready < n)
+            n = (uint64_t)ready;
+        if (n > piece)
+            n = piece;
+        if (moved + n < left) /* not the data's last bytes: whole words only */
+            n -= (done + moved + n) % 8;
+        if (n == 0) {
+            if (ready == 0 && (spin_until == 0.0 || monotonic_now() >= spin_until)) {
+                char peek; /* dry, or at its end? (FIONREAD says 0 for both) */
+                ssize_t end = recv(fd, &peek, 1, MSG_PEEK | MSG_DONTWAIT);
+                if (end > 0)
+                    continue; /* (it came just now) */
+                if (end == 0)
+                    failed = -1;
+                else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                    failed = errno;
+                break;
+            }
+            if (ready > 0 && (spin_until == 0.0 || monotonic_now() >= spin_until))
+                break; /* a part-word, and the rest of it did not come: the caller keeps it */
+            sched_yield(); /* (mid-stream the rest of a part-word is due with the next segment) */
+            continue;
+        }
+        struct iovec iov[IOV_BATCH];
+        int count = 0;
+        uint64_t planned = 0, skip = into_row;
+        for (Py_ssize_t i = row; i < rows && count < IOV_BATCH && planned < n; i++, skip = 0) {
+            uint64_t len = table[2 * i + 1] - skip;
+            if (len == 0)
+                continue;
+            if (len > n - planned)
+                len = n - planned;
+            iov[count].iov_base = (char *)(uintptr_t)table[2 * i] + skip;
+            iov[count].iov_len = (size_t)len;
+            planned += len;
+            count++;
+        }
+        if (planned < n && moved + planned < left) { /* more rows than one readv takes: cut to a word */
+            uint64_t cut = (done + moved + planned) % 8;
+            while (cut > 0) {
+                uint64_t off = cut < iov[count - 1].iov_len ? cut : iov[count - 1].iov_len;
+                iov[count - 1].iov_len -= off;
+                cut -= off;
+                planned -= off;
+                if (iov[count - 1].iov_len == 0)
+                    count--;
+            }
+            if (count == 0)
+                break; /* (eight rows of a byte or so each: the caller's buffer path takes them) */
+        }
+        if (monotonic_now() >= until)
+            break;
+        ssize_t got = readv(fd, iov, count);
+        if (got == 0) {
+            failed = -1;
+            break;
+        }
+        if (got < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
+                break; /* (a signal: the caller's handlers run, it calls again) */
+            failed = errno;
+            break;
+        }
+        moved += (uint64_t)got;
+        for (uint64_t g = (uint64_t)got; g > 0 && row < rows;) {
+            uint64_t rest = table[2 * row + 1] - into_row;
+            if (g < rest) {
+                into_row += g;
+                break;
+            }
+            g -= rest;
+            row++;
+            into_row = 0;
+        }
+        if (spin > 0.0)
+            spin_until = monotonic_now() + spin;
+    }
+    Py_END_ALLOW_THREADS
+    if (failed == -1) {
+        errno = ECONNRESET;
+        PyErr_SetFromErrno(PyExc_ConnectionResetError);
+    } else if (failed) {
+        errno = failed;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else
+        result = PyLong_FromUnsignedLongLong(moved);
+done:
+    PyBuffer_Release(&iovs);
+    return result;
+}
+
 PyDoc_STRVAR(tcp_request_doc,
-"tcp_request(sock, scratch) -> (kind, have, end, req_id, deadline, pairs, data_len)\n\n"
+"tcp_request(sock, scratch, registry=None) -> (kind, have, end, req_id, deadline, pairs, data_len, unsent)\n\n"
 "The target's side of TCP's latency path: one non-blocking recv from ``sock`` into the\n"
 "writable ``scratch``; if what it holds starts with a whole, well-formed READ (5) or WRITE (6)\n"
 "frame of 1 to 8 descriptors, ``kind`` is its type, ``end`` where it ends in ``scratch``, and\n"
 "``req_id``, ``deadline``, ``pairs`` (a list of (addr, len)) and ``data_len`` its fields.\n"
 "Else ``kind`` is 0 (anything else, or a frame not all here yet), -1 (nothing to read) or -2\n"
-"(the peer closed its end), and ``have`` says what ``scratch`` holds. Raises OSError.");
+"(the peer closed its end), and ``have`` says what ``scratch`` holds.\n"
+"With a ``registry`` (this engine's registrations: ``.table.readable.intervals``) a READ is\n"
+"also served here if every rule would let it through: a request id, at most TCP_SERVE_MAX bytes,\n"
+"its deadline (our clock, microseconds; 0: none) not passed, every range inside one readable\n"
+"registration. Its DATA frame and bytes then go out in one non-blocking sendmsg, the GIL held\n"
+"from the look at the registrations until the bytes are in the socket or copied: a\n"
+"deregistration comes wholly before or wholly after. ``unsent`` is then what the socket did not\n"
+"take (bytes, b'' if nothing), to be sent after; ``pairs`` None. Not served: ``unsent`` None.\n"
+"Raises OSError.");
 
 #define TCP_READ 5
 #define TCP_WRITE 6
 #define TCP_SMALL_DESCS 8
+#define TCP_SERVE_MAX (64u << 10) /* the most a READ served in tcp_request moves: the GIL is held for it */
+
+/* tcp_request's serving of a small READ or WRITE: None if a rule refuses it (the caller's path
+ * decides and says why), else what the socket did not take of its reply (b"" if nothing). ``data``:
+ * a WRITE's data, all of it, in the receive buffer. Holds the GIL from the look at the
+ * registrations to the end (no Python code runs: attributes and lists only, past the registry's
+ * table property, which is read first). */
+static PyObject *
+serve_small_request(int fd, PyObject *registry, int kind, uint64_t id, int64_t deadline, const uint64_t *addrs,
+                    const uint64_t *lens, Py_ssize_t count, uint64_t total, const unsigned char *data)
+{
+    if (id == 0 || total > TCP_SERVE_MAX || (deadline && monotonic_now() * 1e6 >= (double)deadline))
+        Py_RETURN_NONE;
+    PyObject *table = PyObject_GetAttr(registry, str_table);
+    PyObject *side = table == NULL ? NULL : PyObject_GetAttr(table, kind == TCP_WRITE ? str_writable : str_readable);
+    PyObject *pair = side == NULL ? NULL : intervals_of(side);
+    Py_XDECREF(table);
+    Py_XDECREF(side);
+    if (pair == NULL)
+        return NULL;
+    Py_ssize_t inside = 0;
+    for (Py_ssize_t i = 0; i < count && inside >= 0; i++) /* (bisected in place: a registry may be large) */
+        inside = find_interval(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), addrs[i], lens[i]);
+    Py_DECREF(pair);
+    if (inside == -2)
+        return NULL;
+    if (inside < 0)
+        Py_RETURN_NONE;
+    unsigned char header[TCP_HEADER] = {'H', 'X', 'L', '1', kind == TCP_WRITE ? TCP_ACK : TCP_DATA, 0, 0, 0};
+    memcpy(header + 8, &id, 8); /* (little-endian, as hixl._protocol.frames packs it; body 0) */
+    struct iovec iov[TCP_SMALL_DESCS + 1] = {{header, TCP_HEADER}};
+    int parts = 1;
+    if (kind == TCP_WRITE) { /* the data lands, in order, then a bare ACK */
+        for (Py_ssize_t i = 0; i < count; data += lens[i], i++)
+            memcpy((void *)(uintptr_t)addrs[i], data, (size_t)lens[i]);
+        total = 0;
+    } else {
+        memcpy(header + 20, &total, 8);
+        for (Py_ssize_t i = 0; i < count; i++, parts++) {
+            iov[parts].iov_base = (void *)(uintptr_t)addrs[i];
+            iov[parts].iov_len = (size_t)lens[i];
+        }
+    }
+    struct msghdr msg = {0};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = (size_t)parts;
+    ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent < 0) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+            return PyErr_SetFromErrno(PyExc_OSError);
+        sent = 0;
+    }
+    PyObject *unsent = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(TCP_HEADER + total - (uint64_t)sent));
+    if (unsent == NULL)
+        return NULL;
+    char *to = PyBytes_AS_STRING(unsent);
+    for (int i = iov_advance(iov, parts, (size_t)sent); i < parts; i++) { /* (iov[i] left at its unsent part) */
+        memcpy(to, iov[i].iov_base, iov[i].iov_len);
+        to += iov[i].iov_len;
+    }
+    return unsent;
+}
 
 static PyObject *
 tcp_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "tcp_request takes 2 arguments");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "tcp_request takes 2 or 3 arguments");
         return NULL;
     }
+    PyObject *registry = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
     int fd = socket_fd(args[0]);
     if (fd < 0)
         return NULL;
@@ -1478,11 +1714,11 @@ tcp_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetFromErrno(PyExc_OSError);
             goto done;
         }
-        result = Py_BuildValue("(iiiiiOi)", TCP_WAIT, 0, 0, 0, 0, Py_None, 0);
+        result = Py_BuildValue("(iiiiiOiO)", TCP_WAIT, 0, 0, 0, 0, Py_None, 0, Py_None);
         goto done;
     }
     if (have == 0) {
-        result = Py_BuildValue("(iiiiiOi)", TCP_EOF, 0, 0, 0, 0, Py_None, 0);
+        result = Py_BuildValue("(iiiiiOiO)", TCP_EOF, 0, 0, 0, 0, Py_None, 0, Py_None);
         goto done;
     }
     /* Recognised only if every rule hixl._protocol.frames applies to such a frame holds; for
@@ -1513,6 +1749,18 @@ tcp_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (h[4] == TCP_WRITE && total != dlen)
         goto other;
+    if (registry != NULL && (h[4] == TCP_READ || (uint64_t)have - (TCP_HEADER + body) >= total)) {
+        PyObject *unsent = serve_small_request(fd, registry, h[4], id, deadline, addrs, lens, count, total,
+                                               h + TCP_HEADER + body);
+        if (unsent == NULL)
+            goto done;
+        if (unsent != Py_None) {
+            result = Py_BuildValue("(innKLOKN)", (int)h[4], (Py_ssize_t)have, (Py_ssize_t)(TCP_HEADER + body),
+                                   (unsigned long long)id, (long long)deadline, Py_None, (unsigned long long)dlen, unsent);
+            goto done;
+        }
+        Py_DECREF(unsent);
+    }
     PyObject *pairs = PyList_New(count);
     if (pairs == NULL)
         goto done;
@@ -1524,11 +1772,11 @@ tcp_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         PyList_SET_ITEM(pairs, i, pair);
     }
-    result = Py_BuildValue("(innKLNK)", (int)h[4], (Py_ssize_t)have, (Py_ssize_t)(TCP_HEADER + body),
-                           (unsigned long long)id, (long long)deadline, pairs, (unsigned long long)dlen);
+    result = Py_BuildValue("(innKLNKO)", (int)h[4], (Py_ssize_t)have, (Py_ssize_t)(TCP_HEADER + body),
+                           (unsigned long long)id, (long long)deadline, pairs, (unsigned long long)dlen, Py_None);
     goto done;
 other:
-    result = Py_BuildValue("(iniiiOi)", 0, (Py_ssize_t)have, 0, 0, 0, Py_None, 0);
+    result = Py_BuildValue("(iniiiOiO)", 0, (Py_ssize_t)have, 0, 0, 0, Py_None, 0, Py_None);
 done:
     PyBuffer_Release(&scratch);
     return result;
@@ -1543,6 +1791,7 @@ static PyMethodDef methods[] = {
     {"tcp_send", (PyCFunction)(void (*)(void))tcp_send, METH_FASTCALL, tcp_send_doc},
     {"tcp_reply", (PyCFunction)(void (*)(void))tcp_reply, METH_FASTCALL, tcp_reply_doc},
     {"tcp_land", (PyCFunction)(void (*)(void))tcp_land, METH_FASTCALL, tcp_land_doc},
+    {"tcp_land_words", (PyCFunction)(void (*)(void))tcp_land_words, METH_FASTCALL, tcp_land_words_doc},
     {"tcp_request", (PyCFunction)(void (*)(void))tcp_request, METH_FASTCALL, tcp_request_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -1582,7 +1831,8 @@ PyInit__native(void)
                       PyModule_AddObjectRef(m, "CmaSmall", (PyObject *)&CmaSmallType) < 0 ||
                       PyModule_AddIntConstant(m, "TCP_WAIT", TCP_WAIT) < 0 ||
                       PyModule_AddIntConstant(m, "TCP_EOF", TCP_EOF) < 0 ||
-                      PyModule_AddIntConstant(m, "TCP_RANGES", TCP_RANGES) < 0)) {
+                      PyModule_AddIntConstant(m, "TCP_RANGES", TCP_RANGES) < 0 ||
+                      PyModule_AddIntConstant(m, "TCP_SERVE_MAX", TCP_SERVE_MAX) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -14,6 +14,7 @@ CMA_GONE: int
 TCP_WAIT: int
 TCP_EOF: int
 TCP_RANGES: int
+TCP_SERVE_MAX: int
 
 def check_small(
     descs: object, local_starts: list[int], local_ends: list[int], remote_starts: list[int], remote_ends: list[int]
@@ -41,4 +42,10 @@ def tcp_land(
     sock: socket.socket, scratch: bytearray, start: int, have: int, ranges: list[tuple[int, int]],
     until: float, spin: float = 0.0,
 ) -> tuple[int, int]: ...
-def tcp_request(sock: socket.socket, scratch: bytearray) -> tuple[int, int, int, int, int, list[tuple[int, int]] | None, int]: ...
+def tcp_land_words(
+    sock: socket.socket, iovs: np.ndarray, first: int, want: int, done: int, left: int,
+    until: float, piece: int, spin: float = 0.0,
+) -> int: ...
+def tcp_request(
+    sock: socket.socket, scratch: bytearray, registry: object = None
+) -> tuple[int, int, int, int, int, list[tuple[int, int]] | None, int, bytes | None]: ...

@@ -26,15 +26,18 @@ ranges they checked against registrations and mappings first.
 
 from __future__ import annotations
 
+import array
 import bisect
 import ctypes
 import os
 import errno
+import fcntl
 import select
 import signal
 import socket
 import struct
 import sys
+import termios
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +46,7 @@ import time
 
 import numpy as np
 
-from .._iov import IOV_MAX, IovCursor, process_vm_readv, process_vm_writev
+from .._iov import IOV_MAX, IovCursor, process_vm_readv, process_vm_writev, readv
 
 __all__ = [
     "CMA_GONE",
@@ -54,6 +57,7 @@ __all__ = [
     "SMALL_MAX",
     "TCP_EOF",
     "TCP_RANGES",
+    "TCP_SERVE_MAX",
     "TCP_WAIT",
     "batch_order",
     "check_small",
@@ -249,8 +253,8 @@ def _refusal(pidfd: int, generation_page: object, generation: int) -> int:
 
 
 def _cma_call(pid: int, write: bool, triples: list[tuple[int, int, int]], lanes: int) -> int:
-    """The ``process_vm_*`` call of :func:`cma_copy` (over :func:`cma_window`'s lanes, from
-    :data:`LANE_FROM` bytes, if ``lanes`` > 1)."""
+    """The ``process_vm_*`` call of :func:`cma_copy` (over :func:`cma_window`'s lanes if
+    ``lanes`` > 1: for :data:`LANE_FROM` bytes or more)."""
     scratch, count = _scratch, len(triples)
     if count == 1:  # the common latency case: both iovecs in one call, no argument lists
         local, remote, length = triples[0]
@@ -259,7 +263,7 @@ def _cma_call(pid: int, write: bool, triples: list[tuple[int, int, int]], lanes:
         pack = _iov_pack[count]
         pack.pack_into(scratch.buf, 0, *[v for d in triples for v in (d[0], d[2])])
         pack.pack_into(scratch.buf, _REMOTE_OFFSET, *[v for d in triples for v in (d[1], d[2])])
-    if lanes > 1 and sum(d[2] for d in triples) >= LANE_FROM:
+    if lanes > 1:
         return cma_window(pid, write, scratch.local, scratch.remote, count, lanes)
     moved = (process_vm_writev if write else process_vm_readv)(pid, scratch.local, count, scratch.remote, count, 0)
     return int(moved) if moved >= 0 else -ctypes.get_errno()
@@ -302,8 +306,22 @@ class CmaSmall:
         triples = _triples(descs)
         if triples is None:
             return False
-        total = _inside(triples, *local.intervals, *remote.intervals)
-        if total is None or total > self._chunk or self._link.state is not self._connected:
+        if len(triples) == 1:  # the latency case, inlined: every call here costs a tenth of a µs
+            here, there, total = triples[0]
+            starts, ends = local.intervals
+            slot = bisect.bisect_right(starts, here) - 1
+            if slot < 0 or here + total > ends[slot]:
+                return False
+            starts, ends = remote.intervals
+            slot = bisect.bisect_right(starts, there) - 1
+            if slot < 0 or there + total > ends[slot]:
+                return False
+        else:
+            inside = _inside(triples, *local.intervals, *remote.intervals)
+            if inside is None:
+                return False
+            total = inside
+        if total > self._chunk or self._link.state is not self._connected:
             return False
         # Python may switch threads between any two steps: a token holds the lease (the C twin
         # holds the GIL instead for a small copy, which comes to the same).
@@ -314,7 +332,9 @@ class CmaSmall:
         try:
             if regions.table is not checked:
                 return False  # replaced since we checked: the general path checks again
-            moved = _refusal(self._pidfd, self._page, regions.generation) or _cma_call(self._pid, write, triples, self._lanes)
+            moved = _refusal(self._pidfd, self._page, regions.generation) or _cma_call(
+                self._pid, write, triples, self._lanes if total >= LANE_FROM else 1
+            )
         finally:
             lease.leave(token)
         return moved == total
@@ -509,6 +529,8 @@ TCP_EOF = -2
 """:func:`tcp_reply`'s kind when the peer closed its end."""
 TCP_RANGES = 16
 """The most (addr, len) ranges :func:`tcp_send` and :func:`tcp_land` take."""
+TCP_SERVE_MAX = 64 << 10
+"""The most bytes a READ the C twin's :func:`tcp_request` serves itself moves (this one serves none)."""
 _TCP_HEADER = struct.Struct("<4sBBHQIQ")  # as hixl._protocol.frames lays a header out
 _TCP_DATA, _TCP_ACK = 7, 8
 
@@ -662,6 +684,72 @@ def tcp_land(
     return landed, start + buffered
 
 
+def tcp_land_words(
+    sock: socket.socket,
+    iovs: np.ndarray,
+    first: int,
+    want: int,
+    done: int,
+    left: int,
+    until: float,
+    piece: int,
+    spin: float = 0.0,
+) -> int:
+    """The target's side of a WRITE's data: land up to ``want`` bytes of it straight from the
+    non-blocking ``sock`` into the iovecs ``iovs[first:]`` ((N, 2) uint64: addr, len; only read),
+    ``done`` bytes of the data landed before and ``left`` still due (these included). Each
+    ``readv`` takes at most ``piece`` bytes, only what the socket holds already (FIONREAD) and,
+    except for the data's last bytes, only whole 8-byte words of the data. ``until`` is checked
+    before each, nothing read once it passed; a dry socket (or one holding only part of a word)
+    is tried again for ``spin`` seconds after the last bytes came, never slept on. The bytes landed: fewer than ``want`` when the
+    socket ran dry, held only part of a word, or ``until`` passed; ConnectionResetError at the
+    stream's end (which FIONREAD alone cannot tell from a dry socket)."""
+    if not isinstance(iovs, np.ndarray) or iovs.dtype != np.uint64 or iovs.ndim != 2 or iovs.shape[1] != 2:
+        raise TypeError("iovs must be a C-contiguous uint64 array of shape (n, 2)")
+    if not 0 <= first <= len(iovs) or not 0 <= want <= left or piece < 8 or done < 0:
+        raise ValueError("tcp_land_words: bad iovs, first, want or piece")
+    rows = iovs[first:]
+    if not len(rows):
+        return 0
+    cursor = IovCursor(rows)
+    want = min(want, cursor.total)
+    fd = sock.fileno()
+    unread = array.array("i", [0])
+    spin_until = time.monotonic() + spin if spin > 0 else 0.0
+    moved = 0
+    while moved < want:
+        fcntl.ioctl(fd, termios.FIONREAD, unread, True)
+        n = min(unread[0], want - moved, piece)
+        if moved + n < left:
+            n -= (done + moved + n) % 8  # (not the data's last bytes: whole words only)
+        if n <= 0:
+            spun = not spin_until or time.monotonic() >= spin_until
+            if unread[0]:
+                if spun:
+                    break  # a part-word, and the rest of it did not come: the caller keeps it
+                os.sched_yield()  # (mid-stream the rest of a part-word is due with the next segment)
+                continue
+            if spun:
+                try:  # dry, or at its end? (FIONREAD says 0 for both)
+                    if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                        continue  # (it came just now)
+                except (BlockingIOError, InterruptedError):
+                    break
+                raise ConnectionResetError(errno.ECONNRESET, "peer closed the connection mid-data")
+            os.sched_yield()
+            continue
+        try:
+            got = readv(fd, cursor, n, until)
+        except ConnectionError as exc:
+            raise ConnectionResetError(errno.ECONNRESET, "peer closed the connection mid-data") from exc
+        if got <= 0:
+            break  # (-1: until passed; 0: a signal)
+        moved += got
+        if spin > 0:
+            spin_until = time.monotonic() + spin
+    return moved
+
+
 _TCP_READ, _TCP_WRITE = 5, 6
 _TCP_SMALL_DESCS = 8
 _TCP_DEADLINE = struct.Struct("<q")
@@ -669,20 +757,25 @@ _TCP_BODIES = {8 + 16 * n: struct.Struct(f"<{2 * n}Q") for n in range(1, _TCP_SM
 _U64 = (1 << 64) - 1
 
 
-def tcp_request(sock: socket.socket, scratch: bytearray) -> tuple[int, int, int, int, int, list[tuple[int, int]] | None, int]:
+def tcp_request(
+    sock: socket.socket, scratch: bytearray, registry: object = None
+) -> tuple[int, int, int, int, int, list[tuple[int, int]] | None, int, bytes | None]:
     """One non-blocking ``recv`` into ``scratch``; ``(kind, have, end, req_id, deadline, pairs,
-    data_len)``: kind 5 (READ) / 6 (WRITE) if ``scratch`` starts with a whole, well-formed one of
-    those of 1 to 8 descriptors (``end``: where it ends), else 0, :data:`TCP_WAIT` (nothing to
-    read) or :data:`TCP_EOF`."""
+    data_len, unsent)``: kind 5 (READ) / 6 (WRITE) if ``scratch`` starts with a whole, well-formed
+    one of those of 1 to 8 descriptors (``end``: where it ends), else 0, :data:`TCP_WAIT` (nothing
+    to read) or :data:`TCP_EOF`. ``unsent`` is always None: this twin serves no READ itself, whatever
+    ``registry`` is (the C twin may). Python may switch threads between any two steps, so a
+    deregistration could come between the look at the registrations and the send; the caller's
+    path takes a hold on the ranges first."""
     if len(scratch) < _TCP_HEADER.size + 8 + 16 * _TCP_SMALL_DESCS:
         raise ValueError("tcp_request: scratch too small")
     try:
         have = sock.recv_into(scratch)
     except (BlockingIOError, InterruptedError):
-        return TCP_WAIT, 0, 0, 0, 0, None, 0
+        return TCP_WAIT, 0, 0, 0, 0, None, 0, None
     if not have:
-        return TCP_EOF, 0, 0, 0, 0, None, 0
-    other = (0, have, 0, 0, 0, None, 0)
+        return TCP_EOF, 0, 0, 0, 0, None, 0, None
+    other = (0, have, 0, 0, 0, None, 0, None)
     if have < _TCP_HEADER.size + 8:
         return other
     magic, kind, flags, reserved, req_id, body, data_len = _TCP_HEADER.unpack_from(scratch)
@@ -704,4 +797,4 @@ def tcp_request(sock: socket.socket, scratch: bytearray) -> tuple[int, int, int,
         pairs.append((addr, length))
     if kind == _TCP_WRITE and total != data_len:
         return other
-    return kind, have, end, req_id, deadline, pairs, data_len
+    return kind, have, end, req_id, deadline, pairs, data_len, None

@@ -5,6 +5,7 @@ See :mod:`hixl._protocol.frames` for the frame layout.
 
 from .connection import NEED_DATA, ConnState, Connection, ConnectionClosed, PeerFatal, RegionsPushed, Role
 from .frames import (
+    FRAME_TYPES,
     HEADER_SIZE,
     REGION_WRITABLE,
     WHOLE,
@@ -51,6 +52,7 @@ __all__ = [
     "Bye",
     "Data",
     "Error",
+    "FRAME_TYPES",
     "FrameType",
     "Header",
     "Hello",

@@ -56,7 +56,6 @@ events as feeding it whole.
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 import time
@@ -66,6 +65,7 @@ from typing import Any, Final
 
 
 from .._exceptions import AuthenticationFailed, ProtocolError
+from .._types import IdentityEnum
 from . import auth
 from .frames import (
     HEADER_SIZE,
@@ -101,14 +101,14 @@ from .frames import (
 __all__ = ["NEED_DATA", "ConnState", "Connection", "ConnectionClosed", "PeerFatal", "RegionsPushed", "Role"]
 
 
-class Role(enum.Enum):
+class Role(IdentityEnum):
     """Which side of a connection this is."""
 
     INITIATOR = "initiator"
     TARGET = "target"
 
 
-class ConnState(enum.Enum):
+class ConnState(IdentityEnum):
     """Where a connection is in its life (see the module docstring)."""
 
     HANDSHAKE = "HANDSHAKE"

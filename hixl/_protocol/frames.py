@@ -96,6 +96,11 @@ class FrameType(enum.IntEnum):
     REVOKED = 19
 
 
+FRAME_TYPES: dict[int, FrameType] = {int(kind): kind for kind in FrameType}
+"""Each frame type by its number: a dict lookup, where ``FrameType(number)`` runs ~0.3 µs of Python
+(on every request of TCP's latency path, on both sides)."""
+
+
 BODY_LIMITS: dict[FrameType, int] = {
     FrameType.HELLO: _HANDSHAKE_BODY,
     FrameType.CHALLENGE: _HANDSHAKE_BODY,

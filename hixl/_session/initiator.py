@@ -33,7 +33,6 @@ immediately instead of hanging.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import os
@@ -56,6 +55,7 @@ from .._exceptions import (
     error_for_status,
 )
 from .._protocol.connection import ConnectionClosed, PeerFatal, RegionsPushed
+from .._types import IdentityEnum
 from .peer_regions import PeerRegions
 from .wire import Wire
 
@@ -72,7 +72,7 @@ INPUT_CHECK = 0.001
 """Seconds between two looks at the socket by a copying thread (see :meth:`PeerLink.poll_input`)."""
 
 
-class LinkState(enum.Enum):
+class LinkState(IdentityEnum):
     """State of a :class:`PeerLink`: CONNECTED until it is CLOSED by us or BROKEN."""
 
     CONNECTED = "CONNECTED"
@@ -267,7 +267,7 @@ class PeerLink:
             with wire.conn_lock:
                 frame = wire.frame_of(make_frame, wire.conn)
             self._send(req_id, lambda: wire.send_parts(frame, data, deadline))
-            reading = self._read_until(req_id, pending, deadline, into)
+            reading = self._read_until(req_id, pending, deadline, into, sum(n for _, n in data))
         finally:
             if reading:
                 self._give_back_read_role()
@@ -324,17 +324,23 @@ class PeerLink:
             self._rearm()
 
     def _read_until(
-        self, req_id: int, pending: Pending, deadline: float | None, into: list[tuple[int, int]] | None = None
+        self,
+        req_id: int,
+        pending: Pending,
+        deadline: float | None,
+        into: list[tuple[int, int]] | None = None,
+        landing: int = 0,
     ) -> bool:
         """Read (as the reader) until ``pending`` (request ``req_id``) is answered, the link ends,
         or ``deadline``. False if it handed the read role to the reader thread instead, with
         another request's DATA frame: its bytes are that request's I/O, on its deadline, not
         ours (``pending.waker`` is then set once ours is answered). With ``into`` (the latency
-        path, see :meth:`exchange`) the expected reply is first looked for straight off the socket."""
+        path, see :meth:`exchange`) the expected reply is first looked for straight off the socket,
+        after the target landed ``landing`` bytes we sent (:meth:`Wire.reply_spin`)."""
         wire = self.wire
         try:
             if into is not None and deadline is not None and self.on_event is None and not (wire.conn.buffered or wire.conn.data_left):
-                landed = wire.read_reply(req_id, into, deadline)
+                landed = wire.read_reply(req_id, into, deadline, landing)
                 if landed is not None:
                     with self._pending_lock:
                         mine = self._pending.pop(req_id, None) is pending

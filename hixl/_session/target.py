@@ -36,7 +36,6 @@ import array
 import collections
 import contextlib
 import ctypes
-import enum
 import errno
 import fcntl
 import ipaddress
@@ -65,11 +64,11 @@ from .._exceptions import (
     ResourceExhausted,
     TransferTimeout,
 )
-from .._iov import IovCursor, readv
+from .._iov import IovCursor
 from .._memory import Registry, RemoteRegions, memory_view
 from .._protocol.auth import Secret
-from .._protocol.connection import NEED_DATA, Connection, ConnectionClosed, Role
-from .._types import NotifyDesc, Status
+from .._protocol.connection import NEED_DATA, Connection, ConnectionClosed, ConnState, Role
+from .._types import IdentityEnum, NotifyDesc, Status
 from ..transports.base import Transport
 from .admission import Admission
 from .backend import NetworkBackend
@@ -224,6 +223,10 @@ class TargetServer:
         for transport in transports:
             for kind in transport.capabilities.serves:
                 self.servers_of.setdefault(kind, transport)
+        servers = [self.servers_of.get(kind) for kind in (proto.FrameType.READ, proto.FrameType.WRITE)]
+        self.plain = all(t is not None and not t.capabilities.serve_blocks and t.serves_plainly() for t in servers)
+        """Whether the loop may serve a small READ or WRITE in the C call that reads it
+        (:meth:`_ServedConnection._serve_straight`)."""
         check_fd_limit(limits.max_connections + limits.max_handshakes)
         self._listener = backend.listen(host, port, min(4096, limits.max_handshakes * 4))
         try:
@@ -684,7 +687,7 @@ class _Landing:
     release: Callable[[], None]
 
 
-class _Phase(enum.Enum):
+class _Phase(IdentityEnum):
     HELLO = "waiting for HELLO"
     AUTH = "waiting for AUTH"
     OPEN = "open"
@@ -724,6 +727,9 @@ class _ServedConnection:
         self._revoke_wanted = 0
         self._landing: _Landing | None = None
         """The bulk data of a WRITE being landed (or dropped) as it arrives."""
+        self._inline: tuple[int, int] | None = None
+        """Where in the loop thread's scratch the data that came with a WRITE begins, and where
+        what came with it ends (see :meth:`_serve_straight`): landed from there, not via the connection."""
         self._lowat = 1  # the socket's SO_RCVLOWAT (see _landing_window)
         self._unread = array.array("i", [0])  # (FIONREAD's answer, see _socket_holds)
         self._outbox = Outbox()
@@ -802,6 +808,12 @@ class _ServedConnection:
             frame = self.wire.frame_of(self.conn.send, message)
         self._send_now(frame, [], None)
 
+    def acknowledge(self, req_id: int) -> None:
+        """:meth:`reply` with the ACK of ``req_id``, its frame made directly (no message built)."""
+        with self.wire.conn_lock:
+            frame = self.wire.frame_of(self.conn.reply_frame, proto.FrameType.ACK, req_id)
+        self._send_now(frame, [], None)
+
     def take_hold(self, descs: np.ndarray | list[tuple[int, int]]) -> Callable[[], None]:
         """Hold ``descs`` ((N, 2): addr, len) of this engine's memory (take it before checking
         them); the function that releases the hold (once; later calls do nothing)."""
@@ -866,11 +878,16 @@ class _ServedConnection:
     def land_small(
         self, pairs: list[tuple[int, int]], deadline: float, landed: Callable[[bool], None], release: Callable[[], None]
     ) -> None:
-        """:meth:`land_data` into a few (addr, len) ``pairs``: if their data all came with the frame
-        (a small WRITE, one segment) and ``deadline`` has not passed, copied from there at once."""
+        """:meth:`land_data` into a few (addr, len) ``pairs``: what of their data came with the frame
+        copied from there at once (all of it, for a small WRITE), the rest as it arrives."""
         conn = self.conn
         total = sum(n for _, n in pairs)
-        if conn.data_left == total and conn.buffered >= total and time.monotonic() < deadline:
+        moved = self._land_inline(pairs, total, deadline)
+        if moved == total:
+            release()
+            landed(True)
+            return
+        if not moved and conn.data_left == total and conn.buffered >= total and time.monotonic() < deadline:
             with self.wire.conn_lock:
                 data = conn.take_data(total)
             offset = 0
@@ -880,7 +897,32 @@ class _ServedConnection:
             release()
             landed(True)
             return
-        self.land_data(IovCursor(np.array(pairs, dtype=np.uint64).reshape(-1, 2)), deadline, landed, release)
+        cursor = IovCursor(np.array(pairs, dtype=np.uint64).reshape(-1, 2))
+        if moved:
+            cursor.advance(moved)
+        self.land_data(cursor, deadline, landed, release)
+
+    def _land_inline(self, pairs: list[tuple[int, int]], total: int, deadline: float) -> int:
+        """Land into ``pairs`` the whole words of the data :meth:`_serve_straight` left in the
+        scratch unless ``deadline`` passed, one copy — all of it if all came, none of a WRITE of up
+        to READ_SIZE that did not (that one lands once whole) — and the rest of what the scratch
+        holds to the connection. The bytes landed."""
+        if self._inline is None:
+            return 0
+        start, have = self._inline
+        if self.conn.data_left != total or time.monotonic() >= deadline or have - start < total <= READ_SIZE:
+            self._spill_inline()  # (a WRITE of up to READ_SIZE is gathered whole, then lands all at once)
+            return 0
+        self._inline = None
+        wire = self.wire
+        take = _whole_words(0, min(have - start, total), total)
+        if take:
+            _accel.tcp_land(wire.sock, wire.scratch, start, start + take, pairs, 0.0)  # (copies, reads nothing)
+        with wire.conn_lock:
+            self.conn.data_moved(take)
+            if start + take < have:
+                self.conn.receive_data(memoryview(wire.scratch)[start + take : have])
+        return take
 
     def land_data(
         self,
@@ -893,8 +935,18 @@ class _ServedConnection:
         arrives — none of it once ``deadline`` (``time.monotonic()``) passed: the rest is read and
         dropped, as all of it is if ``cursor`` is None — then ``release()`` and ``landed(all_of_it)``.
         If the connection ends first, only ``release()``."""
+        self._spill_inline()
         self._landing = _Landing(cursor, deadline, landed, release)
         self._land()
+
+    def _spill_inline(self) -> None:
+        """Hand what :meth:`_serve_straight` left in the scratch (a small WRITE's data, and what came
+        after it) to the connection, for the general path: before anything else reads the scratch."""
+        if self._inline is not None:
+            start, have = self._inline
+            self._inline = None
+            with self.wire.conn_lock:
+                self.conn.receive_data(memoryview(self.wire.scratch)[start:have])
 
     def _land(self) -> bool:
         """Move what arrived of the data being landed; True once it is all in (or dropped).
@@ -902,10 +954,18 @@ class _ServedConnection:
         Every piece it lands ends on an 8-byte word boundary of the data, except its last: a word
         is never left half-written while the rest of it is awaited, so a concurrent reader of that
         memory (a cma peer, the application) sees each word old or new, never torn. The bytes of a
-        word not yet whole wait in the connection's buffer."""
+        word not yet whole wait in the connection's buffer.
+
+        At most :data:`CHUNK` bytes a round: then the loop serves everyone else first and comes
+        back (a WRITE streaming in without a pause would otherwise hold the loop to the end —
+        a 512 MiB one kept another peer's 8 B READ waiting 300 ms)."""
         landing, wire, conn = self._landing, self.wire, self.conn
         assert landing is not None
+        stop_at = max(0, conn.data_left - CHUNK)
         while conn.data_left:
+            if conn.data_left <= stop_at:
+                self.server.loop.again(self)  # its share of this round is used up
+                return False
             cursor = landing.cursor
             if cursor is not None and not cursor.finished and time.monotonic() >= landing.deadline:
                 landing.cursor = cursor = None  # past its deadline nothing lands: the rest is dropped
@@ -938,22 +998,31 @@ class _ServedConnection:
                 data = conn.take_data(take)
             cursor.copy_in(data)
             return True
-        window = self._landing_window(cursor, want)
-        ready = self._socket_holds()
-        if ready < window:
-            window = _whole_words(cursor.done, ready, conn.data_left)
-            if not window:
-                # Not one whole word: into the buffer with it, not left in the socket — a few bytes
-                # left of a large segment hold all its memory there, and with enough of those the
-                # window closes while the socket turns readable for them alone (a spin, no data).
-                return self._gather(ready) if ready else False
+        rows, first = cursor.pending_rows()
         try:
-            moved = readv(wire.fd, cursor, window, deadline)
+            moved = _accel.tcp_land_words(
+                wire.sock, rows, first, want, cursor.done, conn.data_left, deadline, _LOWAT, wire.busy_poll
+            )
         except OSError as exc:  # (ConnectionError included: the peer closed mid-data)
             raise PeerDisconnected(f"{wire.peer}: {exc}") from exc
-        if moved > 0:
+        if moved:
+            cursor.advance(moved)
             conn.data_moved(moved)
-        return moved != 0
+            wire.last_alive = time.monotonic()
+        if moved == want or time.monotonic() >= deadline:
+            return True  # (past the deadline: _land drops the rest)
+        ready = self._socket_holds()
+        if ready >= _WORD:
+            return True  # (it came just after the last look)
+        if ready:
+            # Not one whole word: into the buffer with it, not left in the socket — a few bytes left
+            # of a large segment hold all its memory there, and with enough of those the window
+            # closes while the socket turns readable for them alone (a spin, no data).
+            return self._gather(ready)
+        # Dry: asleep until a piece of what is still due came — a mark set for more than that would
+        # never be reached (the WRITE would stall).
+        self._landing_window(cursor, want - moved)
+        return False
 
     def _gather(self, nbytes: int) -> bool:
         """Receive up to ``nbytes`` more of the data into the connection's buffer (a few
@@ -1096,30 +1165,55 @@ class _ServedConnection:
     def _serve_straight(self) -> bool:
         """TCP's latency path: one ``recv``; a small READ or WRITE that arrived whole is accounted
         for by the connection (:meth:`Connection.took_frame`) and served from its fields, no
-        message built, and what came after it handed to the connection. False if what came is
+        message built — what came of a WRITE's data copied into memory from the scratch it was
+        received into — and what came after it handed to the connection. False if what came is
         anything else: it is all the connection's then, for the general path to parse."""
         wire, conn = self.wire, self.conn
+        # A READ or WRITE may be served in that very call (the C twin's, given the registry) when
+        # nothing else would stand between it and its answer: the connection open, nothing queued
+        # before it.
+        serve = self.server.plain and conn.state is ConnState.OPEN and not (self._outbox or self.busy)
         try:
-            kind, have, end, req_id, deadline, pairs, data_len = _accel.tcp_request(wire.sock, wire.scratch)
+            kind, have, end, req_id, deadline, pairs, data_len, unsent = _accel.tcp_request(
+                wire.sock, wire.scratch, self.server.registry if serve else None
+            )
         except OSError as exc:
             raise PeerDisconnected(f"{wire.peer}: socket error: {exc}") from exc
         if have:
             wire.last_alive = time.monotonic()
-        transport = self.server.servers_of.get(proto.FrameType(kind)) if kind > 0 else None
+        if unsent is not None:  # served: accounted for as any other, what the socket did not take queued
+            with wire.conn_lock:
+                conn.took_frame(proto.FRAME_TYPES[kind], req_id, data_len)
+                conn.data_moved(data_len)  # (a WRITE's, copied in from the scratch)
+                if end + data_len < have:
+                    conn.receive_data(memoryview(wire.scratch)[end + data_len : have])
+            if unsent:
+                self._outbox.put([unsent], data=True)  # (a copy: no hold on the memory needed)
+                self.flush()
+            return True
+        frame_type = proto.FRAME_TYPES[kind] if kind > 0 else None
+        transport = self.server.servers_of.get(frame_type) if frame_type is not None else None
         straight = transport is not None and not transport.capabilities.serve_blocks
+        inline = straight and data_len and have > end  # (a WRITE's data came with it, some or all)
         with wire.conn_lock:
             if straight:
-                conn.took_frame(proto.FrameType(kind), req_id, data_len)
+                assert frame_type is not None
+                conn.took_frame(frame_type, req_id, data_len)
             else:
                 end = 0
-            if end < have:
+            if end < have and not inline:
                 conn.receive_data(memoryview(wire.scratch)[end:have])
             if kind == _accel.TCP_EOF:
                 conn.receive_data(b"")
         if not straight:
             return False
         assert transport is not None and pairs is not None
-        transport.serve_small(self, kind == proto.FrameType.WRITE, req_id, deadline, pairs, data_len)
+        if inline:
+            self._inline = (end, have)
+        try:
+            transport.serve_small(self, frame_type is proto.FrameType.WRITE, req_id, deadline, pairs, data_len)
+        finally:
+            self._spill_inline()  # (if it was not landed from there: refused, say)
         if self._outbox:
             self.flush()
         return True
@@ -1314,12 +1408,17 @@ class _ServedConnection:
             return
         if self.phase is _Phase.OPEN:
             self._add_region_frames()
+        was_full = self._outbox.nbytes >= _OUTBOX_READ_LIMIT
         try:
             if self._outbox.flush(self.wire.sock):
                 self.wire.last_alive = time.monotonic()  # our data taken by a peer that reads it
         except OSError as exc:
             self.end(f"socket error: {exc}")
             return
+        if was_full and self._outbox.nbytes < _OUTBOX_READ_LIMIT and self.conn.buffered:
+            # Requests that came before the outbox filled wait in the connection's buffer, not the
+            # socket: no readiness announces them (pipelined large READs waited for a PING).
+            self.server.loop.again(self)
         if not self._outbox:
             if self._close_after_flush:
                 self.end(self._close_after_flush)

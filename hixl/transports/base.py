@@ -148,6 +148,9 @@ class ServedSession(Protocol):
     def reply(self, message: Any) -> None:
         """Send ``message`` (an ACK, an ERROR) after whatever is queued already."""
 
+    def acknowledge(self, req_id: int) -> None:
+        """:meth:`reply` with the ACK of ``req_id`` (the latency path: its frame made directly)."""
+
     def take_hold(self, descs: np.ndarray | list[tuple[int, int]]) -> Callable[[], None]:
         """:meth:`hold`, released by calling the function returned (once; later calls do nothing),
         or passing it to :meth:`send_data` / :meth:`land_data`."""
@@ -291,6 +294,20 @@ class Transport(abc.ABC):
         descs = np.array(pairs, dtype=np.uint64).reshape(-1, 2)
         message = WriteRequest(req_id, descs, data_len, deadline) if write else ReadRequest(req_id, descs, deadline)
         self.serve(session, message)
+
+    def serves_plainly(self) -> bool:
+        """Whether this transport's target half serves a small READ or WRITE exactly as TCP does —
+        its ranges checked against this engine's registrations readable (READ) or writable (WRITE),
+        one past its deadline refused, a READ's DATA and bytes sent from where they lie, a WRITE's
+        data copied in and an ACK sent — so that the session may serve one that arrived whole
+        itself, in the C call that read it (:func:`hixl._accel.tcp_request`), without calling
+        :meth:`serve_small`. False unless the transport says so."""
+        return False
+
+    def _serves_as(self, cls: type[Transport]) -> bool:
+        """Whether this transport serves with ``cls``'s own :meth:`serve` and :meth:`serve_small`
+        (not a subclass's that serves its own way, say to count what it serves)."""
+        return type(self).serve is cls.serve and type(self).serve_small is cls.serve_small
 
     @abc.abstractmethod
     def probe(self, link: LinkSession) -> str | None:

@@ -253,6 +253,10 @@ class ShmTransport(Transport):
         """A small READ or WRITE from its fields: as TCP."""
         self._tcp.serve_small(session, write, req_id, deadline, pairs, data_len)
 
+    def serves_plainly(self) -> bool:
+        """As TCP's, which serves them: not for a subclass that serves its own way."""
+        return self._serves_as(ShmTransport) and self._tcp.serves_plainly()
+
     def close(self) -> None:
         """Stop listening and remove the socket; idempotent."""
         with self._lock:

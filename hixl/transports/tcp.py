@@ -290,6 +290,11 @@ class TcpTransport(Transport):
             release()
             raise
 
+    def serves_plainly(self) -> bool:
+        """True: :meth:`serve_small` is those rules. Not for a subclass that serves its own way
+        (overrides :meth:`serve` or :meth:`serve_small`, say to count what it serves)."""
+        return self._serves_as(TcpTransport)
+
     @staticmethod
     def _refusal(session: ServedSession, req_id: int, descs: np.ndarray, write: bool) -> proto.Error | None:
         try:
@@ -310,7 +315,7 @@ class TcpTransport(Transport):
     def _landed(session: ServedSession, req_id: int) -> Callable[[bool], None]:
         def landed(complete: bool) -> None:
             if complete:
-                session.reply(proto.Ack(req_id))
+                session.acknowledge(req_id)
             else:
                 session.reply(proto.Error(req_id, Status.TIMEOUT, "the WRITE passed its deadline; the rest was dropped"))
 

@@ -420,6 +420,8 @@ def test_cma_small_copies_nothing_that_any_rule_refuses(small_path: Any) -> None
     refused = {
         "local range outside registrations": (s.READ, [(s.l + 4 * BLOCK - 4, s.p, 8)]),
         "remote range outside regions": (s.READ, [(s.l, s.p + 4 * BLOCK - 4, 8)]),
+        "local range before registrations": (s.READ, [(s.l - 8, s.p, 8)]),
+        "remote range before regions": (s.READ, [(s.l, s.p - 8, 8)]),
         "WRITE into a read-only region": (s.WRITE, [(s.l, s.p + READ_ONLY_AT, 8)]),
         "one bad of two": (s.READ, [(s.l, s.p, 8), (s.l + 8, s.p + 5 * BLOCK, 8)]),
         "an op that is neither": ("READ", ok),

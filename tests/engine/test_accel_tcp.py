@@ -1,4 +1,4 @@
-"""TCP's latency path in hixl._accel (tcp_send, tcp_reply, tcp_land, tcp_request): the C extension
+"""TCP's latency path in hixl._accel (tcp_send, tcp_reply, tcp_land, tcp_request, tcp_land_words): the C extension
 and its pure-Python twin move exactly the bytes asked for, stop waiting when told, recognise only
 the frames the protocol's own parser accepts (with the same fields), and agree on every input.
 Real sockets (a connected pair), no mocks; a peer that stalls is one that stops writing."""
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hixl import _protocol as proto
 from hixl._exceptions import ProtocolError
 from hixl._accel import pure
+from hixl._memory import Registry
 from hixl._protocol.connection import Connection, ConnState, Role
 from hixl._protocol.frames import HEADER_SIZE, encode_header, parse_body, parse_header_at
 
@@ -249,6 +250,140 @@ def test_tcp_land_reports_a_peer_that_closes_mid_data(impl: ModuleType, pair: tu
         impl.tcp_land(ours, bytearray(8), 0, 0, [(_addr(dst), 16)], time.monotonic() + 2)
 
 
+# -- tcp_land_words: a target lands a WRITE's data from the socket, whole words only ------------------
+def _iovs(*ranges: tuple[int, int]) -> np.ndarray:
+    return np.array(ranges, dtype=np.uint64).reshape(-1, 2)
+
+
+def _settled() -> None:
+    time.sleep(0.05)  # (what the peer sent is in our socket)
+
+
+@pytest.mark.parametrize("done", [0, 3], ids=["from-a-word", "three-bytes-into-one"])
+def test_tcp_land_words_takes_only_whole_words_of_what_came(
+    impl: ModuleType, pair: tuple[socket.socket, socket.socket], done: int
+) -> None:
+    """20 bytes of 40 due, ``done`` landed before: only what ends on a word of the data lands, the
+    part-word stays in the socket (for the caller's buffer)."""
+    ours, peer = pair
+    dst = np.zeros(40, dtype=np.uint8)
+    peer.sendall(b"a" * 20)
+    _settled()
+    iovs = _iovs((_addr(dst), 15), (_addr(dst, 15), 25))
+    moved = impl.tcp_land_words(ours, iovs, 0, 40, done, 40, time.monotonic() + 5, 1 << 20)
+    assert moved == 20 - (done + 20) % 8
+    assert bytes(dst[:moved]) == b"a" * moved and not dst[moved:].any()
+    assert ours.recv(64) == b"a" * (20 - moved)  # (left for the caller)
+
+
+def test_tcp_land_words_lands_the_datas_last_bytes_whatever_their_length(
+    impl: ModuleType, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    ours, peer = pair
+    dst = np.zeros(16, dtype=np.uint8)
+    peer.sendall(b"xyz12345678")
+    _settled()
+    # Rows from the second one on, the first of them shortened by what landed of it, as IovCursor keeps them.
+    iovs = _iovs((_addr(dst), 5), (_addr(dst, 5), 11))
+    assert impl.tcp_land_words(ours, iovs, 1, 11, 5, 11, time.monotonic() + 5, 1 << 20) == 11
+    assert bytes(dst) == bytes(5) + b"xyz12345678"
+
+
+def test_tcp_land_words_never_reads_past_want_nor_its_rows(impl: ModuleType, pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, peer = pair
+    dst = np.zeros(64, dtype=np.uint8)
+    peer.sendall(b"b" * 64)
+    _settled()
+    assert impl.tcp_land_words(ours, _iovs((_addr(dst), 64)), 0, 16, 0, 64, time.monotonic() + 5, 1 << 20) == 16
+    assert impl.tcp_land_words(ours, _iovs((_addr(dst, 16), 24)), 0, 48, 16, 48, time.monotonic() + 5, 1 << 20) == 24
+    assert bytes(dst[:40]) == b"b" * 40 and not dst[40:].any()
+    assert len(ours.recv(64)) == 24
+
+
+def test_tcp_land_words_reads_in_pieces_of_at_most_piece(impl: ModuleType, pair: tuple[socket.socket, socket.socket]) -> None:
+    """A piece is what one readv takes: all of it still lands, piece after piece."""
+    ours, peer = pair
+    dst = np.zeros(100, dtype=np.uint8)
+    peer.sendall(bytes(range(100)))
+    _settled()
+    assert impl.tcp_land_words(ours, _iovs((_addr(dst), 100)), 0, 100, 0, 100, time.monotonic() + 5, 8) == 100
+    assert bytes(dst) == bytes(range(100))
+
+
+def test_tcp_land_words_lands_nothing_once_until_passed(impl: ModuleType, pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, peer = pair
+    dst = np.zeros(16, dtype=np.uint8)
+    peer.sendall(b"c" * 16)
+    _settled()
+    assert impl.tcp_land_words(ours, _iovs((_addr(dst), 16)), 0, 16, 0, 16, time.monotonic() - 1, 1 << 20) == 0
+    assert not dst.any()
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.3])
+def test_tcp_land_words_waits_for_more_only_by_spinning_and_only_as_long_as_told(
+    impl: ModuleType, pair: tuple[socket.socket, socket.socket], spin: float
+) -> None:
+    """A word now, the next 0.15 s later: with ``spin`` 0.3 s that one is tried for (CPU burnt)
+    and lands too; with 0 the call returns with what came, at once — it never sleeps."""
+    ours, peer = pair
+    dst = np.zeros(16, dtype=np.uint8)
+    peer.sendall(b"12345678")
+    _settled()
+    rest = threading.Timer(0.15, peer.sendall, [b"abcdefgh"])
+    cpu, start = time.process_time(), time.monotonic()
+    rest.start()
+    moved = impl.tcp_land_words(ours, _iovs((_addr(dst), 16)), 0, 16, 0, 16, time.monotonic() + 5, 1 << 20, spin)
+    took, burnt = time.monotonic() - start, time.process_time() - cpu
+    rest.join()
+    if spin:
+        assert moved == 16 and bytes(dst) == b"12345678abcdefgh" and burnt > 0.03
+    else:
+        assert moved == 8 and took < 0.1 and burnt < 0.03
+
+
+def test_tcp_land_words_waits_out_a_part_word_while_it_spins(impl: ModuleType, pair: tuple[socket.socket, socket.socket]) -> None:
+    """Mid-stream the rest of a part-word comes with the next segment: within ``spin`` the call
+    waits for it (and lands the word whole) rather than hand the part to the caller's buffer."""
+    ours, peer = pair
+    dst = np.zeros(16, dtype=np.uint8)
+    peer.sendall(b"12345678abc")
+    _settled()
+    rest = threading.Timer(0.1, peer.sendall, [b"defgh"])
+    rest.start()
+    moved = impl.tcp_land_words(ours, _iovs((_addr(dst), 16)), 0, 16, 0, 16, time.monotonic() + 5, 1 << 20, 0.5)
+    rest.join()
+    assert moved == 16 and bytes(dst) == b"12345678abcdefgh"
+
+
+def test_tcp_land_words_reports_a_peer_that_closes_mid_data(impl: ModuleType, pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, peer = pair
+    dst = np.zeros(16, dtype=np.uint8)
+    peer.sendall(b"12345678")
+    peer.shutdown(socket.SHUT_WR)
+    _settled()
+    with pytest.raises(ConnectionResetError):
+        impl.tcp_land_words(ours, _iovs((_addr(dst), 16)), 0, 16, 0, 16, time.monotonic() + 2, 1 << 20, 0.01)
+    assert bytes(dst[:8]) == b"12345678"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (np.zeros((1, 3), dtype=np.uint64), 0, 8, 0, 8, 8),
+        (np.zeros((1, 2), dtype=np.int64), 0, 8, 0, 8, 8),
+        (_iovs((0, 8)), 2, 8, 0, 8, 8),
+        (_iovs((0, 8)), 0, 9, 0, 8, 8),
+        (_iovs((0, 8)), 0, 8, 0, 8, 4),
+        (_iovs((0, 8)), 0, -1, 0, 8, 8),
+    ],
+    ids=["three-columns", "signed", "first-past-the-rows", "want-above-left", "piece-under-a-word", "negative"],
+)
+def test_tcp_land_words_refuses_bad_arguments(impl: ModuleType, pair: tuple[socket.socket, socket.socket], args: tuple) -> None:
+    iovs, first, want, done, left, piece = args
+    with pytest.raises((TypeError, ValueError)):
+        impl.tcp_land_words(pair[0], iovs, first, want, done, left, time.monotonic() + 1, piece)
+
+
 # -- tcp_request: recognised only what the parser accepts, with the same fields ------------------
 def _request(kind: int, req_id: int, deadline: int, pairs: list[tuple[int, int]], data_len: int, body_extra: int = 0) -> bytes:
     body = struct.pack("<q", deadline) + b"".join(struct.pack("<QQ", a, n) for a, n in pairs)
@@ -297,8 +432,8 @@ def test_tcp_request_recognises_exactly_what_the_parser_accepts(frame: bytes, cu
             ours.setblocking(False)
             answers.append(impl.tcp_request(ours, bytearray(16 << 10)))
     assert all(a == answers[0] for a in answers), answers  # the twins agree
-    kind, have, end, req_id, deadline, pairs, data_len = answers[0]
-    assert have == len(raw)
+    kind, have, end, req_id, deadline, pairs, data_len, unsent = answers[0]
+    assert have == len(raw) and unsent is None  # (served only when given the registry)
     if kind > 0:
         small = verdict is not None and 1 <= len(verdict[3]) <= proto.frames.SMALL_DESCS
         assert small and verdict == (kind, req_id, deadline, pairs, data_len)
@@ -315,9 +450,142 @@ def test_tcp_request_on_an_empty_socket_and_at_its_end(impl: ModuleType, pair: t
     assert impl.tcp_request(ours, bytearray(16 << 10))[0] == impl.TCP_EOF
 
 
+# -- tcp_request given the registry: the C twin serves a READ or WRITE every rule lets through ---
+@pytest.fixture
+def registry() -> Iterator[tuple[Registry, np.ndarray, np.ndarray, np.ndarray]]:
+    """A registry with a buffer registered read-only (a pattern in it: what a READ may read), one
+    registered read-write (what a WRITE may write), and a buffer left unregistered."""
+    readable = np.arange(1 << 15, dtype=np.uint32).view(np.uint8).copy()
+    writable = np.zeros(1 << 17, dtype=np.uint8)
+    unregistered = np.full(4096, 7, dtype=np.uint8)
+    reg = Registry()
+    reg.register(readable, access="r")
+    reg.register(writable, access="rw")
+    yield reg, readable, writable, unregistered
+
+
+def _read_of(req_id: int, pairs: list[tuple[int, int]], deadline: int = 0) -> bytes:
+    return _request(F.READ, req_id, deadline, pairs, 0)
+
+
+def _write_of(req_id: int, pairs: list[tuple[int, int]], data: bytes, deadline: int = 0) -> bytes:
+    return _request(F.WRITE, req_id, deadline, pairs, len(data)) + data
+
+
+def test_tcp_request_serves_a_read_every_rule_lets_through(
+    impl: ModuleType, pair: tuple[socket.socket, socket.socket], registry: tuple[Registry, np.ndarray, np.ndarray, np.ndarray]
+) -> None:
+    ours, peer = pair
+    reg, buf, _, _ = registry
+    pairs = [(_addr(buf, 100), 8), (_addr(buf, 5000), 300)]
+    soon = int(time.monotonic() * 1e6) + 10_000_000
+    frame = _read_of(42, pairs, soon)
+    peer.sendall(frame + b"NEXT")  # (what follows it stays in scratch for the connection)
+    time.sleep(0.05)
+    scratch = bytearray(16 << 10)
+    kind, have, end, req_id, deadline, got, data_len, unsent = impl.tcp_request(ours, scratch, reg)
+    assert (kind, have, end, req_id, deadline, data_len) == (F.READ, len(frame) + 4, len(frame), 42, soon, 0)
+    if impl is pure:  # the pure twin serves none: the caller's path does, with a hold on the ranges
+        assert unsent is None and got == pairs
+        return
+    assert unsent == b"" and got is None
+    want = encode_header(F.DATA, 42, 0, 308) + buf[100:108].tobytes() + buf[5000:5300].tobytes()
+    assert _recv_exactly(peer, len(want)) == want
+    assert bytes(scratch[end:have]) == b"NEXT"
+
+
+def test_tcp_request_serves_a_write_every_rule_lets_through(
+    impl: ModuleType, pair: tuple[socket.socket, socket.socket], registry: tuple[Registry, np.ndarray, np.ndarray, np.ndarray]
+) -> None:
+    ours, peer = pair
+    reg, _, buf, _ = registry
+    pairs = [(_addr(buf, 8), 5), (_addr(buf, 4096), 3), (_addr(buf, 4096), 2)]  # (in order: the last wins)
+    frame = _write_of(7, pairs, b"hello" + b"abc" + b"XY")
+    peer.sendall(frame + b"NEXT")
+    time.sleep(0.05)
+    scratch = bytearray(16 << 10)
+    kind, have, end, req_id, _, got, data_len, unsent = impl.tcp_request(ours, scratch, reg)
+    assert (kind, have, end, req_id, data_len) == (F.WRITE, len(frame) + 4, len(frame) - 10, 7, 10)
+    if impl is pure:
+        assert unsent is None and got == pairs and not buf.any()
+        return
+    assert unsent == b"" and got is None
+    assert bytes(buf[8:13]) == b"hello" and bytes(buf[4096:4099]) == b"XYc" and int(buf.sum()) == sum(b"helloXYc")
+    want = encode_header(F.ACK, 7, 0, 0)
+    assert _recv_exactly(peer, len(want)) == want
+    assert bytes(scratch[end + data_len : have]) == b"NEXT"
+
+
+def test_tcp_request_serves_nothing_a_rule_refuses(
+    impl: ModuleType, pair: tuple[socket.socket, socket.socket], registry: tuple[Registry, np.ndarray, np.ndarray, np.ndarray]
+) -> None:
+    ours, peer = pair
+    reg, buf, rw, unregistered = registry
+    ok, rw_ok = [(_addr(buf), 8)], [(_addr(rw), 8)]
+    refused = {
+        "no registry given": (_read_of(1, ok), None),
+        "request id 0": (_read_of(0, ok), reg),
+        "past its deadline": (_read_of(1, ok, 1), reg),
+        "unregistered memory": (_read_of(1, [(_addr(unregistered), 8)]), reg),
+        "one range of two past the registration": (_read_of(1, ok + [(_addr(buf, len(buf) - 4), 8)]), reg),
+        "more than TCP_SERVE_MAX bytes": (_read_of(1, [(_addr(rw), impl.TCP_SERVE_MAX + 1)]), reg),
+        "a WRITE into read-only memory": (_write_of(1, ok, b"x" * 8), reg),
+        "a WRITE past its deadline": (_write_of(1, rw_ok, b"x" * 8, 1), reg),
+        "a WRITE with request id 0": (_write_of(0, rw_ok, b"x" * 8), reg),
+        "a WRITE whose data has not all come": (_write_of(1, rw_ok, b"x" * 8)[:-1], reg),
+    }
+    for why, (frame, told) in refused.items():
+        peer.sendall(frame)
+        time.sleep(0.02)
+        answer = impl.tcp_request(ours, bytearray(16 << 10), told)
+        assert answer[0] in (F.READ, F.WRITE) and answer[5] is not None and answer[7] is None, why
+        if why == "a WRITE whose data has not all come":
+            peer.sendall(b"x")  # (the rest, so the next frame starts clean)
+            time.sleep(0.02)
+            ours.recv(16)
+    peer.settimeout(0.05)
+    with pytest.raises(TimeoutError):  # nothing was sent for any of them
+        peer.recv(1)
+    assert buf.tobytes() == np.arange(1 << 15, dtype=np.uint32).view(np.uint8).tobytes() and not rw.any()
+    # Deregistered, a buffer is no longer served (the table is read at the call).
+    for handle in list(reg._by_range.values()):
+        reg.deregister(handle)
+    for frame in (_read_of(1, ok), _write_of(1, rw_ok, b"x" * 8)):
+        peer.sendall(frame)
+        time.sleep(0.02)
+        assert impl.tcp_request(ours, bytearray(16 << 10), reg)[7] is None
+    assert not rw.any()
+
+
+@pytest.mark.skipif(_native() is None, reason="only the C twin serves")
+def test_tcp_request_hands_back_what_a_full_socket_did_not_take(
+    pair: tuple[socket.socket, socket.socket], registry: tuple[Registry, np.ndarray, np.ndarray, np.ndarray]
+) -> None:
+    native = _native()
+    assert native is not None
+    ours, peer = pair
+    reg, buf, _, _ = registry
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sent = 0
+    while True:  # fill our send side: the peer reads nothing yet
+        try:
+            sent += ours.send(b"\0" * 65536)
+        except BlockingIOError:
+            break
+    peer.sendall(_read_of(9, [(_addr(buf, 64), 4000)]))
+    time.sleep(0.05)
+    answer = native.tcp_request(ours, bytearray(16 << 10), reg)
+    want = encode_header(F.DATA, 9, 0, 4000) + buf[64:4064].tobytes()
+    assert answer[7] is not None and len(answer[7]) <= len(want) and answer[7] == want[len(want) - len(answer[7]) :]
+    taken = len(want) - len(answer[7])
+    assert _recv_exactly(peer, sent + taken)[sent:] == want[:taken]
+
+
 def test_the_twins_share_their_constants() -> None:
     for impl in IMPLS:
-        assert (impl.TCP_WAIT, impl.TCP_EOF, impl.TCP_RANGES) == (pure.TCP_WAIT, pure.TCP_EOF, pure.TCP_RANGES)
+        assert (impl.TCP_WAIT, impl.TCP_EOF, impl.TCP_RANGES, impl.TCP_SERVE_MAX) == (
+            pure.TCP_WAIT, pure.TCP_EOF, pure.TCP_RANGES, pure.TCP_SERVE_MAX
+        )
 
 
 # -- the connection's accounting for what the driver recognised ----------------------------------

@@ -252,6 +252,56 @@ def test_requests_in_flight_are_bounded(make_target: MakeTarget) -> None:
         eng.transfer_async(target.engine, Op.READ, desc).wait(10)
 
 
+def test_requests_queued_behind_a_full_outbox_are_served_when_it_drains(make_target: MakeTarget) -> None:
+    """Six pipelined READs of 8 MiB (more than the 4 MiB of answers a target queues before it stops
+    reading a peer's requests, see ``_OUTBOX_READ_LIMIT``): the later requests arrived together
+    with the first and wait in the connection's buffer, where no socket readiness announces them.
+    They are served once the answers drain, not after the next heartbeat (30 s here: the
+    requests' 10 s would run out first)."""
+    quiet = {"heartbeat_interval": 30.0}
+    target = make_target([8 * MiB], quiet)
+    target.fill(0, 4)
+    with Engine("127.0.0.1", {"transport": "tcp", **quiet}) as eng:
+        bufs = [hixl.empty(8 * MiB) for _ in range(6)]
+        for buf in bufs:
+            eng.register_mem(buf)
+        eng.connect(target.engine)
+        block = 64 << 10  # (shuffled, so that none merge: many descriptors, one DATA each)
+        order = np.random.default_rng(3).permutation(8 * MiB // block).astype(np.uint64)
+        offsets = np.arange(len(order), dtype=np.uint64) * np.uint64(block)
+        reqs = []
+        for buf in bufs:
+            descs = np.stack([buf.ctypes.data + offsets, target.addrs[0] + order * np.uint64(block), np.full(len(order), block, np.uint64)], axis=1)
+            reqs.append(eng.transfer_async(target.engine, Op.READ, descs, timeout=10))
+        for req in reqs:
+            req.wait(12)
+            assert req.status is TransferStatus.COMPLETED
+    expected = TargetProcess.expected(8 * MiB, 4).reshape(-1, block)[order]
+    for buf in bufs:
+        assert np.array_equal(buf.reshape(-1, block), expected)
+
+
+def test_a_write_streaming_in_does_not_hold_the_target_from_other_peers(make_target: MakeTarget) -> None:
+    """While one peer's 256 MiB WRITE streams in without a pause, another peer's 8 B READ is served
+    at once: the target lands a WRITE a share at a time (4 MiB a round), not to its end first."""
+    big = 256 * MiB
+    target = make_target([big, MiB])
+    with Engine("127.0.0.1", {"transport": "tcp"}) as writer, Engine("127.0.0.1", {"transport": "tcp"}) as reader:
+        source, small = hixl.empty(big), hixl.empty(4096)
+        source.fill(5)
+        writer.register_mem(source)
+        reader.register_mem(small)
+        writer.connect(target.engine)
+        reader.connect(target.engine)
+        req = writer.transfer_async(target.engine, Op.WRITE, [(int(source.ctypes.data), target.addrs[0], big)], timeout=60)
+        time.sleep(0.02)
+        reader.transfer_sync(target.engine, Op.READ, [(int(small.ctypes.data), target.addrs[1], 8)], timeout=30)
+        status = req.status
+        req.wait(60)
+        assert req.status is TransferStatus.COMPLETED
+    assert status is TransferStatus.WAITING, "the 8 B READ was served only once the 256 MiB WRITE had all landed"
+
+
 def test_a_request_larger_than_one_frame_is_split(make_target: MakeTarget) -> None:
     """More descriptors than a frame carries (not mergeable: every other 8 bytes) still move, exactly."""
     count = proto.frames.MAX_DESCS + 1000

@@ -3,6 +3,7 @@ request gets an ERROR and the connection stays usable, and proper clients are se
 
 from __future__ import annotations
 
+import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
@@ -177,6 +178,23 @@ def test_write_body_then_close_mid_data(raw: ScriptedPeer, target: TargetProcess
     target.fill(0, 11)
 
 
+@pytest.mark.parametrize("cut", [200 << 10, (200 << 10) + 3], ids=["on-a-word", "mid-word"])
+def test_a_large_write_cut_off_mid_data_ends_its_connection(target: TargetProcess, cut: int) -> None:
+    """A 1 MiB WRITE's frame and ``cut`` bytes of its data, then the peer closes: the target lands
+    them straight from the socket, finds the stream's end (which the socket reports as readable,
+    holding nothing — not a pause in the data) and forgets the connection rather than look again
+    and again."""
+    conn = ScriptedPeer.connect(target.engine)
+    conn.handshake()
+    ours = "{}:{}".format(*conn.sock.getsockname())
+    descs = np.array([[target.addrs[0], 1 << 20]], dtype=np.uint64)
+    conn.send(proto.WriteRequest(1, descs, 1 << 20), b"\x03" * cut)
+    _wait_until(lambda: target.read(0, cut // 8 * 8 - 1, 1) == b"\x03")
+    conn.close()
+    _wait_until(lambda: ours not in target.call("served_connections").values())
+    target.fill(0, 11)
+
+
 @pytest.mark.parametrize("first", [12, (72 << 10) + 12], ids=["from-the-buffer", "from-the-buffer-and-the-socket"])
 def test_a_write_never_leaves_a_word_half_written_while_it_waits(raw: ScriptedPeer, target: TargetProcess, first: int) -> None:
     """A 512 KiB WRITE's data arrives ``first`` bytes with its frame, then a pause, then the
@@ -196,6 +214,29 @@ def test_a_write_never_leaves_a_word_half_written_while_it_waits(raw: ScriptedPe
     raw.send_raw(b"\x01" * (size - first))
     assert isinstance(raw.recv(), proto.Ack)
     assert target.read(0, 8192, size) == b"\x01" * size
+    target.fill(0, 11)
+
+
+@pytest.mark.parametrize("last", [264, 8], ids=["264-bytes", "a-word"])
+def test_a_write_whose_last_bytes_come_late_lands_them_when_they_come(raw: ScriptedPeer, target: TargetProcess, last: int) -> None:
+    """A 256 KiB WRITE's data all but its ``last`` bytes, trickling in 8 KiB at a time (each piece
+    ends on a word: nothing waits in the connection's buffer), a pause, then those: they land and
+    the ACK comes. While it waited, the target had asked the socket to turn readable only once
+    a piece of the rest had come (SO_RCVLOWAT): that mark must follow what is still due, or the
+    socket never turns readable for so few bytes (the WRITE stalls)."""
+    raw.handshake()
+    size, piece = 256 << 10, 8 << 10
+    target.write(0, 8192, bytes(size))
+    descs = np.array([[target.addrs[0] + 8192, size]], dtype=np.uint64)
+    raw.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    raw.send(proto.WriteRequest(1, descs, size), b"\x02" * piece)
+    for start in range(piece, size - last, piece):
+        time.sleep(0.002)
+        raw.send_raw(b"\x02" * min(piece, size - last - start))
+    time.sleep(0.3)
+    raw.send_raw(b"\x02" * last)
+    assert isinstance(raw.recv(), proto.Ack)
+    assert target.read(0, 8192, size) == b"\x02" * size
     target.fill(0, 11)
 
 
@@ -240,3 +281,33 @@ def test_bad_requests_get_an_error_and_the_connection_stays_usable(raw: Scripted
     target.fill(0, 11)  # restore for the other tests
     raw.send(proto.Bye(0, "done"))
     assert raw.expect_closed() == []
+
+
+
+@pytest.mark.parametrize("refused_first", [False, True], ids=["landed-first", "refused-first"])
+def test_small_writes_arriving_in_one_segment_with_what_follows_land_in_order(
+    raw: ScriptedPeer, target: TargetProcess, refused_first: bool
+) -> None:
+    """WRITEs into overlapping memory, a refused WRITE and a PING, sent as one burst: the target
+    lands a small WRITE's data from the very receive that brought it (not via the connection's
+    buffer), so what came after it in that receive must still be served, in order — as when the
+    first frame is refused and its data dropped."""
+    raw.handshake()
+    base = target.addrs[0]
+    send = raw.conn.send
+    refused = send(proto.WriteRequest(1, np.array([[base + (1 << 20) - 8, 16]], dtype=np.uint64), 16)) + b"\xab" * 16
+    first = send(proto.WriteRequest(2, np.array([[base + 8192, 5], [base + 9000, 3]], dtype=np.uint64), 8)) + b"abcdeXYZ"
+    payload = np.random.default_rng(5).integers(0, 256, 100000, dtype=np.uint8).tobytes()
+    rest = (
+        send(proto.WriteRequest(3, np.array([[base + 8194, 4]], dtype=np.uint64), 4)) + b"1234"
+        + send(proto.WriteRequest(4, np.array([[base + 16384, 100000]], dtype=np.uint64), 100000)) + payload
+        + send(proto.Ping(5))
+    )
+    raw.send_raw(refused + first + rest if refused_first else first + refused + rest)
+    replies = {reply.req_id: reply for reply in (raw.recv() for _ in range(5))}
+    assert isinstance(replies[1], proto.Error) and replies[1].status == Status.PARAM_INVALID
+    assert [replies[2], replies[3], replies[4]] == [proto.Ack(2), proto.Ack(3), proto.Ack(4)]
+    assert isinstance(replies[5], proto.Pong)
+    assert target.read(0, 8192, 6) == b"ab1234" and target.read(0, 9000, 3) == b"XYZ"
+    assert target.read(0, 16384, 100000) == payload
+    target.fill(0, 11)  # restore for the other tests

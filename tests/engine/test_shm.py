@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -291,3 +292,17 @@ def test_read_only_pool_memory_is_mapped_and_handed_out_read_only(make_target: M
             os.close(received.fd)
         os.close(fetched.liveness)
     assert target.read(1, 0, ODD) == b"\x05" * ODD
+
+
+def test_the_target_serves_in_tcp_request_only_for_transports_that_serve_as_tcp_does() -> None:
+    """A small READ or WRITE may be served inside hixl._accel.tcp_request (docs/engine.md) only when
+    the transport serving it would do just that: not one that serves its own way, as CountingShm
+    (which the test above relies on counting every READ and WRITE) or a TCP that watches them."""
+    from tests.engine.shm_transports import CountingShm
+
+    class Watching(TcpTransport):
+        def serve_small(self, *args: Any) -> None:
+            super().serve_small(*args)
+
+    assert TcpTransport().serves_plainly() and ShmTransport().serves_plainly()
+    assert not CountingShm().serves_plainly() and not Watching().serves_plainly()
