@@ -267,6 +267,12 @@ class _DecodeSide:
             # The kernel's own ceiling for this layout: the same ranges, bare syscalls, no hixl.
             iov = merge_adjacent(pull.descs.reshape(-1, 3))
             contenders["raw_scattered"] = cma_batch_copier(self.prefill.pid, Op.READ, iov[:, [0, 2]], iov[:, [1, 2]])
+            lanes = int(self.datadist.engine.options["copy_lanes"])
+            if lanes > 1:  # ... and split over as many threads as the engine's copy lanes
+                contenders["raw_lanes"] = cma_batch_copier(
+                    self.prefill.pid, Op.READ, iov[:, [0, 2]], iov[:, [1, 2]], lanes
+                )
+                contenders["raw_lanes"]()
             contenders["raw_scattered"]()  # its warm-up; the checked pass below warms the others
         pull.check()
         times = interleaved_reps(contenders, 1, config.repeat, max(0, config.warmup - 1))
@@ -381,15 +387,14 @@ class _Pull:
                 note=f"{blocks}; {sync_descs} descriptors issued",
             )
         ]
-        if "raw_scattered" in times:
-            out.append(
-                row(
-                    name=f"raw scattered bs={bs}",
-                    value=gib_per_s("raw_scattered"),
-                    unit="GiB/s",
-                    note=f"bare process_vm_readv of the same {sync_descs} ranges, {IOV_MAX} per call: kernel's ceiling",
-                )
-            )
+        lanes = self.side.datadist.engine.options["copy_lanes"]
+        raw = {
+            "raw_scattered": ("raw scattered", f"bare process_vm_readv of the same {sync_descs} ranges, {IOV_MAX} per call, one thread"),
+            "raw_lanes": ("raw lanes", f"the same calls split over {lanes} threads, as the copy lanes split them: kernel's ceiling"),
+        }
+        for contender, (name, note) in raw.items():
+            if contender in times:
+                out.append(row(name=f"{name} bs={bs}", value=gib_per_s(contender), unit="GiB/s", note=note))
         out.append(
             row(
                 name=f"pull_async bs={bs}",

@@ -14,6 +14,7 @@ import pytest
 from hixl import Op, empty
 from hixl.bench.baselines import (
     GIL_HELD_BELOW,
+    IOV_MAX,
     RawStream,
     _cma_call,
     cma_batch_copier,
@@ -92,6 +93,20 @@ def test_cma_copiers_move_single_ranges_and_scattered_blocks(target: BenchTarget
         for i, slot in enumerate(order):
             start = int(slot) * block
             assert np.array_equal(local[start : start + block], expected[i * block : (i + 1) * block])
+
+        # Split over lanes: more iovecs than one call takes (IOV_MAX), in runs over three threads.
+        small = 16  # (all within the SAMPLE bytes whose pattern is known)
+        count = 2 * IOV_MAX + 5
+        order = np.random.default_rng(1).permutation(count).astype(np.uint64)
+        local_iov = np.stack([local.ctypes.data + order * small, np.full(count, small, dtype=np.uint64)], axis=1)
+        remote_iov = np.stack([remote.addr + np.arange(count, dtype=np.uint64) * small, local_iov[:, 1]], axis=1)
+        local[:] = 0
+        cma_batch_copier(target.pid, Op.READ, local_iov, remote_iov, lanes=3)()
+        for i, slot in enumerate(order):
+            start = int(slot) * small
+            assert np.array_equal(local[start : start + small], expected[i * small : (i + 1) * small])
+        with pytest.raises(OSError):  # a lane's failure reaches the caller
+            cma_batch_copier(target.pid, Op.READ, local_iov, remote_iov + np.array([1 << 63, 0], dtype=np.uint64), lanes=3)()  # (not user space)
 
         local[:] = 9
         cma_copier(target.pid, Op.WRITE, int(local.ctypes.data), remote.addr + 8, 32)()

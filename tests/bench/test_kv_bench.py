@@ -18,6 +18,7 @@ import pytest
 
 from hixl import empty
 from hixl._memory import merge_adjacent
+from hixl._options import DEFAULT_OPTIONS
 from hixl.bench import kv_bench
 from hixl.bench.cli import config_from_args, configure, main
 from hixl.bench.config import BenchConfig
@@ -54,7 +55,8 @@ def test_json_has_every_expected_row(quick_run: tuple[dict[str, Any], str]) -> N
     (bs,) = QUICK.block_sizes
     expected = set()
     for t in transports:
-        names = ["pull_blocks", "pull_async", "first layer"] + (["raw scattered"] if t == "cma" else [])
+        raw = ["raw scattered"] + (["raw lanes"] if DEFAULT_OPTIONS["copy_lanes"] > 1 else [])
+        names = ["pull_blocks", "pull_async", "first layer"] + (raw if t == "cma" else [])
         expected |= {(f"{name} bs={bs}", t, "READ", QUICK.prompt_bytes) for name in names}
     got = [(r["name"], r["transport"], r["op"], r["size"]) for r in doc["rows"]]
     assert len(got) == len(set(got)), "duplicate rows"
