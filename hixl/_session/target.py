@@ -639,12 +639,16 @@ class _Loop:
         self._ready.append(conn)
 
     def _drain_wakes(self) -> None:
-        self._woken = False
         try:
             while os.read(self._wake_r, 4096):
                 pass
         except BlockingIOError:
             pass
+        # Cleared after the pipe is empty, not before: a call_soon between the two would have
+        # written a byte this drain swallowed and left the flag set with the pipe empty, and every
+        # later call_soon (a worker handing its connection back) waited for the next sweep.
+        # One that sees the flag still set queued its call before, and this round runs it.
+        self._woken = False
 
     def _sweep(self, now: float) -> None:
         if self._accept_paused_until and now >= self._accept_paused_until and not self._stopping:
