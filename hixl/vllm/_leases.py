@@ -5,7 +5,9 @@ lease of ``lease_s`` seconds (:class:`LeaseTable`). Decode's worker
 (:class:`LeaseKeeper`) extends it while the request waits in decode's queue —
 one small engine notification (:data:`LEASE_NOTIFY`, a :class:`LeaseMessage`)
 every quarter lease — and releases it when decode drops the request unpulled
-(aborted). The blocks go when decode's DataDist completion
+(aborted): a release that fails (the link to that prefill broke, its answer
+did not come in time) is sent again once the link is back, until the lease
+would have run out there anyway. The blocks go when decode's DataDist completion
 notification says they were pulled, when decode releases them, when the lease
 runs out (decode died, or stopped extending), or at the hard cap
 ``release_timeout`` after they were first held, however often they were
@@ -87,6 +89,7 @@ _MAX_EARLY = 4096
 _EXTEND_EVERY = 0.25
 _USABLE_FOR = 0.5
 _NOTIFY_TIMEOUT_S = 2.0
+_RELEASE_RETRY_S = 0.5  # pause before a failed release is tried again
 _LINK_TIMEOUT_S = 5.0
 _LINK_BACKOFF_S = (0.05, 2.0)  # first pause between link attempts, longest
 # Failed attempts in a row after which a prefill counts as down: its requests are no longer held
@@ -300,6 +303,14 @@ class LinkState(enum.Enum):
     UP = "up"
 
 
+class _Answer(enum.Enum):
+    """What became of one lease message sent to a prefill rank."""
+
+    ACCEPTED = "accepted"
+    REFUSED = "refused"  # that rank holds no such lease (not yet, or no more)
+    FAILED = "failed"  # no answer in time, or the link broke: it may not have arrived
+
+
 @dataclass
 class _Link:
     state: LinkState = LinkState.LINKING
@@ -314,8 +325,8 @@ class _Kept:
     lease: WatchedLease
     endpoint: Endpoint
     basis: float  # when the last accepted extension was sent (the request's arrival, before any)
-    next_extend: float = 0.0
-    release: bool = False  # decode dropped it unpulled: the thread sends a release, then forgets it
+    next_extend: float = 0.0  # when the thread next sends for it (an extension, or a release)
+    release: bool = False  # decode dropped it unpulled: the thread releases it, then forgets it
 
 
 class LeaseKeeper:
@@ -349,18 +360,15 @@ class LeaseKeeper:
             self._cond.notify_all()
 
     def drop(self, request_ids: Iterable[str], release: bool) -> None:
-        """Stop extending these requests' leases; with ``release``, tell every prefill rank to free the blocks now."""
+        """Stop extending these requests' leases; with ``release``, tell every prefill rank to free the
+        blocks now (as soon as it is linked; not past the time its lease would have run out)."""
         with self._cond:
             for request_id in request_ids:
-                parts = self._kept.get(request_id, {})
-                for endpoint, kept in list(parts.items()):
-                    link = self._links.get(endpoint)
-                    if release and link is not None and link.state is LinkState.UP:
-                        kept.release = True  # sent by the thread; then forgotten
-                    else:  # (unlinked: nothing to tell that rank on; its lease runs out)
-                        del parts[endpoint]
-                if not parts:
+                if not release:
                     self._kept.pop(request_id, None)
+                    continue
+                for kept in self._kept.get(request_id, {}).values():
+                    kept.release, kept.next_extend = True, 0.0
             self._cond.notify_all()
 
     def usable(self, request_id: str) -> bool:
@@ -431,7 +439,7 @@ class LeaseKeeper:
                     self._cond.wait(min(wake - now, 1.0))
                     continue
                 to_link = [e for e, link in self._links.items() if link.state is LinkState.LINKING and link.next_try <= now]
-                work = [k for parts in self._kept.values() for k in parts.values() if k.release or k.next_extend <= now]
+                work = [k for parts in self._kept.values() for k in parts.values() if k.next_extend <= now]
             for endpoint in to_link:
                 self._try_link(endpoint)
             self._send(work)
@@ -442,7 +450,9 @@ class LeaseKeeper:
         for kept in (k for parts in self._kept.values() for k in parts.values()):
             link = self._links.get(kept.endpoint)
             if link is not None and link.state is LinkState.UP:
-                wakes.append(now if kept.release else kept.next_extend)
+                wakes.append(kept.next_extend)
+            elif kept.release:  # (unlinked: given up once its lease would have run out)
+                wakes.append(max(kept.next_extend, self._released_by(kept)))
         return min(wakes, default=now + 1.0)
 
     def _try_link(self, endpoint: Endpoint) -> None:
@@ -482,40 +492,58 @@ class LeaseKeeper:
         (status,) = self.datadist.link_clusters([LLMClusterInfo(endpoint.cluster_id, endpoint.ip_info)], _LINK_TIMEOUT_S)
         return status
 
+    @staticmethod
+    def _released_by(kept: _Kept) -> float:
+        """When the lease at that prefill rank has surely run out without us: no use releasing it then."""
+        return kept.basis + kept.lease.remote.lease_s
+
     def _send(self, work: list[_Kept]) -> None:
         slow: set[Endpoint] = set()  # one timeout per prefill rank a round, not one per lease
         for kept in work:
             endpoint, request_id = kept.endpoint, kept.lease.request_id
+            if kept.release and self._clock() >= self._released_by(kept):
+                log.info("hixl: request %s: gave up releasing it at prefill %s; its lease there has run out", request_id, endpoint.ip_info)
+                self._forget(kept)
+                continue
             if endpoint in slow or not self.linked(endpoint):
                 continue
             op = LeaseOp.RELEASE if kept.release else LeaseOp.EXTEND
             sent = self._clock()
-            ok = self._notify(endpoint, LeaseMessage(op, kept.lease.remote.transfer_id), slow)
+            answer = self._notify(endpoint, LeaseMessage(op, kept.lease.remote.transfer_id), slow)
             with self._cond:
-                parts = self._kept.get(request_id, {})
-                if parts.get(endpoint) is not kept:
+                if self._kept.get(request_id, {}).get(endpoint) is not kept:
                     continue  # dropped (or watched anew) meanwhile
-                if op is LeaseOp.RELEASE:
-                    del parts[endpoint]  # sent or not: the lease runs out anyway
-                    if not parts:
-                        del self._kept[request_id]
+                if kept.release and op is LeaseOp.EXTEND:
+                    kept.next_extend = 0.0  # dropped while the extension was on its way: the release next
+                elif op is LeaseOp.RELEASE and answer is not _Answer.FAILED:
+                    self._forget(kept)  # (refused: prefill holds no such lease any more, nothing to release)
+                elif op is LeaseOp.RELEASE:
+                    kept.next_extend = sent + _RELEASE_RETRY_S  # again, once the link is back if it broke
                 else:
-                    if ok:
+                    if answer is _Answer.ACCEPTED:
                         kept.basis = max(kept.basis, sent)
                     kept.next_extend = sent + _EXTEND_EVERY * kept.lease.remote.lease_s
 
-    def _notify(self, endpoint: Endpoint, message: LeaseMessage, slow: set[Endpoint]) -> bool:
+    def _forget(self, kept: _Kept) -> None:
+        with self._cond:
+            parts = self._kept.get(kept.lease.request_id, {})
+            if parts.get(kept.endpoint) is kept:
+                del parts[kept.endpoint]
+                if not parts:
+                    del self._kept[kept.lease.request_id]
+
+    def _notify(self, endpoint: Endpoint, message: LeaseMessage, slow: set[Endpoint]) -> _Answer:
         try:
             self.datadist.engine.send_notify(endpoint.ip_info, NotifyDesc(LEASE_NOTIFY, message.encode()), _NOTIFY_TIMEOUT_S)
-            return True
+            return _Answer.ACCEPTED
         except AccessDenied:
-            return False  # prefill holds no such lease (not yet, or no more): this extension does not count
+            return _Answer.REFUSED  # prefill holds no such lease (not yet, or no more): this extension does not count
         except TimeoutError:
             slow.add(endpoint)
         except HixlError as exc:
             log.info("hixl: lease %s of transfer %d at %s: %s", message.op.value, message.transfer_id, endpoint.ip_info, exc)
             self.check(endpoint)
-        return False
+        return _Answer.FAILED
 
     def _forget_unused_links(self) -> None:
         """Stop retrying links no waiting request wants (a prefill that is gone); live links stay."""

@@ -21,7 +21,7 @@ import pytest
 # Not just "vllm": where vLLM is missing, this folder itself would import under that name.
 pytest.importorskip("vllm.distributed.kv_transfer")
 
-from hixl import AccessDenied, ParamInvalid  # noqa: E402
+from hixl import AccessDenied, HixlError, ParamInvalid  # noqa: E402
 from hixl._types import NotifyDesc  # noqa: E402
 from hixl.datadist import LLMConfig, LLMDataDist, LLMRole  # noqa: E402
 from hixl.vllm._affinity import unpinned  # noqa: E402
@@ -226,6 +226,45 @@ def test_keeper_links_in_the_background_extends_and_releases(decode: tuple[LLMDa
         wait_until(lambda: prefill.table.due().keys() == {"kept"}, timeout=3.0)
     finally:
         prefill.datadist.finalize()
+
+
+def test_a_release_that_fails_is_sent_again(decode: tuple[LLMDataDist, LeaseKeeper]) -> None:
+    """The first release is lost (the prefill's handler refuses it, as a link that broke under it
+    would lose it); the keeper links again and sends it again, long before the lease runs out."""
+    _, keeper = decode
+    prefill = Prefill(81, 0, lease_s=5.0)
+    lost: list[float] = []
+
+    def losing_the_first_release(notify: NotifyDesc) -> None:
+        if LeaseMessage.decode(notify.msg).op is LeaseOp.RELEASE and not lost:
+            lost.append(time.monotonic())
+            raise HixlError("injected: this release is lost")
+        prefill.table.on_notify(notify)
+
+    prefill.datadist.engine.handle_notifies(LEASE_NOTIFY, losing_the_first_release)
+    try:
+        prefill.table.grant({41: "dropped"})
+        keeper.watch([lease("r-dropped", prefill.endpoint, 41, 5.0)])
+        wait_until(lambda: keeper.ready() == {prefill.endpoint})
+        keeper.drop(["r-dropped"], release=True)
+        wait_until(lambda: len(prefill.table) == 0, timeout=4.0)  # (its lease: 5 s)
+        assert len(lost) == 1 and prefill.table.due() == {"dropped": Ending.RELEASED}
+        wait_until(lambda: "leases=0" in repr(keeper))
+    finally:
+        prefill.datadist.finalize()
+
+
+def test_a_release_nobody_can_take_is_given_up_when_the_lease_would_have_run_out(
+    decode: tuple[LLMDataDist, LeaseKeeper],
+) -> None:
+    """Nobody listens at the prefill: the release is tried for as long as it could matter, then
+    forgotten, and so is the link to that prefill (nothing wants it any more)."""
+    _, keeper = decode
+    endpoint = Endpoint(f"127.0.0.1:{free_port()}", 82, (0, 1))
+    keeper.watch([lease("r", endpoint, 51, 1.0, arrived=time.monotonic() - 0.5)])
+    keeper.drop(["r"], release=True)
+    assert "leases=1" in repr(keeper)  # (still to be released: half a lease left)
+    wait_until(lambda: repr(keeper) == "<LeaseKeeper leases=0 links={}>", timeout=3.0)
 
 
 def test_a_lease_is_usable_only_while_prefill_surely_holds_it(decode: tuple[LLMDataDist, LeaseKeeper]) -> None:
