@@ -3,7 +3,10 @@ a busy one keeps the heartbeat's pace; the target allows an idle peer its announ
 
 from __future__ import annotations
 
+import os
+import select
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -101,3 +104,33 @@ def test_a_target_busy_polls_only_right_after_a_request(busy_poll: float) -> Non
         time.sleep(1.0)
         burnt = (cpu_ns(target.pid) - before) / 1e9
         assert burnt < 0.02, f"the idle target burnt {burnt * 100:.1f} % of a core"
+
+
+def test_a_wake_up_asked_for_during_the_loops_drain_is_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target's I/O loop is woken through a pipe and a flag (set: a byte is on its way). A
+    worker asking for a wake-up while the loop drains that pipe (injected: a call_soon from inside
+    the drain's read) must not leave the flag set with the pipe empty — every later wake-up would
+    then be skipped, and a worker's hand-back wait for the loop's next sweep."""
+    with Engine("127.0.0.1:0") as eng:
+        loop = eng._server.loop  # type: ignore[union-attr]
+        real_read = os.read
+        injected = threading.Event()
+
+        def read_with_a_worker_asking_meanwhile(fd: int, n: int) -> bytes:
+            data = real_read(fd, n)
+            if fd == loop._wake_r and not injected.is_set():
+                injected.set()
+                loop.call_soon(lambda: None)  # (as a worker would, at that very moment)
+            return data
+
+        monkeypatch.setattr(os, "read", read_with_a_worker_asking_meanwhile)
+        ran = threading.Event()
+        loop.call_soon(ran.set)
+        assert ran.wait(5) and injected.wait(5)
+        done = threading.Event()
+        loop.call_soon(done.set)  # (either wakes the loop or finds the flag rightly set)
+        assert done.wait(5)
+        monkeypatch.setattr(os, "read", real_read)
+        # The flag is set only while a byte waits in the pipe.
+        if loop._woken:
+            assert select.select([loop._wake_r], [], [], 0.5)[0], "flag set, pipe empty: wake-ups are lost"
