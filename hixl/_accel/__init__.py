@@ -34,9 +34,10 @@ these functions are handed the tables their callers checked and hold current.
   ``poll`` bounded by the caller's time, with the GIL released (see :mod:`hixl._session.wire`).
 - :func:`tcp_request` — the target's side: one ``recv``, and a small READ or WRITE that arrived
   whole recognised and its fields handed back (anything else: "not mine", for the connection's
-  parser); given the registry, the C twin also serves a small READ every rule lets through (its
-  DATA and bytes sent in the same call, the GIL held from the check to the send), else
-  :func:`tcp_send` then sends its DATA from registered memory, never waiting;
+  parser); given the registry, the C twin also serves a small READ or WRITE every rule lets
+  through (a READ's DATA and bytes, a WRITE's ACK, sent in the same call, the GIL held from the
+  check to the send), else :func:`tcp_send` then sends its DATA from registered memory, never
+  waiting;
   :func:`tcp_land_words` lands a WRITE's data from the socket as it streams in, in whole words,
   trying again while more is coming rather than going back to the loop between pieces.
 - :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`

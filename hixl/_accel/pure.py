@@ -530,7 +530,7 @@ TCP_EOF = -2
 TCP_RANGES = 16
 """The most (addr, len) ranges :func:`tcp_send` and :func:`tcp_land` take."""
 TCP_SERVE_MAX = 64 << 10
-"""The most bytes a READ the C twin's :func:`tcp_request` serves itself moves (this one serves none)."""
+"""The most bytes a READ or WRITE the C twin's :func:`tcp_request` serves itself moves (this one serves none)."""
 _TCP_HEADER = struct.Struct("<4sBBHQIQ")  # as hixl._protocol.frames lays a header out
 _TCP_DATA, _TCP_ACK = 7, 8
 
@@ -763,8 +763,8 @@ def tcp_request(
     """One non-blocking ``recv`` into ``scratch``; ``(kind, have, end, req_id, deadline, pairs,
     data_len, unsent)``: kind 5 (READ) / 6 (WRITE) if ``scratch`` starts with a whole, well-formed
     one of those of 1 to 8 descriptors (``end``: where it ends), else 0, :data:`TCP_WAIT` (nothing
-    to read) or :data:`TCP_EOF`. ``unsent`` is always None: this twin serves no READ itself, whatever
-    ``registry`` is (the C twin may). Python may switch threads between any two steps, so a
+    to read) or :data:`TCP_EOF`. ``unsent`` is always None: this twin serves no READ or WRITE
+    itself, whatever ``registry`` is (the C twin may). Python may switch threads between any two steps, so a
     deregistration could come between the look at the registrations and the send; the caller's
     path takes a hold on the ranges first."""
     if len(scratch) < _TCP_HEADER.size + 8 + 16 * _TCP_SMALL_DESCS:
