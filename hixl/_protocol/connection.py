@@ -363,13 +363,16 @@ class Connection:
         """The bytes of a small READ or WRITE (the latency path): as :meth:`send` with a
         :class:`ReadRequest`/:class:`WriteRequest`, without building numpy arrays."""
         kind = _F.WRITE if write else _F.READ
-        if not 0 < len(pairs) <= SMALL_DESCS:
-            raise ValueError(f"the latency path packs 1 to {SMALL_DESCS} descriptors, not {len(pairs)}")
-        if self.role is not Role.INITIATOR or self.state is not ConnState.OPEN:
+        count = len(pairs)
+        if not 0 < count <= SMALL_DESCS:
+            raise ValueError(f"the latency path packs 1 to {SMALL_DESCS} descriptors, not {count}")
+        if self.state is not ConnState.OPEN or self.role is not Role.INITIATOR:
             raise ProtocolError(f"a {self.role.value} may not send {kind.name} while {self.state.name}")
         if req_id == 0 or req_id in self._outstanding:
             raise ProtocolError(f"request id {req_id} is zero or already in use")
-        self._outstanding[req_id] = _Request(kind, 0 if write else sum(n for _, n in pairs))
+        # (One pair is the common case, and every generator this path skips is ~0.2 us of a ~10 us round trip.)
+        expected = 0 if write else pairs[0][1] if count == 1 else sum([n for _, n in pairs])
+        self._outstanding[req_id] = _Request(kind, expected)
         return small_request(kind, req_id, deadline, pairs, data_len)
 
     @property
@@ -687,7 +690,8 @@ class Connection:
             return 0
         offset = self._clock_offset if self._clock_offset is not None else 0.0
         # Clamped to what a frame's signed 64-bit deadline holds (an absurd peer clock).
-        return min(_I64_MAX, max(1, int((deadline + offset - _GUARD) * 1e6)))
+        micros = int((deadline + offset - _GUARD) * 1e6)
+        return micros if 0 < micros <= _I64_MAX else max(1, min(_I64_MAX, micros))
 
     def __repr__(self) -> str:
         return (

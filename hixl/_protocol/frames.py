@@ -560,9 +560,10 @@ def small_request(kind: FrameType, req_id: int, deadline: int, pairs: list[tuple
 
     The same bytes :func:`encode` makes for the equivalent request.
     """
-    body_len = _DEADLINE.size + 16 * len(pairs)
+    if len(pairs) == 1:  # (the common case, without the flattening)
+        return _SMALL_PACKERS[1].pack(MAGIC, kind, 0, 0, req_id, _DEADLINE.size + 16, data_len, deadline, *pairs[0])
     flat = [v for pair in pairs for v in pair]
-    return _SMALL_PACKERS[len(pairs)].pack(MAGIC, kind, 0, 0, req_id, body_len, data_len, deadline, *flat)
+    return _SMALL_PACKERS[len(pairs)].pack(MAGIC, kind, 0, 0, req_id, _DEADLINE.size + 16 * len(pairs), data_len, deadline, *flat)
 
 
 def encode(message: Message) -> bytes:

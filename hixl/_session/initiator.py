@@ -61,7 +61,6 @@ from .wire import Wire
 
 if TYPE_CHECKING:
     from .._iov import IovCursor
-    from .._protocol.connection import Connection
 
 __all__ = ["LinkState", "Pending", "PeerLink", "handshake"]
 
@@ -70,6 +69,9 @@ log = logging.getLogger("hixl")
 _ARMED = select.EPOLLIN | select.EPOLLONESHOT
 INPUT_CHECK = 0.001
 """Seconds between two looks at the socket by a copying thread (see :meth:`PeerLink.poll_input`)."""
+REARM_QUIET = 0.002
+"""Seconds the latency path must have left the socket alone before the reader thread re-arms it
+(see :meth:`PeerLink.exchange`); also how often the reader looks while it waits to."""
 
 
 class LinkState(IdentityEnum):
@@ -148,6 +150,10 @@ class PeerLink:
         self._end_error: PeerDisconnected | None = None
         """Why the link ended (what every request pending on it fails with); None while CONNECTED."""
         self._next_input_check = 0.0
+        self._last_exchange = 0.0
+        """When the latency path last gave the read role back (see :meth:`exchange`)."""
+        self._disarmed = False
+        """Whether the socket is left disarmed for the latency path, for the reader thread to re-arm (see :meth:`exchange`)."""
         self._handed_over: Any = None
         """A DATA frame a caller met for another request, with the read role, for the reader thread."""
         self._epoll = select.epoll()
@@ -229,6 +235,8 @@ class PeerLink:
         self.expect(req_id, pending)
         if not read_reply or not self._take_read_role():
             self._send(req_id, lambda: self.wire.send(message, data, deadline))
+            if self._disarmed:
+                self._rearm()  # (left disarmed by the latency path: the reply is not to wait for a look)
             return
         reading = True
         try:
@@ -239,38 +247,57 @@ class PeerLink:
                 self._give_back_read_role()
 
     def exchange(
-        self,
-        req_id: int,
-        make_frame: Callable[[Connection], bytes],
-        data: list[tuple[int, int]],
-        pending: Pending,
-        deadline: float,
-        into: list[tuple[int, int]],
+        self, write: bool, descs: list[tuple[int, int, int]], nbytes: int, pending: Pending, deadline: float
     ) -> bool:
-        """The latency path: if nobody else is reading, send one request frame (made by
-        ``make_frame`` from the connection) and its ``data`` ranges with one ``sendmsg``,
-        and read the reply on this thread (or, if another request's data comes first, wait
-        for the reader thread to read it). False, having sent nothing, if someone else reads.
+        """The latency path: if nobody else is reading, send one READ or WRITE frame for ``descs``
+        ((local, remote, len) tuples, ``nbytes`` in all) — a WRITE's data from local memory in
+        the same ``sendmsg`` — and read the reply on this thread (or, if another request's data
+        comes first, wait for the reader thread to read it). False, having sent nothing, if
+        someone else reads.
 
-        The reply expected — the ACK, or the DATA whose bytes land in ``into`` ((addr, len)
-        ranges) — is read straight off the socket (:meth:`Wire.read_reply`: three calls of
-        :mod:`hixl._accel` and the connection's own accounting) and handed to
-        ``pending.on_landed``; anything else goes the general way, through ``on_reply`` /
-        ``on_data``. Not with fault injection on (``on_event``): it sees every event.
+        The reply expected — the ACK, or the DATA whose bytes land in the local ranges — is read
+        straight off the socket (:meth:`Wire.read_reply`: three calls of :mod:`hixl._accel` and
+        the connection's own accounting) and handed to ``pending.on_landed``; anything else goes
+        the general way, through ``on_reply`` / ``on_data``. Not with fault injection on
+        (``on_event``): it sees every event. Written flat, without closures: each layer is a few
+        hundred ns of a ~15 us round trip.
+
+        Nor does it disarm the socket and re-arm it for the reader thread on every call (two
+        ``epoll_ctl``, ~1 us a call): the first call of a burst disarms it and tells the reader
+        thread, which re-arms it once no call has used it for :data:`REARM_QUIET` (see
+        :meth:`_read_loop`). What arrives between two calls meanwhile is read by the next call
+        (:meth:`_read_until` dispatches what is not its reply), or at that re-arming. While
+        other requests wait on replies, a call disarms and re-arms the socket as every other
+        reader does (:meth:`_take_read_role`), and a request sent for the reader thread to
+        answer re-arms it (:meth:`submit`): their replies are not to wait for a look.
         """
         wire = self.wire
-        if self.state is not LinkState.CONNECTED or not self._take_read_role():
+        if self.state is not LinkState.CONNECTED or not wire.read_lock.acquire(blocking=False):
             return False
+        shared = bool(self._pending)  # other requests wait on replies: the socket is the reader thread's between calls
+        if shared:
+            self._disarm()
+        elif not self._disarmed:
+            self._disarm_for_burst()
         reading = True
         try:
+            req_id = next(self._ids)
             self.expect(req_id, pending)
+            conn = wire.conn
+            pairs = [(remote, length) for _, remote, length in descs]
             with wire.conn_lock:
-                frame = wire.frame_of(make_frame, wire.conn)
-            self._send(req_id, lambda: wire.send_parts(frame, data, deadline))
-            reading = self._read_until(req_id, pending, deadline, into, sum(n for _, n in data))
+                frame = wire.frame_of(conn.transfer_frame, write, req_id, conn.peer_deadline(deadline), pairs, nbytes if write else 0)
+            local = [(addr, length) for addr, _, length in descs]
+            try:
+                wire.send_parts(frame, local if write else [], deadline, nbytes if write else 0)
+            except HixlError:
+                self._send_failed(req_id)
+                raise
+            reading = self._read_until(req_id, pending, deadline, [] if write else local, nbytes if write else 0)
         finally:
             if reading:
-                self._give_back_read_role()
+                self._last_exchange = time.monotonic()
+                self._give_back_read_role(rearm=shared or bool(self._pending))
         if not reading and pending.waker is not None:
             pending.waker.wait(max(0.0, deadline - time.monotonic()))
         return True
@@ -279,16 +306,30 @@ class PeerLink:
         """Become the reader if nobody is; the parked reader thread is not woken by our replies."""
         if not self.wire.read_lock.acquire(blocking=False):
             return False
+        self._disarm()
+        return True
+
+    def _disarm(self) -> None:
         try:
             self._epoll.modify(self.wire.fd, 0)
         except (OSError, ValueError):
             pass  # closed meanwhile: reading reports it
-        return True
 
-    def _give_back_read_role(self) -> None:
+    def _disarm_for_burst(self) -> None:
+        """The latency path's first call of a burst (it holds the read role): disarm the socket,
+        and wake the reader thread to look every :data:`REARM_QUIET` for when to re-arm it."""
+        self._disarmed = True
+        self._disarm()
+        try:
+            os.write(self._wake_w, b"d")
+        except OSError:
+            pass  # closed: the link is ending
+
+    def _give_back_read_role(self, rearm: bool = True) -> None:
         # Released before re-arming: whatever arrived meanwhile fires the re-armed socket at once.
         self.wire.read_lock.release()
-        self._rearm()
+        if rearm:
+            self._rearm()
         if self.wire.conn.buffered and self.state is LinkState.CONNECTED:
             # But frames that came in the same recv as our reply are in the buffer, not the socket,
             # and no socket event will announce them (a REVOKE among them would wait for the next
@@ -379,14 +420,18 @@ class PeerLink:
         try:
             send()
         except HixlError:
-            if self.on_send_failed is not None:
-                self.on_send_failed(req_id)
-            self.forget(req_id)
-            with self.wire.conn_lock:
-                self.wire.conn.forget_request(req_id)
-            if self.wire.dead_reason:  # e.g. a send that ran out of time mid-frame
-                self._end(LinkState.BROKEN, self.wire.dead_reason)
+            self._send_failed(req_id)
             raise
+
+    def _send_failed(self, req_id: int) -> None:
+        """The send of request ``req_id`` failed: forget the request (and end a dead link)."""
+        if self.on_send_failed is not None:
+            self.on_send_failed(req_id)
+        self.forget(req_id)
+        with self.wire.conn_lock:
+            self.wire.conn.forget_request(req_id)
+        if self.wire.dead_reason:  # e.g. a send that ran out of time mid-frame
+            self._end(LinkState.BROKEN, self.wire.dead_reason)
 
     def call(self, message: proto.Message, timeout: float) -> proto.Message:
         """Send a request and wait for its reply; an ERROR reply is raised as its error."""
@@ -425,17 +470,31 @@ class PeerLink:
 
     # -- reading ----------------------------------------------------------------------------------
     def _read_loop(self) -> None:
+        # While the latency path keeps the socket disarmed (``_disarmed``, see exchange), look every
+        # REARM_QUIET for it to have gone quiet, and re-arm the socket then; heartbeat duty still
+        # an interval apart.
+        idle_at = time.monotonic() + self.wire.interval
         try:
             while not self._closing:
-                events = self._epoll.poll(self.wire.interval)
+                events = self._epoll.poll(REARM_QUIET if self._disarmed else self.wire.interval)
                 if any(fd == self._wake_r for fd, _ in events):
                     os.read(self._wake_r, 64)
                     if self._closing:
                         return
                     self._take_over()
                     continue
+                now = time.monotonic()
+                if self._disarmed and not events and now < idle_at:
+                    if now - self._last_exchange >= REARM_QUIET and self.wire.read_lock.acquire(blocking=False):
+                        self.wire.read_lock.release()
+                        self._rearm()
+                    continue
                 if not self.wire.read_lock.acquire(blocking=False):
-                    continue  # a caller reads; it re-arms the socket when it is done
+                    if events:
+                        # A caller reads. The socket fired, so it is disarmed now; the latency path
+                        # will not re-arm it when done: this thread will (the others do as well).
+                        self._disarmed = True
+                    continue
                 try:
                     if events:
                         self._pump()
@@ -443,8 +502,9 @@ class PeerLink:
                         self.wire.on_idle()
                 finally:
                     self.wire.read_lock.release()
-                    if events:
+                    if events or self._disarmed:
                         self._rearm()
+                    idle_at = now + self.wire.interval
         except HixlError as exc:
             self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
         except Exception as exc:  # a bug must still not strand waiters
@@ -472,6 +532,7 @@ class PeerLink:
             self._dispatch(event)
 
     def _rearm(self) -> None:
+        self._disarmed = False
         try:
             self._epoll.modify(self.wire.fd, _ARMED)
         except (OSError, ValueError):

@@ -474,7 +474,8 @@ class Wire:
             with self.conn_lock:
                 frame = self.frame_of(self.conn.send, message)
             if data is not None and data.count <= SENDMSG_RANGES:
-                self._send_parts(frame, data.pending_ranges(), deadline)
+                ranges = data.pending_ranges()
+                self._send_parts(frame, ranges, deadline, len(frame) + sum(n for _, n in ranges))
                 return
             self._send_frame(frame, deadline)
             if data is not None:
@@ -515,20 +516,20 @@ class Wire:
             self.send_lock.release()
         return True
 
-    def send_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None) -> None:
-        """Send a frame the connection made and the bulk data at ``data`` ((addr, len) ranges)
-        with one ``sendmsg`` when the socket takes it all (the latency path)."""
+    def send_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None, nbytes: int) -> None:
+        """Send a frame the connection made and the bulk data at ``data`` ((addr, len) ranges,
+        ``nbytes`` in all) with one ``sendmsg`` when the socket takes it all (the latency path)."""
         self.check_alive()
-        self._acquire_send(deadline)
+        if not self.send_lock.acquire(blocking=False):  # (nearly always free: a lock call, not a clock read too)
+            self._acquire_send(deadline)
         try:
-            self._send_parts(frame, data, deadline)
+            self._send_parts(frame, data, deadline, len(frame) + nbytes)
         finally:
             self.send_lock.release()
 
-    def _send_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None) -> None:
+    def _send_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None, total: int) -> None:
         # One hixl._accel.tcp_send call nearly always: it retries a short send itself, and waits for
         # room at most an interval at a time, so heartbeat duty and the deadline are checked here.
-        total = len(frame) + sum(n for _, n in data)
         started = now = time.monotonic()
         sent = 0
         while True:

@@ -74,16 +74,11 @@ class LinkSession(Protocol):
         """Send a request (and its bulk ``data``) whose reply goes to ``pending``."""
 
     def exchange(
-        self,
-        req_id: int,
-        make_frame: Callable[[Any], bytes],
-        data: list[tuple[int, int]],
-        pending: Pending,
-        deadline: float,
-        into: list[tuple[int, int]],
+        self, write: bool, descs: list[tuple[int, int, int]], nbytes: int, pending: Pending, deadline: float
     ) -> bool:
-        """The latency path: one request frame and its data in one send, the reply read on this
-        thread (a DATA's bytes straight into ``into``)."""
+        """The latency path: one READ or WRITE frame for ``descs`` ((local, remote, len), ``nbytes``
+        in all) and a WRITE's data in one send, the reply read on this thread (a DATA's bytes
+        straight into local memory)."""
 
     def call(self, message: proto.Message, timeout: float) -> proto.Message:
         """Send a request and wait for its reply."""

@@ -42,7 +42,6 @@ from .base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
     from .._memory import RemoteRegions
-    from .._protocol.connection import Connection
     from .._request import TransferReq
     from .base import LinkSession, ServedSession
 
@@ -178,19 +177,10 @@ class TcpChannel(Channel):
         only when nothing else is being read (else the general path queues behind it)."""
         link = self.link
         deadline = time.monotonic() + timeout
-        req_id = link.next_id()
         write = op is Op.WRITE
-        peer_deadline = link.peer_deadline(deadline)
         pending = _Small(descs, deadline, 0 if write else nbytes)
-        pairs = [(remote, length) for _, remote, length in descs]
-
-        def frame(conn: Connection) -> bytes:
-            return conn.transfer_frame(write, req_id, peer_deadline, pairs, nbytes if write else 0)
-
-        local = [(addr, length) for addr, _, length in descs]
-        data, into = (local, []) if write else ([], local)
         try:
-            if not link.exchange(req_id, frame, data, pending, deadline, into):
+            if not link.exchange(write, descs, nbytes, pending, deadline):
                 return False  # someone else is reading: queue behind them on the general path
         except HixlError as exc:
             if pending.error is None:

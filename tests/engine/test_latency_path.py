@@ -1,0 +1,72 @@
+"""TCP's latency path on the initiator leaves the socket disarmed between its calls (no
+``epoll_ctl`` a request): whatever the peer sends once a burst of calls is over is still read at
+once — by the link's reader thread, which re-arms the socket a few milliseconds after the last
+call — not a heartbeat interval later. A scripted target answers the burst, then sends what an
+initiator must answer or act on by itself."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hixl
+from hixl import Engine, Op
+from hixl import _protocol as proto
+from hixl._session.initiator import REARM_QUIET
+from hixl.testing import ScriptedPeer, ScriptedTarget
+
+pytestmark = pytest.mark.timeout(60)
+
+BASE = 0x7000_0000_0000
+NO_ROWS = np.zeros((0, 3), np.uint64)
+BURST = 200
+INTERVAL = 5.0
+"""The heartbeat interval: the reader thread's longest sleep, which an unread frame would wait out."""
+
+
+def _burst_then(after: proto.Message) -> tuple[ScriptedTarget, list[float], threading.Event]:
+    """A target that answers BURST 8-byte READs, waits for the caller to have stopped, sends
+    ``after``, and times how long until the initiator's answer to it comes back."""
+    answered: list[float] = []
+    burst_done = threading.Event()
+
+    def script(peer: ScriptedPeer) -> None:
+        peer.accept_handshake([(BASE, 4096, 1)])
+        for _ in range(BURST):
+            request = peer.recv()
+            peer.send(proto.Data(request.req_id, 8), bytes(8))
+        burst_done.wait(10)
+        time.sleep(10 * REARM_QUIET)  # the burst is over: nobody holds the read role
+        sent = time.monotonic()
+        peer.send(after)
+        reply = peer.recv()
+        answered.append(time.monotonic() - sent)
+        assert isinstance(reply, (proto.Pong, proto.Revoked)), reply
+        peer.recv()  # BYE
+
+    return ScriptedTarget(script), answered, burst_done
+
+
+@pytest.mark.parametrize(
+    "after",
+    [proto.Ping(7), proto.Revoke(2, 1, NO_ROWS, np.array([[BASE, 4096, 1]], dtype=np.uint64))],
+    ids=["ping", "revoke"],
+)
+def test_a_frame_after_a_burst_of_latency_calls_is_answered_at_once(after: proto.Message) -> None:
+    fake, answered, burst_done = _burst_then(after)
+    with fake, Engine("127.0.0.1", {"transport": "tcp", "heartbeat_interval": INTERVAL}) as eng:
+        buf = hixl.empty(4096)
+        eng.register_mem(buf)
+        eng.connect(fake.engine)
+        for _ in range(BURST):
+            eng.transfer_sync(fake.engine, Op.READ, [(int(buf.ctypes.data), BASE, 8)], timeout=5)
+        burst_done.set()
+        deadline = time.monotonic() + 3 * INTERVAL
+        while not answered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        eng.disconnect(fake.engine)
+    assert answered, "the initiator never answered"
+    assert answered[0] < INTERVAL / 10, f"answered {answered[0] * 1e3:.0f} ms after it came: the socket was left disarmed"
