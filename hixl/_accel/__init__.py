@@ -63,6 +63,8 @@ __all__ = [
     "NATIVE",
     "PURE_ENV",
     "TCP_EOF",
+    "TCP_LOWAT",
+    "TCP_LOWAT_FROM",
     "TCP_RANGES",
     "TCP_SERVE_MAX",
     "TCP_WAIT",
@@ -117,6 +119,8 @@ tcp_land_words = _impl.tcp_land_words
 tcp_request = _impl.tcp_request
 TCP_WAIT: int = _impl.TCP_WAIT
 TCP_EOF: int = _impl.TCP_EOF
+TCP_LOWAT: int = _impl.TCP_LOWAT
+TCP_LOWAT_FROM: int = _impl.TCP_LOWAT_FROM
 TCP_RANGES: int = _impl.TCP_RANGES
 TCP_SERVE_MAX: int = _impl.TCP_SERVE_MAX
 

@@ -1080,6 +1080,8 @@ static PyTypeObject CmaSmallType = {
 #define TCP_WAIT (-1)
 #define TCP_EOF (-2)
 #define TCP_RANGES 16
+#define TCP_LOWAT (256 << 10)      /* the low-water mark a large DATA is waited for at (tcp_land) */
+#define TCP_LOWAT_FROM (4 << 20)   /* the smallest DATA landed so */
 #define IOV_BATCH 64 /* iovecs per readv in tcp_land_words (a WRITE's data: one to a few, mostly) */
 
 static double
@@ -1365,7 +1367,9 @@ PyDoc_STRVAR(tcp_land_doc,
 "Land a reply's data into the memory of ``ranges`` (a list of (addr, len)): first what\n"
 "``scratch[start:have]`` holds of it, then straight from the non-blocking ``sock`` with readv,\n"
 "waiting until ``until`` (time.monotonic()) at most and reading nothing once it passed; for\n"
-"``spin`` seconds after the last bytes came by trying again (as tcp_reply), then asleep.\n"
+"``spin`` seconds after the last bytes came by trying again (as tcp_reply), then asleep. Data of\n"
+"TCP_LOWAT_FROM bytes or more is waited for asleep, TCP_LOWAT at a time (SO_RCVLOWAT; 1 again\n"
+"before it returns), but for its last TCP_LOWAT bytes.\n"
 "``landed``: the bytes landed (all of ``ranges`` unless time ran out); ``end``: where what\n"
 "``scratch`` holds beyond the data begins. Raises OSError for a socket error, and\n"
 "ConnectionResetError if the peer closed its end before the data was in.");
@@ -1431,7 +1435,26 @@ tcp_land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetFromErrno(PyExc_OSError);
             goto done;
         }
-        int ready = spin_or_wait(fd, POLLIN, until, spin_until);
+        int ready;
+        if (total >= TCP_LOWAT_FROM && total - landed > TCP_LOWAT) {
+            /* A large DATA, dry for now: asleep until TCP_LOWAT more has come, not spinning for
+             * every few segments (tiny readvs; 0.75-0.8x a plain socket read at 16 MiB). Never for
+             * the last TCP_LOWAT: a mark above what is still to come would never be reached. */
+            int mark = TCP_LOWAT, one = 1;
+            if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &mark, sizeof mark) < 0) {
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto done;
+            }
+            ready = wait_fd(fd, POLLIN, until);
+            int err = errno;
+            if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one) < 0 && ready >= 0) {
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto done;
+            }
+            errno = err;
+        } else {
+            ready = spin_or_wait(fd, POLLIN, until, spin_until);
+        }
         if (ready == 0)
             break;
         if (ready < 0) {
@@ -1834,7 +1857,9 @@ PyInit__native(void)
                       PyModule_AddIntConstant(m, "TCP_WAIT", TCP_WAIT) < 0 ||
                       PyModule_AddIntConstant(m, "TCP_EOF", TCP_EOF) < 0 ||
                       PyModule_AddIntConstant(m, "TCP_RANGES", TCP_RANGES) < 0 ||
-                      PyModule_AddIntConstant(m, "TCP_SERVE_MAX", TCP_SERVE_MAX) < 0)) {
+                      PyModule_AddIntConstant(m, "TCP_SERVE_MAX", TCP_SERVE_MAX) < 0 ||
+                      PyModule_AddIntConstant(m, "TCP_LOWAT", TCP_LOWAT) < 0 ||
+                      PyModule_AddIntConstant(m, "TCP_LOWAT_FROM", TCP_LOWAT_FROM) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

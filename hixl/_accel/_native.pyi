@@ -13,6 +13,8 @@ CMA_STALE: int
 CMA_GONE: int
 TCP_WAIT: int
 TCP_EOF: int
+TCP_LOWAT: int
+TCP_LOWAT_FROM: int
 TCP_RANGES: int
 TCP_SERVE_MAX: int
 

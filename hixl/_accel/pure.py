@@ -56,6 +56,8 @@ __all__ = [
     "GIL_FREE_FROM",
     "SMALL_MAX",
     "TCP_EOF",
+    "TCP_LOWAT",
+    "TCP_LOWAT_FROM",
     "TCP_RANGES",
     "TCP_SERVE_MAX",
     "TCP_WAIT",
@@ -531,6 +533,10 @@ TCP_RANGES = 16
 """The most (addr, len) ranges :func:`tcp_send` and :func:`tcp_land` take."""
 TCP_SERVE_MAX = 64 << 10
 """The most bytes a READ or WRITE the C twin's :func:`tcp_request` serves itself moves (this one serves none)."""
+TCP_LOWAT = 256 << 10
+"""The low-water mark (``SO_RCVLOWAT``) :func:`tcp_land` waits for a large DATA's next bytes at."""
+TCP_LOWAT_FROM = 4 << 20
+"""The smallest DATA :func:`tcp_land` waits for so (a 1 MiB one ran slower with the mark raised)."""
 _TCP_HEADER = struct.Struct("<4sBBHQIQ")  # as hixl._protocol.frames lays a header out
 _TCP_DATA, _TCP_ACK = 7, 8
 
@@ -569,6 +575,16 @@ def _wait(sock: socket.socket, events: int, until: float) -> bool:
     poller = select.poll()
     poller.register(sock.fileno(), events)
     return bool(poller.poll(min(left, 3600.0) * 1000 + 1))
+
+
+def _wait_for_lowat(sock: socket.socket, until: float) -> bool:
+    """Asleep until :data:`TCP_LOWAT` bytes have come (or ``until``): a large DATA lands in a
+    few large reads, not one per few segments. The mark is 1 again before this returns."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, TCP_LOWAT)
+    try:
+        return _wait(sock, select.POLLIN, until)
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
 def _spin_or_wait(sock: socket.socket, events: int, until: float, spin_until: float) -> bool:
@@ -655,8 +671,9 @@ def tcp_land(
 ) -> tuple[int, int]:
     """Land a reply's data into ``ranges``: first what ``scratch[start:have]`` holds of it, then
     straight from ``sock``, waiting until ``until`` at most (for ``spin`` seconds after the last
-    bytes came by trying again, then asleep) and reading nothing once it passed; ``(landed,
-    end)``, ``end`` where what ``scratch`` holds beyond the data begins."""
+    bytes came by trying again, then asleep; data of :data:`TCP_LOWAT_FROM` bytes or more
+    asleep, :data:`TCP_LOWAT` at a time, but for its last bytes) and reading nothing once it
+    passed; ``(landed, end)``, ``end`` where what ``scratch`` holds beyond the data begins."""
     views = _views(_ranges(ranges))
     if not 0 <= start <= have <= len(scratch):
         raise ValueError("tcp_land: start and have must lie in scratch, in order")
@@ -674,7 +691,10 @@ def tcp_land(
         try:
             n = sock.recvmsg_into(views)[0]
         except (BlockingIOError, InterruptedError):
-            _spin_or_wait(sock, select.POLLIN, until, spin_until)
+            if total >= TCP_LOWAT_FROM and total - landed > TCP_LOWAT:
+                _wait_for_lowat(sock, until)
+            else:
+                _spin_or_wait(sock, select.POLLIN, until, spin_until)
             continue
         if not n:
             raise ConnectionResetError(errno.ECONNRESET, "peer closed the connection mid-data")

@@ -241,6 +241,78 @@ def test_tcp_land_spins_for_the_rest_only_as_long_as_told(
     assert burnt > 0.03 if spin else burnt < 0.03, f"{burnt:.3f} s of CPU while waiting"
 
 
+def _trickle(peer: socket.socket, data: bytes, piece: int, pause: float) -> threading.Thread:
+    """Send ``data`` from another thread, ``piece`` bytes every ``pause`` seconds."""
+
+    def run() -> None:
+        for offset in range(0, len(data), piece):
+            peer.sendall(data[offset : offset + piece])
+            time.sleep(pause)
+
+    sender = threading.Thread(target=run)
+    sender.start()
+    return sender
+
+
+def _lowat(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+
+def test_tcp_land_waits_for_a_large_datas_bytes_asleep_a_low_water_mark_at_a_time(
+    impl: ModuleType, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """A DATA of TCP_LOWAT_FROM bytes trickling in: told to spin, a landing would burn a CPU for as
+    long as it lasts (and read it a few segments at a time); it sleeps until TCP_LOWAT bytes came
+    instead, and spins only for the last of them. The mark is 1 again when it returns."""
+    ours, peer = pair
+    total = impl.TCP_LOWAT_FROM
+    data = np.random.default_rng(5).integers(0, 256, total, dtype=np.uint8).tobytes()
+    dst = np.zeros(total, dtype=np.uint8)
+    cpu, started = time.process_time(), time.monotonic()
+    sender = _trickle(peer, data, 64 << 10, 0.005)
+    landed, _ = impl.tcp_land(ours, bytearray(8), 0, 0, [(_addr(dst), total)], time.monotonic() + 20, 1.0)
+    burnt, took = time.process_time() - cpu, time.monotonic() - started
+    sender.join()
+    assert landed == total and dst.tobytes() == data
+    assert burnt < took / 2, f"{burnt:.3f} s of CPU in {took:.3f} s: it spun for the data"
+    assert _lowat(ours) == 1
+
+
+def test_tcp_land_reads_a_large_datas_last_bytes_though_fewer_than_the_mark(
+    impl: ModuleType, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """All but a few bytes at once, the rest 0.2 s later: a mark above what is still to come would
+    never be reached (the landing would sit out its time); the last bytes land as they come."""
+    ours, peer = pair
+    total = impl.TCP_LOWAT_FROM
+    dst = np.zeros(total, dtype=np.uint8)
+    sender = threading.Thread(target=peer.sendall, args=(bytes([7]) * (total - 1000),))
+    sender.start()
+    rest = threading.Timer(0.2, peer.sendall, [bytes([9]) * 1000])
+    rest.start()
+    started = time.monotonic()
+    landed, _ = impl.tcp_land(ours, bytearray(8), 0, 0, [(_addr(dst), total)], started + 10)
+    took = time.monotonic() - started
+    sender.join()
+    rest.join()
+    assert landed == total and (dst[: total - 1000] == 7).all() and (dst[total - 1000 :] == 9).all()
+    assert took < 5, f"the last 1000 bytes took {took:.1f} s"
+
+
+def test_tcp_land_of_a_large_data_from_a_stalled_peer_stops_at_until(
+    impl: ModuleType, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    ours, peer = pair
+    total = impl.TCP_LOWAT_FROM
+    dst = np.zeros(total, dtype=np.uint8)
+    peer.sendall(bytes([3]) * (1 << 20))
+    started = time.monotonic()
+    landed, _ = impl.tcp_land(ours, bytearray(8), 0, 0, [(_addr(dst), total)], started + 0.3)
+    assert landed == 1 << 20 and (dst[: 1 << 20] == 3).all() and not dst[1 << 20 :].any()
+    assert 0.25 <= time.monotonic() - started < 3
+    assert _lowat(ours) == 1
+
+
 def test_tcp_land_reports_a_peer_that_closes_mid_data(impl: ModuleType, pair: tuple[socket.socket, socket.socket]) -> None:
     ours, peer = pair
     dst = np.zeros(16, dtype=np.uint8)
@@ -583,8 +655,8 @@ def test_tcp_request_hands_back_what_a_full_socket_did_not_take(
 
 def test_the_twins_share_their_constants() -> None:
     for impl in IMPLS:
-        assert (impl.TCP_WAIT, impl.TCP_EOF, impl.TCP_RANGES, impl.TCP_SERVE_MAX) == (
-            pure.TCP_WAIT, pure.TCP_EOF, pure.TCP_RANGES, pure.TCP_SERVE_MAX
+        assert (impl.TCP_WAIT, impl.TCP_EOF, impl.TCP_RANGES, impl.TCP_SERVE_MAX, impl.TCP_LOWAT, impl.TCP_LOWAT_FROM) == (
+            pure.TCP_WAIT, pure.TCP_EOF, pure.TCP_RANGES, pure.TCP_SERVE_MAX, pure.TCP_LOWAT, pure.TCP_LOWAT_FROM
         )
 
 
