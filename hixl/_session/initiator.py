@@ -294,13 +294,28 @@ class PeerLink:
                 self._send_failed(req_id)
                 raise
             reading = self._read_until(req_id, pending, deadline, [] if write else local, nbytes if write else 0)
+            if reading and not pending.done:
+                # Timed out: forgotten while we still read, so a DATA that comes later is drained,
+                # not landed in memory its caller is told the READ never filled.
+                self.forget(req_id)
         finally:
             if reading:
                 self._last_exchange = time.monotonic()
                 self._give_back_read_role(rearm=shared or bool(self._pending))
         if not reading and pending.waker is not None:
-            pending.waker.wait(max(0.0, deadline - time.monotonic()))
+            if not pending.waker.wait(max(0.0, deadline - time.monotonic())):
+                self._abandon(req_id, pending)
         return True
+
+    def _abandon(self, req_id: int, pending: Pending) -> None:
+        """Request ``req_id``, handed to the reader thread, timed out: forget it, so that its reply
+        lands nothing — unless the reader thread took the reply already, and is landing it: then
+        wait for that (it lands what came, at once; the rest it drops, past the deadline)."""
+        with self._pending_lock:
+            mine = self._pending.pop(req_id, None) is pending
+            self._idle_if_done()
+        if not mine and pending.waker is not None:
+            pending.waker.wait(self.wire.interval)
 
     def _take_read_role(self) -> bool:
         """Become the reader if nobody is; the parked reader thread is not woken by our replies."""

@@ -1,8 +1,11 @@
-"""TCP's latency path on the initiator leaves the socket disarmed between its calls (no
-``epoll_ctl`` a request): whatever the peer sends once a burst of calls is over is still read at
-once — by the link's reader thread, which re-arms the socket a few milliseconds after the last
-call — not a heartbeat interval later. A scripted target answers the burst, then sends what an
-initiator must answer or act on by itself."""
+"""TCP's latency path on the initiator (a small ``transfer_sync``, its reply read by the caller).
+
+It leaves the socket disarmed between its calls (no ``epoll_ctl`` a request): whatever the peer
+sends once a burst of calls is over is still read at once — by the link's reader thread, which
+re-arms the socket a few milliseconds after the last call — not a heartbeat interval later. And a
+READ it reported timed out lands nothing when its DATA comes after all (for a caller that had
+handed the socket to the reader thread, see test_region_updates.py). Scripted targets, which send
+what a real one would only by bad luck (a DATA in flight past the deadline) or not at all."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import numpy as np
 import pytest
 
 import hixl
-from hixl import Engine, Op
+from hixl import Engine, Op, TransferTimeout
 from hixl import _protocol as proto
 from hixl._session.initiator import REARM_QUIET
 from hixl.testing import ScriptedPeer, ScriptedTarget
@@ -70,3 +73,32 @@ def test_a_frame_after_a_burst_of_latency_calls_is_answered_at_once(after: proto
         eng.disconnect(fake.engine)
     assert answered, "the initiator never answered"
     assert answered[0] < INTERVAL / 10, f"answered {answered[0] * 1e3:.0f} ms after it came: the socket was left disarmed"
+
+
+def test_a_data_that_comes_after_its_read_timed_out_lands_nothing() -> None:
+    """The caller reads the socket itself when its deadline passes; the DATA comes 0.3 s later."""
+    answered = threading.Event()
+
+    def script(peer: ScriptedPeer) -> None:
+        peer.accept_handshake([(BASE, 4096, 1)])
+        late = peer.recv()
+        answered.wait(10)  # (the caller has given up)
+        peer.send(proto.Data(late.req_id, 8), b"\xab" * 8)
+        again = peer.recv()
+        peer.send(proto.Data(again.req_id, 8), b"\xcd" * 8)
+        peer.recv()  # BYE
+
+    with ScriptedTarget(script) as fake, Engine("127.0.0.1", {"transport": "tcp"}) as eng:
+        buf = hixl.empty(4096)
+        buf[:] = 0
+        eng.register_mem(buf)
+        eng.connect(fake.engine)
+        with pytest.raises(TransferTimeout):
+            eng.transfer_sync(fake.engine, Op.READ, [(int(buf.ctypes.data), BASE, 8)], timeout=0.3)
+        answered.set()
+        time.sleep(0.3)  # the late DATA has come, and been read (by the reader thread)
+        assert not buf.any(), f"a READ reported timed out landed {bytes(buf[:8])!r} afterwards"
+        eng.transfer_sync(fake.engine, Op.READ, [(int(buf.ctypes.data) + 8, BASE, 8)], timeout=5)
+        assert bytes(buf[:16]) == bytes(8) + b"\xcd" * 8  # the stream is in step: the next READ is answered
+        eng.disconnect(fake.engine)
+

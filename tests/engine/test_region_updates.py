@@ -190,7 +190,8 @@ def test_an_update_that_does_not_follow_on_ends_the_link() -> None:
 
 def test_a_sync_caller_leaves_another_requests_data_to_the_reader() -> None:
     """An async READ's reply stalls halfway; a sync READ sent after it times out on its own short
-    deadline — its caller does not sit landing the other request's bytes until *their* deadline."""
+    deadline — its caller does not sit landing the other request's bytes until *their* deadline —
+    and its own DATA, which comes after the other's rest, lands nothing."""
     release = threading.Event()
 
     def script(peer: ScriptedPeer) -> None:
@@ -200,11 +201,12 @@ def test_a_sync_caller_leaves_another_requests_data_to_the_reader() -> None:
         peer.send(proto.Data(big.req_id, 4 * MiB), bytes(MiB))  # a quarter of it, then nothing
         release.wait(30)
         peer.send_raw(bytes(3 * MiB))
-        peer.send(proto.Data(small.req_id, 8), bytes(8))
+        peer.send(proto.Data(small.req_id, 8), b"\xab" * 8)
         peer.recv()  # BYE
 
     with ScriptedTarget(script) as fake, Engine("127.0.0.1", {"transport": "tcp"}) as eng:
         buf = hixl.empty(8 * MiB)
+        buf[:] = 0
         eng.register_mem(buf)
         eng.connect(fake.engine)
         big = eng.transfer_async(fake.engine, Op.READ, [(int(buf.ctypes.data), BASE, 4 * MiB)], timeout=30)
@@ -215,5 +217,8 @@ def test_a_sync_caller_leaves_another_requests_data_to_the_reader() -> None:
         took = time.monotonic() - start
         release.set()
         big.wait()
+        time.sleep(0.2)  # (the sync READ's DATA has come)
+        late = bytes(buf[4 * MiB : 4 * MiB + 8])
         eng.disconnect(fake.engine)
     assert took < 10, f"the sync READ returned after {took:.1f} s, past its 1 s deadline (the other READ's is 30 s)"
+    assert late == bytes(8), f"the sync READ, reported timed out, landed {late!r} afterwards"
