@@ -88,6 +88,10 @@ class Pending:
     done = False
     waker: threading.Event | None = None
     """Set by the link once the entry is done, if the link gave one (see :meth:`PeerLink.exchange`)."""
+    abandoned = False
+    """Its caller gave up on it (its deadline passed): the reply, should it come, is read and
+    dropped. It stays registered until then, so that the link still counts as waiting on the peer
+    (heartbeats at the busy pace: a frozen peer is found out)."""
 
     def on_reply(self, message: proto.Message) -> None:
         """Called by the reading thread with the reply frame."""
@@ -295,9 +299,9 @@ class PeerLink:
                 raise
             reading = self._read_until(req_id, pending, deadline, [] if write else local, nbytes if write else 0)
             if reading and not pending.done:
-                # Timed out: forgotten while we still read, so a DATA that comes later is drained,
-                # not landed in memory its caller is told the READ never filled.
-                self.forget(req_id)
+                # Timed out, marked while we still read: a DATA that comes later is drained, not
+                # landed in memory its caller is told the READ never filled.
+                pending.abandoned = True
         finally:
             if reading:
                 self._last_exchange = time.monotonic()
@@ -308,13 +312,14 @@ class PeerLink:
         return True
 
     def _abandon(self, req_id: int, pending: Pending) -> None:
-        """Request ``req_id``, handed to the reader thread, timed out: forget it, so that its reply
-        lands nothing — unless the reader thread took the reply already, and is landing it: then
-        wait for that (it lands what came, at once; the rest it drops, past the deadline)."""
+        """Request ``req_id``, handed to the reader thread, timed out: mark it abandoned, so that its
+        reply lands nothing — unless the reader thread took the reply already, and is landing it:
+        then wait for that (it lands what came, at once; the rest it drops, past the deadline)."""
         with self._pending_lock:
-            mine = self._pending.pop(req_id, None) is pending
-            self._idle_if_done()
-        if not mine and pending.waker is not None:
+            waiting = self._pending.get(req_id) is pending
+            if waiting:
+                pending.abandoned = True  # (the reader takes entries under this lock: it will see it)
+        if not waiting and pending.waker is not None:
             pending.waker.wait(self.wire.interval)
 
     def _take_read_role(self) -> bool:
@@ -585,6 +590,8 @@ class PeerLink:
         with self._pending_lock:
             pending = self._pending.pop(message.req_id, None)
             self._idle_if_done()
+        if pending is not None and pending.abandoned:
+            pending = None  # (its caller gave up: the reply is dropped)
         if isinstance(message, proto.Data):
             if pending is None:
                 self.wire.drain()
