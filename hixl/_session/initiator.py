@@ -288,16 +288,17 @@ class PeerLink:
             req_id = next(self._ids)
             self.expect(req_id, pending)
             conn = wire.conn
+            sent = nbytes if write else 0  # (the data that goes out with the frame, and lands before the ACK)
             pairs = [(remote, length) for _, remote, length in descs]
             with wire.conn_lock:
-                frame = wire.frame_of(conn.transfer_frame, write, req_id, conn.peer_deadline(deadline), pairs, nbytes if write else 0)
+                frame = wire.frame_of(conn.transfer_frame, write, req_id, conn.peer_deadline(deadline), pairs, sent)
             local = [(addr, length) for addr, _, length in descs]
             try:
-                wire.send_parts(frame, local if write else [], deadline, nbytes if write else 0)
+                wire.send_parts(frame, local if write else [], deadline, sent)
             except HixlError:
                 self._send_failed(req_id)
                 raise
-            reading = self._read_until(req_id, pending, deadline, [] if write else local, nbytes if write else 0)
+            reading = self._read_until(req_id, pending, deadline, [] if write else local, sent)
             if reading and not pending.done:
                 # Timed out, marked while we still read: a DATA that comes later is drained, not
                 # landed in memory its caller is told the READ never filled.
@@ -505,8 +506,7 @@ class PeerLink:
                     continue
                 now = time.monotonic()
                 if self._disarmed and not events and now < idle_at:
-                    if now - self._last_exchange >= REARM_QUIET and self.wire.read_lock.acquire(blocking=False):
-                        self.wire.read_lock.release()
+                    if now - self._last_exchange >= REARM_QUIET and not self.wire.read_lock.locked():
                         self._rearm()
                     continue
                 if not self.wire.read_lock.acquire(blocking=False):
