@@ -1191,6 +1191,184 @@ tcp_call_fd(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_
     return socket_fd(args[0]);
 }
 
+/* The steps of TCP's latency path on the initiator, for the tcp_* functions below and for TcpSmall.
+ * Each answers 0, -1 with errno set for a socket error, or -2 with an exception set (a signal
+ * handler raised); each waits with the GIL released. */
+
+/* Send iov[0..count) (total bytes in all) from byte *sent on, waiting for room until `until`: for
+ * `spin` seconds after the last bytes went by trying again, then asleep. *sent is short of total
+ * only once `until` passed. */
+static int
+send_iov(int fd, struct iovec *iov, int count, uint64_t total, uint64_t *sent, double until, double spin)
+{
+    double spin_until = spin > 0.0 ? monotonic_now() + spin : 0.0;
+    int first = iov_advance(iov, count, (size_t)*sent);
+    while (*sent < total) {
+        struct msghdr msg = {0};
+        msg.msg_iov = iov + first;
+        msg.msg_iovlen = (size_t)(count - first);
+        ssize_t n;
+        int err;
+        Py_BEGIN_ALLOW_THREADS
+        n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        errno = err;
+        if (n > 0) {
+            *sent += (uint64_t)n;
+            first += iov_advance(iov + first, count - first, (size_t)n);
+            if (spin > 0.0)
+                spin_until = monotonic_now() + spin;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                return -2;
+            continue;
+        }
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+            return -1;
+        int ready = spin_or_wait(fd, POLLOUT, until, spin_until);
+        if (ready <= 0)
+            return ready;
+    }
+    return 0;
+}
+
+/* Read into buf (cap bytes, *have held already) until it holds a frame header, until `until` at
+ * most (the first `spin` seconds trying again): *kind as tcp_reply answers it, *data_len. */
+static int
+read_header(int fd, char *buf, Py_ssize_t cap, Py_ssize_t *have, uint64_t req_id, double until, double spin,
+            long *kind, uint64_t *data_len)
+{
+    double spin_until = spin > 0.0 ? monotonic_now() + spin : 0.0;
+    *kind = TCP_WAIT;
+    *data_len = 0;
+    while (*have < TCP_HEADER) {
+        ssize_t n;
+        int err;
+        Py_BEGIN_ALLOW_THREADS
+        /* A reply due within microseconds is caught by trying again: asleep in poll(), the wake-up
+         * alone costs ~30 us on a VM whose idle vCPU halts (see docs/engine.md, busy_poll). */
+        while ((n = recv(fd, buf + *have, (size_t)(cap - *have), 0)) < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) &&
+               spin_until > 0.0 && monotonic_now() < spin_until)
+            sched_yield();
+        err = errno;
+        Py_END_ALLOW_THREADS
+        errno = err;
+        if (n > 0) {
+            *have += n;
+            continue;
+        }
+        if (n == 0) {
+            *kind = TCP_EOF;
+            return 0;
+        }
+        if (errno == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                return -2;
+            continue;
+        }
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return -1;
+        int ready = wait_fd(fd, POLLIN, until);
+        if (ready <= 0)
+            return ready; /* (0: TCP_WAIT) */
+    }
+    /* The header as hixl._protocol.frames lays it out: magic, type, flags, reserved, req_id,
+     * body_len, data_len (little-endian). Anything but the two expected replies is the
+     * connection's to judge. */
+    unsigned char *h = (unsigned char *)buf;
+    uint64_t id, dlen;
+    uint32_t body;
+    memcpy(&id, h + 8, 8);
+    memcpy(&body, h + 16, 4);
+    memcpy(&dlen, h + 20, 8);
+    *kind = 0;
+    if (memcmp(h, "HXL1", 4) == 0 && (h[4] == TCP_DATA || h[4] == TCP_ACK) && h[5] == 0 && h[6] == 0 && h[7] == 0 &&
+        id == req_id && body == 0 && (h[4] == TCP_DATA || dlen == 0)) {
+        *kind = h[4];
+        *data_len = dlen;
+    }
+    return 0;
+}
+
+/* Land a reply's data (total bytes) into iov[0..count): first `buffered` bytes from `held`, then
+ * straight from the socket, until `until` at most (nothing read once it passed; `spin` as above;
+ * a large DATA waited for at a low-water mark, see tcp_land). *landed: the bytes landed. The peer's
+ * end of stream before the data is in is ECONNRESET. */
+static int
+land_iov(int fd, const char *held, uint64_t buffered, struct iovec *iov, int count, uint64_t total, double until,
+         double spin, uint64_t *landed)
+{
+    double spin_until = spin > 0.0 ? monotonic_now() + spin : 0.0;
+    int first = 0;
+    *landed = 0;
+    while (*landed < buffered) { /* what came with the header: a memcpy per range */
+        size_t n = iov[first].iov_len < buffered - *landed ? iov[first].iov_len : (size_t)(buffered - *landed);
+        memcpy(iov[first].iov_base, held + *landed, n);
+        *landed += n;
+        first += iov_advance(iov + first, count - first, n);
+    }
+    while (*landed < total) {
+        if (monotonic_now() >= until)
+            return 0;
+        ssize_t n;
+        int err;
+        Py_BEGIN_ALLOW_THREADS
+        n = readv(fd, iov + first, count - first);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        errno = err;
+        if (n > 0) {
+            *landed += (uint64_t)n;
+            first += iov_advance(iov + first, count - first, (size_t)n);
+            if (spin > 0.0)
+                spin_until = monotonic_now() + spin;
+            continue;
+        }
+        if (n == 0) {
+            errno = ECONNRESET;
+            return -1;
+        }
+        if (errno == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                return -2;
+            continue;
+        }
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return -1;
+        int ready;
+        if (total >= TCP_LOWAT_FROM && total - *landed > TCP_LOWAT) {
+            /* A large DATA, dry for now: asleep until TCP_LOWAT more has come, not spinning for
+             * every few segments (tiny readvs; 0.75-0.8x a plain socket read at 16 MiB). Never for
+             * the last TCP_LOWAT: a mark above what is still to come would never be reached. */
+            int mark = TCP_LOWAT, one = 1;
+            if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &mark, sizeof mark) < 0)
+                return -1;
+            ready = wait_fd(fd, POLLIN, until);
+            int err = errno;
+            if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one) < 0 && ready >= 0)
+                return -1;
+            errno = err;
+        } else {
+            ready = spin_or_wait(fd, POLLIN, until, spin_until);
+        }
+        if (ready <= 0)
+            return ready;
+    }
+    return 0;
+}
+
+/* NULL with the exception a step's answer `rc` (-1 or -2) stands for set. */
+static PyObject *
+step_failed(int rc)
+{
+    if (rc == -1)
+        PyErr_SetFromErrno(PyExc_OSError);
+    return NULL;
+}
+
 PyDoc_STRVAR(tcp_send_doc,
 "tcp_send(sock, frame, ranges, offset, until, spin=0.0) -> int\n\n"
 "Send ``frame`` then the memory of ``ranges`` (a list of (addr, len)) on the non-blocking\n"
@@ -1217,7 +1395,6 @@ tcp_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = NULL;
     if (ranges < 0 || PyErr_Occurred())
         goto done;
-    double spin_until = spin > 0.0 ? monotonic_now() + spin : 0.0;
     iov[0].iov_base = frame.buf;
     iov[0].iov_len = (size_t)frame.len;
     uint64_t total = (uint64_t)frame.len + data;
@@ -1225,43 +1402,9 @@ tcp_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "offset outside what is to be sent");
         goto done;
     }
-    int count = (int)ranges + 1;
-    int first = iov_advance(iov, count, (size_t)offset);
     uint64_t sent = (uint64_t)offset;
-    while (sent < total) {
-        struct msghdr msg = {0};
-        msg.msg_iov = iov + first;
-        msg.msg_iovlen = (size_t)(count - first);
-        ssize_t n;
-        Py_BEGIN_ALLOW_THREADS
-        n = sendmsg(fd, &msg, MSG_NOSIGNAL);
-        Py_END_ALLOW_THREADS
-        if (n > 0) {
-            sent += (uint64_t)n;
-            first += iov_advance(iov + first, count - first, (size_t)n);
-            if (spin > 0.0)
-                spin_until = monotonic_now() + spin;
-            continue;
-        }
-        if (n < 0 && errno == EINTR) {
-            if (PyErr_CheckSignals() < 0)
-                goto done;
-            continue;
-        }
-        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
-            PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
-        }
-        int ready = spin_or_wait(fd, POLLOUT, until, spin_until);
-        if (ready == 0)
-            break;
-        if (ready < 0) {
-            if (ready == -1)
-                PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
-        }
-    }
-    result = PyLong_FromUnsignedLongLong(sent);
+    int rc = send_iov(fd, iov, (int)ranges + 1, total, &sent, until, spin);
+    result = rc < 0 ? step_failed(rc) : PyLong_FromUnsignedLongLong(sent);
 done:
     PyBuffer_Release(&frame);
     return result;
@@ -1292,71 +1435,16 @@ tcp_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     double until = PyFloat_AsDouble(args[4]);
     double spin = nargs == 6 ? PyFloat_AsDouble(args[5]) : 0.0;
     PyObject *result = NULL;
-    long kind = TCP_WAIT;
-    uint64_t data_len = 0;
     if ((have == -1 && PyErr_Occurred()) || (until == -1.0 && PyErr_Occurred()) || (spin == -1.0 && PyErr_Occurred()))
         goto done;
-    double spin_until = spin > 0.0 ? monotonic_now() + spin : 0.0;
     if (!exact_u64(args[3], &req_id) || have < 0 || have > scratch.len || scratch.len < TCP_HEADER) {
         PyErr_SetString(PyExc_ValueError, "tcp_reply: bad req_id, have or scratch");
         goto done;
     }
-    char *buf = scratch.buf;
-    while (have < TCP_HEADER) {
-        ssize_t n;
-        int err;
-        Py_BEGIN_ALLOW_THREADS
-        /* A reply due within microseconds is caught by trying again: asleep in poll(), the wake-up
-         * alone costs ~30 us on a VM whose idle vCPU halts (see docs/engine.md, busy_poll). */
-        while ((n = recv(fd, buf + have, (size_t)(scratch.len - have), 0)) < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) &&
-               spin_until > 0.0 && monotonic_now() < spin_until)
-            sched_yield();
-        err = errno;
-        Py_END_ALLOW_THREADS
-        errno = err;
-        if (n > 0) {
-            have += n;
-            continue;
-        }
-        if (n == 0) {
-            kind = TCP_EOF;
-            goto answer;
-        }
-        if (errno == EINTR) {
-            if (PyErr_CheckSignals() < 0)
-                goto done;
-            continue;
-        }
-        if (errno != EAGAIN && errno != EWOULDBLOCK) {
-            PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
-        }
-        int ready = wait_fd(fd, POLLIN, until);
-        if (ready == 0)
-            goto answer; /* TCP_WAIT */
-        if (ready < 0) {
-            if (ready == -1)
-                PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
-        }
-    }
-    /* The header as hixl._protocol.frames lays it out: magic, type, flags, reserved, req_id,
-     * body_len, data_len (little-endian). Anything but the two expected replies is the
-     * connection's to judge. */
-    unsigned char *h = (unsigned char *)buf;
-    uint64_t id, dlen;
-    uint32_t body;
-    memcpy(&id, h + 8, 8);
-    memcpy(&body, h + 16, 4);
-    memcpy(&dlen, h + 20, 8);
-    kind = 0;
-    if (memcmp(h, "HXL1", 4) == 0 && (h[4] == TCP_DATA || h[4] == TCP_ACK) && h[5] == 0 && h[6] == 0 && h[7] == 0 &&
-        id == req_id && body == 0 && (h[4] == TCP_DATA || dlen == 0)) {
-        kind = h[4];
-        data_len = dlen;
-    }
-answer:
-    result = Py_BuildValue("(lnK)", kind, have, (unsigned long long)data_len);
+    long kind;
+    uint64_t data_len;
+    int rc = read_header(fd, scratch.buf, scratch.len, &have, req_id, until, spin, &kind, &data_len);
+    result = rc < 0 ? step_failed(rc) : Py_BuildValue("(lnK)", kind, have, (unsigned long long)data_len);
 done:
     PyBuffer_Release(&scratch);
     return result;
@@ -1392,78 +1480,13 @@ tcp_land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = NULL;
     if (ranges < 0 || PyErr_Occurred())
         goto done;
-    double spin_until = spin > 0.0 ? monotonic_now() + spin : 0.0;
     if (start < 0 || have < start || have > scratch.len) {
         PyErr_SetString(PyExc_ValueError, "tcp_land: start and have must lie in scratch, in order");
         goto done;
     }
-    int count = (int)ranges, first = 0;
-    uint64_t landed = 0;
-    const char *held = (const char *)scratch.buf + start;
-    uint64_t buffered = (uint64_t)(have - start) < total ? (uint64_t)(have - start) : total;
-    while (landed < buffered) { /* what came with the header: a memcpy per range */
-        size_t n = iov[first].iov_len < buffered - landed ? iov[first].iov_len : (size_t)(buffered - landed);
-        memcpy(iov[first].iov_base, held + landed, n);
-        landed += n;
-        first += iov_advance(iov + first, count - first, n);
-    }
-    while (landed < total) {
-        if (monotonic_now() >= until)
-            break;
-        ssize_t n;
-        Py_BEGIN_ALLOW_THREADS
-        n = readv(fd, iov + first, count - first);
-        Py_END_ALLOW_THREADS
-        if (n > 0) {
-            landed += (uint64_t)n;
-            first += iov_advance(iov + first, count - first, (size_t)n);
-            if (spin > 0.0)
-                spin_until = monotonic_now() + spin;
-            continue;
-        }
-        if (n == 0) {
-            errno = ECONNRESET;
-            PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
-        }
-        if (errno == EINTR) {
-            if (PyErr_CheckSignals() < 0)
-                goto done;
-            continue;
-        }
-        if (errno != EAGAIN && errno != EWOULDBLOCK) {
-            PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
-        }
-        int ready;
-        if (total >= TCP_LOWAT_FROM && total - landed > TCP_LOWAT) {
-            /* A large DATA, dry for now: asleep until TCP_LOWAT more has come, not spinning for
-             * every few segments (tiny readvs; 0.75-0.8x a plain socket read at 16 MiB). Never for
-             * the last TCP_LOWAT: a mark above what is still to come would never be reached. */
-            int mark = TCP_LOWAT, one = 1;
-            if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &mark, sizeof mark) < 0) {
-                PyErr_SetFromErrno(PyExc_OSError);
-                goto done;
-            }
-            ready = wait_fd(fd, POLLIN, until);
-            int err = errno;
-            if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one) < 0 && ready >= 0) {
-                PyErr_SetFromErrno(PyExc_OSError);
-                goto done;
-            }
-            errno = err;
-        } else {
-            ready = spin_or_wait(fd, POLLIN, until, spin_until);
-        }
-        if (ready == 0)
-            break;
-        if (ready < 0) {
-            if (ready == -1)
-                PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
-        }
-    }
-    result = Py_BuildValue("(Kn)", (unsigned long long)landed, start + (Py_ssize_t)buffered);
+    uint64_t buffered = (uint64_t)(have - start) < total ? (uint64_t)(have - start) : total, landed;
+    int rc = land_iov(fd, (const char *)scratch.buf + start, buffered, iov, (int)ranges, total, until, spin, &landed);
+    result = rc < 0 ? step_failed(rc) : Py_BuildValue("(Kn)", (unsigned long long)landed, start + (Py_ssize_t)buffered);
 done:
     PyBuffer_Release(&scratch);
     return result;
