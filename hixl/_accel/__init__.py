@@ -32,6 +32,11 @@ these functions are handed the tables their callers checked and hold current.
   reply's header read and recognised (a DATA or ACK for that request, else "not mine"), and once
   the connection has accounted for it, the DATA's bytes landed in local memory; each wait a
   ``poll`` bounded by the caller's time, with the GIL released (see :mod:`hixl._session.wire`).
+- :class:`TcpSmall` — the same three steps as one call, driven by the link's state as
+  :class:`CmaSmall` is: a small READ or WRITE sent, answered and landed without the connection
+  hearing of it, or handed back to the link where it stopped short. Only in the C extension
+  (None in the pure one, whose latency path is :meth:`hixl._session.initiator.PeerLink.exchange`
+  itself: a Python twin of it would be the same steps again).
 - :func:`tcp_request` — the target's side: one ``recv``, and a small READ or WRITE that arrived
   whole recognised and its fields handed back (anything else: "not mine", for the connection's
   parser); given the registry, the C twin also serves a small READ or WRITE every rule lets
@@ -68,6 +73,7 @@ __all__ = [
     "TCP_RANGES",
     "TCP_SERVE_MAX",
     "TCP_WAIT",
+    "TcpSmall",
     "batch_order",
     "check_small",
     "cma_copy",
@@ -112,6 +118,7 @@ copy_pieces = _impl.copy_pieces
 cma_copy = _impl.cma_copy
 cma_window = _impl.cma_window
 CmaSmall = _impl.CmaSmall
+TcpSmall: type | None = getattr(_impl, "TcpSmall", None)
 tcp_send = _impl.tcp_send
 tcp_reply = _impl.tcp_reply
 tcp_land = _impl.tcp_land

@@ -1830,6 +1830,470 @@ done:
     return result;
 }
 
+/* -- TcpSmall: TCP's latency path on the initiator in one call ------------------------------ */
+
+static PyObject *str_on_event, *str_on_send_failed, *str_disarmed, *str_pending, *str_dead_reason, *str_data_left,
+    *str_buf, *str_pos, *str_clock_offset, *str_ids, *str_busy_since, *str_last_alive, *str_last_exchange,
+    *str_interval, *str_busy_poll, *str_acquire, *str_release, *str_rearm, *str_data, *str_conn, *str_fd,
+    *str_read_lock, *str_send_lock, *stage_send, *stage_reply, *stage_land, *stage_tail;
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    PyObject *link, *wire, *conn, *scratch, *read_lock, *send_lock, *connected, *open;
+    double guard, landing_rate, landing_spin_max;
+} TcpSmall;
+
+static int
+TcpSmall_init(TcpSmall *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"link", "wire", "scratch", "connected", "open", "guard", "landing_rate",
+                            "landing_spin_max", NULL};
+    PyObject *link, *wire, *scratch, *connected, *open;
+    double guard, landing_rate, landing_spin_max;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOddd", names, &link, &wire, &scratch, &connected, &open, &guard,
+                                     &landing_rate, &landing_spin_max))
+        return -1;
+    if (landing_rate <= 0.0) {
+        PyErr_SetString(PyExc_ValueError, "landing_rate must be positive");
+        return -1;
+    }
+    PyObject *conn = PyObject_GetAttr(wire, str_conn);
+    PyObject *read_lock = conn == NULL ? NULL : PyObject_GetAttr(wire, str_read_lock);
+    PyObject *send_lock = read_lock == NULL ? NULL : PyObject_GetAttr(wire, str_send_lock);
+    PyObject *fd_obj = send_lock == NULL ? NULL : PyObject_GetAttr(wire, str_fd);
+    long fd = fd_obj == NULL ? -1 : PyLong_AsLong(fd_obj);
+    Py_XDECREF(fd_obj);
+    if (fd_obj == NULL || (fd == -1 && PyErr_Occurred())) {
+        Py_XDECREF(conn);
+        Py_XDECREF(read_lock);
+        Py_XDECREF(send_lock);
+        return -1;
+    }
+    self->fd = (int)fd;
+    self->guard = guard;
+    self->landing_rate = landing_rate;
+    self->landing_spin_max = landing_spin_max;
+    Py_XSETREF(self->conn, conn);
+    Py_XSETREF(self->read_lock, read_lock);
+    Py_XSETREF(self->send_lock, send_lock);
+    Py_XSETREF(self->link, Py_NewRef(link));
+    Py_XSETREF(self->wire, Py_NewRef(wire));
+    Py_XSETREF(self->scratch, Py_NewRef(scratch));
+    Py_XSETREF(self->connected, Py_NewRef(connected));
+    Py_XSETREF(self->open, Py_NewRef(open));
+    return 0;
+}
+
+static int
+TcpSmall_traverse(TcpSmall *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->link);
+    Py_VISIT(self->wire);
+    Py_VISIT(self->conn);
+    Py_VISIT(self->scratch);
+    Py_VISIT(self->read_lock);
+    Py_VISIT(self->send_lock);
+    Py_VISIT(self->connected);
+    Py_VISIT(self->open);
+    return 0;
+}
+
+static int
+TcpSmall_clear(TcpSmall *self)
+{
+    Py_CLEAR(self->link);
+    Py_CLEAR(self->wire);
+    Py_CLEAR(self->conn);
+    Py_CLEAR(self->scratch);
+    Py_CLEAR(self->read_lock);
+    Py_CLEAR(self->send_lock);
+    Py_CLEAR(self->connected);
+    Py_CLEAR(self->open);
+    return 0;
+}
+
+static void
+TcpSmall_dealloc(TcpSmall *self)
+{
+    PyObject_GC_UnTrack(self);
+    TcpSmall_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* lock.acquire(False): 1 taken, 0 not, -1 with an exception set. */
+static int
+lock_try(PyObject *lock)
+{
+    PyObject *got = PyObject_CallMethodOneArg(lock, str_acquire, Py_False);
+    if (got == NULL)
+        return -1;
+    int taken = got == Py_True;
+    Py_DECREF(got);
+    return taken;
+}
+
+/* lock.release(); -1 with an exception set. */
+static int
+lock_release(PyObject *lock)
+{
+    PyObject *done = PyObject_CallMethodNoArgs(lock, str_release);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
+/* obj.name as a float (an int or a float); -1 with an exception set. */
+static int
+attr_double(PyObject *obj, PyObject *name, double *out)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    *out = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* obj.name = value (a float, or None if value is NULL); -1 with an exception set. */
+static int
+set_time(PyObject *obj, PyObject *name, const double *value)
+{
+    PyObject *v = value == NULL ? Py_NewRef(Py_None) : PyFloat_FromDouble(*value);
+    if (v == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(obj, name, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* The truth of obj.name; -1 with an exception set. */
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+/* The number of entries of link._pending (a dict); -1 with an exception set. */
+static Py_ssize_t
+pending_count(PyObject *link)
+{
+    PyObject *pending = PyObject_GetAttr(link, str_pending);
+    if (pending == NULL)
+        return -1;
+    Py_ssize_t n = PyDict_Check(pending) ? PyDict_GET_SIZE(pending) : -1;
+    Py_DECREF(pending);
+    if (n < 0 && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "a link's _pending must be a dict");
+    return n;
+}
+
+/* Whether the call is the one TcpSmall_run is written for (the caller holds the read lock): the
+ * socket left disarmed by an earlier call of the burst, no request waiting on a reply, the wire
+ * alive, the connection open with nothing buffered or due. 1, 0, or -1 with an exception set. Reads
+ * plain attributes only: Connection.buffered is a property, so its two fields are read instead. */
+static int
+tcp_small_eligible(TcpSmall *self)
+{
+    int disarmed = attr_true(self->link, str_disarmed);
+    if (disarmed <= 0)
+        return disarmed;
+    Py_ssize_t waiting = pending_count(self->link);
+    if (waiting != 0)
+        return waiting < 0 ? -1 : 0;
+    int dead = attr_true(self->wire, str_dead_reason);
+    if (dead != 0)
+        return dead < 0 ? -1 : 0;
+    int open = attr_is(self->conn, str_state, self->open);
+    if (open <= 0)
+        return open;
+    int due = attr_true(self->conn, str_data_left);
+    if (due != 0)
+        return due < 0 ? -1 : 0;
+    PyObject *buf = PyObject_GetAttr(self->conn, str_buf);
+    PyObject *pos = buf == NULL ? NULL : PyObject_GetAttr(self->conn, str_pos);
+    int empty = -1;
+    if (pos != NULL && PyByteArray_Check(buf)) {
+        Py_ssize_t at = PyLong_AsSsize_t(pos);
+        empty = at == -1 && PyErr_Occurred() ? -1 : PyByteArray_GET_SIZE(buf) == at;
+    } else if (pos != NULL) {
+        PyErr_SetString(PyExc_TypeError, "a connection's _buf must be a bytearray");
+    }
+    Py_XDECREF(buf);
+    Py_XDECREF(pos);
+    return empty;
+}
+
+/* Our monotonic deadline in the peer's clock, microseconds, as Connection.peer_deadline computes it
+ * (the offset's lower bound, moved earlier by the guard; clamped to [1, 2**63 - 1]); -1 with an
+ * exception set. */
+static int
+peer_micros(TcpSmall *self, double deadline, int64_t *out)
+{
+    PyObject *offset_obj = PyObject_GetAttr(self->conn, str_clock_offset);
+    if (offset_obj == NULL)
+        return -1;
+    double offset = offset_obj == Py_None ? 0.0 : PyFloat_AsDouble(offset_obj);
+    Py_DECREF(offset_obj);
+    if (offset == -1.0 && PyErr_Occurred())
+        return -1;
+    double micros = (deadline + offset - self->guard) * 1e6;
+    *out = micros >= 9.2233720368547758e18 ? INT64_MAX : micros < 1.0 ? 1 : (int64_t)micros;
+    return 0;
+}
+
+/* Where TcpSmall_run stopped short, for the link to go on from (see TcpSmall_run_doc); the read lock
+ * (and, stopped while sending, the send lock) still held. `rc` -1 or -2: a step failed, and the
+ * exception it stands for goes into the tuple, not raised. NULL (the locks released) only if the
+ * tuple itself cannot be made. */
+static PyObject *
+tcp_small_stopped(TcpSmall *self, PyObject *stage, uint64_t req_id, const unsigned char *frame, Py_ssize_t frame_len,
+                  uint64_t sent, uint64_t landed, const char *extra, Py_ssize_t extra_len, int eof, int rc)
+{
+    PyObject *error = Py_NewRef(Py_None);
+    if (rc < 0) {
+        if (rc == -1)
+            PyErr_SetFromErrno(PyExc_OSError);
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        if (value != NULL && traceback != NULL)
+            PyException_SetTraceback(value, traceback);
+        Py_XDECREF(type);
+        Py_XDECREF(traceback);
+        if (value != NULL)
+            Py_SETREF(error, value);
+    }
+    PyObject *frame_obj = frame == NULL ? Py_NewRef(Py_None) : PyBytes_FromStringAndSize((const char *)frame, frame_len);
+    PyObject *extra_obj = frame_obj == NULL ? NULL : PyBytes_FromStringAndSize(extra, extra_len);
+    PyObject *result = extra_obj == NULL ? NULL
+                                         : Py_BuildValue("(OKNKKNON)", stage, (unsigned long long)req_id, frame_obj,
+                                                         (unsigned long long)sent, (unsigned long long)landed,
+                                                         extra_obj, eof ? Py_True : Py_False, error);
+    if (extra_obj == NULL) {
+        Py_XDECREF(frame_obj);
+        Py_DECREF(error);
+    }
+    if (result == NULL) {
+        if (stage == stage_send)
+            lock_release(self->send_lock);
+        lock_release(self->read_lock);
+    }
+    return result;
+}
+
+PyDoc_STRVAR(TcpSmall_run_doc,
+"run(write, descs, deadline) -> True | None | tuple\n\n"
+"A small READ or WRITE of ``descs`` (a list of up to 8 (local, remote, len) int triples, checked\n"
+"by the caller against both sides' registrations) over the link, in one call, where the link's\n"
+"latency path would do the same in Python (PeerLink.exchange): with the read role free and the\n"
+"socket left disarmed by an earlier call of the burst, no request waiting on a reply, the\n"
+"connection open with nothing buffered. It sends the frame (a WRITE's data from local memory in\n"
+"the same sendmsg), reads the reply straight off the socket and, if it is the one the request\n"
+"waits for — the ACK, or a DATA of the READ's length — lands its data in local memory; the\n"
+"connection never hears of a request so answered (it would register and forget it).\n\n"
+"True: done, every byte moved, the locks given back. None: not taken, nothing done. A tuple\n"
+"(stage, req_id, frame, sent, landed, extra, eof, error): it stopped short, holding the read\n"
+"lock — and, at stage 'send', the send lock — for PeerLink.resume to go on from: 'send' (the\n"
+"socket took ``sent`` bytes of ``frame`` and the data before ``deadline`` or a heartbeat\n"
+"interval passed, or ``error``), 'reply' (what came, ``extra``, is not that reply, or nothing\n"
+"came within an interval, or the peer closed its end: ``eof``), 'land' (a READ's DATA, ``landed``\n"
+"bytes of it in by the deadline), 'tail' (answered, and ``extra`` came behind the reply).\n"
+"``error``: the exception a socket error (OSError) or a signal handler raised, not raised.");
+
+static PyObject *
+TcpSmall_run(TcpSmall *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "run takes 3 arguments (write, descs, deadline)");
+        return NULL;
+    }
+    int write = args[0] == Py_True;
+    desc_t descs[SMALL_MAX];
+    Py_ssize_t count = parse_descs(args[1], descs);
+    double deadline = PyFloat_AsDouble(args[2]);
+    if (deadline == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (count < 0 || count > TCP_SMALL_DESCS)
+        Py_RETURN_NONE;
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (total + descs[i].len < total)
+            Py_RETURN_NONE;
+        total += descs[i].len;
+    }
+    int ok = attr_is(self->link, str_state, self->connected);
+    if (ok > 0)
+        ok = attr_is(self->link, str_on_event, Py_None); /* (fault injection sees every event: not here) */
+    if (ok > 0)
+        ok = attr_is(self->link, str_on_send_failed, Py_None);
+    if (ok > 0)
+        ok = lock_try(self->read_lock);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    /* The read role is ours from here: every way out gives it back, or hands it to the link. */
+    double interval, busy_poll;
+    PyObject *data = NULL, *id_obj = NULL, *ids = NULL;
+    ok = tcp_small_eligible(self);
+    if (ok > 0)
+        ok = attr_double(self->wire, str_interval, &interval) < 0 || attr_double(self->wire, str_busy_poll, &busy_poll) < 0
+                 ? -1
+                 : lock_try(self->send_lock);
+    if (ok <= 0) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        int released = lock_release(self->read_lock);
+        if (type != NULL)
+            PyErr_Restore(type, value, traceback);
+        return ok < 0 || released < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    /* Both locks ours. Nothing has been sent: a failure before the sendmsg gives both back. */
+    int64_t micros;
+    uint64_t req_id = 0;
+    data = PyObject_GetAttr(self->scratch, str_data); /* this thread's receive buffer (Wire.scratch) */
+    ids = data == NULL ? NULL : PyObject_GetAttr(self->link, str_ids);
+    id_obj = ids == NULL ? NULL : PyIter_Next(ids);
+    if (id_obj == NULL || !PyByteArray_Check(data) || PyByteArray_GET_SIZE(data) < TCP_HEADER ||
+        !exact_u64(id_obj, &req_id) || peer_micros(self, deadline, &micros) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "TcpSmall: a malformed scratch buffer or request id");
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        lock_release(self->send_lock);
+        lock_release(self->read_lock);
+        PyErr_Restore(type, value, traceback);
+        Py_XDECREF(data);
+        Py_XDECREF(ids);
+        Py_XDECREF(id_obj);
+        return NULL;
+    }
+    Py_DECREF(ids);
+    Py_DECREF(id_obj);
+    char *buf = PyByteArray_AS_STRING(data);
+    Py_ssize_t cap = PyByteArray_GET_SIZE(data);
+    PyObject *result = NULL;
+    double now = monotonic_now();
+    /* As PeerLink.expect: the peer owes us progress from now (nothing else waits, checked above). */
+    if (set_time(self->wire, str_busy_since, &now) < 0)
+        goto fail_locked;
+    /* The frame as hixl._protocol.frames.small_request packs it (little-endian). */
+    unsigned char frame[TCP_HEADER + 8 + 16 * TCP_SMALL_DESCS] = {'H', 'X', 'L', '1', write ? TCP_WRITE : TCP_READ, 0, 0, 0};
+    uint32_t body = (uint32_t)(8 + 16 * count);
+    uint64_t sent_data = write ? total : 0;
+    memcpy(frame + 8, &req_id, 8);
+    memcpy(frame + 16, &body, 4);
+    memcpy(frame + 20, &sent_data, 8);
+    memcpy(frame + TCP_HEADER, &micros, 8);
+    struct iovec iov[TCP_SMALL_DESCS + 1] = {{frame, TCP_HEADER + body}}, local[TCP_SMALL_DESCS];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        memcpy(frame + TCP_HEADER + 8 + 16 * i, &descs[i].remote, 8);
+        memcpy(frame + TCP_HEADER + 16 + 16 * i, &descs[i].len, 8);
+        local[i].iov_base = (void *)(uintptr_t)descs[i].local;
+        local[i].iov_len = (size_t)descs[i].len;
+        iov[i + 1] = local[i];
+    }
+    uint64_t whole = TCP_HEADER + body + sent_data, sent = 0;
+    double until = deadline < now + interval ? deadline : now + interval;
+    int rc = send_iov(self->fd, iov, write ? (int)count + 1 : 1, whole, &sent, until, busy_poll);
+    if (rc < 0 || sent < whole) {
+        result = tcp_small_stopped(self, stage_send, req_id, frame, TCP_HEADER + body, sent, 0, NULL, 0, 0, rc);
+        goto out;
+    }
+    if (lock_release(self->send_lock) < 0)
+        goto fail_read_locked;
+    now = monotonic_now();
+    until = deadline < now + interval ? deadline : now + interval;
+    double spin = busy_poll > 0.0 ? busy_poll + (sent_data / self->landing_rate < self->landing_spin_max
+                                                     ? sent_data / self->landing_rate
+                                                     : self->landing_spin_max)
+                                  : 0.0; /* as Wire.reply_spin */
+    Py_ssize_t have = 0;
+    long kind;
+    uint64_t data_len;
+    rc = read_header(self->fd, buf, cap, &have, req_id, until, spin, &kind, &data_len);
+    if (have) {
+        double heard = monotonic_now();
+        if (set_time(self->wire, str_last_alive, &heard) < 0)
+            goto fail_read_locked;
+    }
+    if (rc < 0 || kind != (write ? TCP_ACK : TCP_DATA) || (!write && data_len != total)) {
+        result = tcp_small_stopped(self, stage_reply, req_id, NULL, 0, sent, 0, buf, have, kind == TCP_EOF, rc);
+        goto out;
+    }
+    Py_ssize_t end = TCP_HEADER;
+    if (!write) {
+        uint64_t buffered = (uint64_t)(have - TCP_HEADER) < total ? (uint64_t)(have - TCP_HEADER) : total, landed;
+        rc = land_iov(self->fd, buf + TCP_HEADER, buffered, local, (int)count, total, deadline, busy_poll, &landed);
+        end += (Py_ssize_t)buffered;
+        if (rc < 0 || landed < total) {
+            result = tcp_small_stopped(self, stage_land, req_id, NULL, 0, sent, landed, buf + end, have - end, 0, rc);
+            goto out;
+        }
+    }
+    if (end < have) { /* frames that came behind the reply: the connection's */
+        result = tcp_small_stopped(self, stage_tail, req_id, NULL, 0, sent, write ? 0 : total, buf + end, have - end, 0, 0);
+        goto out;
+    }
+    /* Done: the read role given back as PeerLink._give_back_read_role does (nothing buffered). */
+    now = monotonic_now();
+    Py_ssize_t waiting = pending_count(self->link);
+    if (waiting < 0 || set_time(self->link, str_last_exchange, &now) < 0 ||
+        (waiting == 0 && set_time(self->wire, str_busy_since, NULL) < 0))
+        goto fail_read_locked;
+    if (lock_release(self->read_lock) < 0)
+        goto out;
+    if (waiting > 0) { /* a request sent meanwhile, for the reader thread to answer: re-arm */
+        PyObject *rearmed = PyObject_CallMethodNoArgs(self->link, str_rearm);
+        if (rearmed == NULL)
+            goto out;
+        Py_DECREF(rearmed);
+    }
+    result = Py_NewRef(Py_True);
+    goto out;
+fail_locked:
+    lock_release(self->send_lock);
+fail_read_locked: {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    lock_release(self->read_lock);
+    PyErr_Restore(type, value, traceback);
+}
+out:
+    Py_DECREF(data);
+    return result;
+}
+
+static PyMethodDef TcpSmall_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))TcpSmall_run, METH_FASTCALL, TcpSmall_run_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(TcpSmall_doc,
+"TcpSmall(link, wire, scratch, connected, open, guard, landing_rate, landing_spin_max)\n\n"
+"TCP's latency path on the initiator to one peer in one call (see run): the ``link`` (a\n"
+"PeerLink: its .state must be ``connected``), its ``wire`` (socket, locks, connection, whose\n"
+".state must be ``open``), ``scratch`` (a threading.local whose .data is the calling thread's\n"
+"receive buffer), and the constants of Connection.peer_deadline (``guard``) and Wire.reply_spin\n"
+"(``landing_rate``, ``landing_spin_max``). Only in the C extension: the pure twin's latency path\n"
+"is PeerLink.exchange itself.");
+
+static PyTypeObject TcpSmallType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hixl._accel._native.TcpSmall",
+    .tp_basicsize = sizeof(TcpSmall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = TcpSmall_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)TcpSmall_init,
+    .tp_traverse = (traverseproc)TcpSmall_traverse,
+    .tp_clear = (inquiry)TcpSmall_clear,
+    .tp_dealloc = (destructor)TcpSmall_dealloc,
+    .tp_methods = TcpSmall_methods,
+};
+
 static PyMethodDef methods[] = {
     {"check_small", (PyCFunction)(void (*)(void))check_small, METH_FASTCALL, check_small_doc},
     {"mapped_copy", (PyCFunction)(void (*)(void))mapped_copy, METH_FASTCALL, mapped_copy_doc},
@@ -1859,11 +2323,19 @@ PyInit__native(void)
         {&str_intervals, "intervals"}, {&str_state, "state"},     {&str_regions, "regions"},
         {&str_lease, "lease"},       {&str_revoking, "revoking"}, {&str_generation, "generation"},
         {&str_enter, "enter"},       {&str_leave, "leave"},
+        {&str_on_event, "on_event"}, {&str_on_send_failed, "on_send_failed"}, {&str_disarmed, "_disarmed"},
+        {&str_pending, "_pending"}, {&str_dead_reason, "dead_reason"}, {&str_data_left, "data_left"},
+        {&str_buf, "_buf"}, {&str_pos, "_pos"}, {&str_clock_offset, "_clock_offset"}, {&str_ids, "_ids"},
+        {&str_busy_since, "busy_since"}, {&str_last_alive, "last_alive"}, {&str_last_exchange, "_last_exchange"},
+        {&str_interval, "interval"}, {&str_busy_poll, "busy_poll"}, {&str_acquire, "acquire"},
+        {&str_release, "release"}, {&str_rearm, "_rearm"}, {&str_data, "data"}, {&str_conn, "conn"},
+        {&str_fd, "fd"}, {&str_read_lock, "read_lock"}, {&str_send_lock, "send_lock"},
+        {&stage_send, "send"}, {&stage_reply, "reply"}, {&stage_land, "land"}, {&stage_tail, "tail"},
     };
     for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++)
         if (*strings[i].slot == NULL && (*strings[i].slot = PyUnicode_InternFromString(strings[i].text)) == NULL)
             return NULL;
-    if (PyType_Ready(&CmaSmallType) < 0)
+    if (PyType_Ready(&CmaSmallType) < 0 || PyType_Ready(&TcpSmallType) < 0)
         return NULL;
     static int forked_handler;
     if (!forked_handler && pthread_atfork(NULL, NULL, lanes_after_fork) == 0)
@@ -1877,6 +2349,7 @@ PyInit__native(void)
                       PyModule_AddIntConstant(m, "CMA_STALE", CMA_STALE) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_GONE", CMA_GONE) < 0 ||
                       PyModule_AddObjectRef(m, "CmaSmall", (PyObject *)&CmaSmallType) < 0 ||
+                      PyModule_AddObjectRef(m, "TcpSmall", (PyObject *)&TcpSmallType) < 0 ||
                       PyModule_AddIntConstant(m, "TCP_WAIT", TCP_WAIT) < 0 ||
                       PyModule_AddIntConstant(m, "TCP_EOF", TCP_EOF) < 0 ||
                       PyModule_AddIntConstant(m, "TCP_RANGES", TCP_RANGES) < 0 ||

@@ -188,7 +188,7 @@ _FAST: dict[Role, frozenset[FrameType]] = {
 _I64_MAX = (1 << 63) - 1
 _PLAIN = frozenset({ReadRequest, WriteRequest, Data, Ack})
 """Messages that change no state when received."""
-_GUARD = 0.010
+DEADLINE_GUARD = 0.010
 """Seconds by which a deadline sent to the target is moved earlier (chunk time, clock reads)."""
 
 
@@ -362,18 +362,23 @@ class Connection:
     def transfer_frame(self, write: bool, req_id: int, deadline: int, pairs: list[tuple[int, int]], data_len: int) -> bytes:
         """The bytes of a small READ or WRITE (the latency path): as :meth:`send` with a
         :class:`ReadRequest`/:class:`WriteRequest`, without building numpy arrays."""
-        kind = _F.WRITE if write else _F.READ
         count = len(pairs)
         if not 0 < count <= SMALL_DESCS:
             raise ValueError(f"the latency path packs 1 to {SMALL_DESCS} descriptors, not {count}")
+        # (One pair is the common case, and every generator this path skips is ~0.2 us of a ~10 us round trip.)
+        self.sent_small(write, req_id, 0 if write else pairs[0][1] if count == 1 else sum([n for _, n in pairs]))
+        return small_request(_F.WRITE if write else _F.READ, req_id, deadline, pairs, data_len)
+
+    def sent_small(self, write: bool, req_id: int, expected: int) -> None:
+        """Account for a small READ (``expected`` bytes of DATA due) or WRITE ``req_id`` as sent: what
+        :meth:`transfer_frame` does before it packs the frame. For a driver that packed and sent
+        it itself (:class:`hixl._accel.TcpSmall`) and hands it back unanswered."""
+        kind = _F.WRITE if write else _F.READ
         if self.state is not ConnState.OPEN or self.role is not Role.INITIATOR:
             raise ProtocolError(f"a {self.role.value} may not send {kind.name} while {self.state.name}")
         if req_id == 0 or req_id in self._outstanding:
             raise ProtocolError(f"request id {req_id} is zero or already in use")
-        # (One pair is the common case, and every generator this path skips is ~0.2 us of a ~10 us round trip.)
-        expected = 0 if write else pairs[0][1] if count == 1 else sum([n for _, n in pairs])
         self._outstanding[req_id] = _Request(kind, expected)
-        return small_request(kind, req_id, deadline, pairs, data_len)
 
     @property
     def regions_generation(self) -> int:
@@ -690,7 +695,7 @@ class Connection:
             return 0
         offset = self._clock_offset if self._clock_offset is not None else 0.0
         # Clamped to what a frame's signed 64-bit deadline holds (an absurd peer clock).
-        micros = int((deadline + offset - _GUARD) * 1e6)
+        micros = int((deadline + offset - DEADLINE_GUARD) * 1e6)
         return micros if 0 < micros <= _I64_MAX else max(1, min(_I64_MAX, micros))
 
     def __repr__(self) -> str:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import _accel
 from .. import _protocol as proto
 from .._exceptions import (
     HixlError,
@@ -54,10 +55,10 @@ from .._exceptions import (
     TransferTimeout,
     error_for_status,
 )
-from .._protocol.connection import ConnectionClosed, PeerFatal, RegionsPushed
+from .._protocol.connection import DEADLINE_GUARD, ConnectionClosed, ConnState, PeerFatal, RegionsPushed
 from .._types import IdentityEnum
 from .peer_regions import PeerRegions
-from .wire import Wire
+from .wire import LANDING_RATE, LANDING_SPIN_MAX, SCRATCH, Wire
 
 if TYPE_CHECKING:
     from .._iov import IovCursor
@@ -312,6 +313,82 @@ class PeerLink:
                 self._abandon(req_id, pending)
         return True
 
+    def compiled_exchange(self) -> Any:
+        """The latency path in C for this link (:class:`hixl._accel.TcpSmall`, driven by the
+        link's state: see its ``run``), or None where the extension is not in use."""
+        if _accel.TcpSmall is None:
+            return None
+        return _accel.TcpSmall(self, self.wire, SCRATCH, LinkState.CONNECTED, ConnState.OPEN, DEADLINE_GUARD, LANDING_RATE, LANDING_SPIN_MAX)
+
+    def resume(
+        self, stopped: tuple[Any, ...], write: bool, descs: list[tuple[int, int, int]], nbytes: int, pending: Pending, deadline: float
+    ) -> None:
+        """Go on from where the compiled latency path stopped short (``stopped``, see
+        :meth:`hixl._accel.TcpSmall.run`), holding the read role — and, stopped while sending,
+        the send lock — it left held: the request it sent becomes one the link and the connection
+        know of, as :meth:`exchange` would have made it before sending, and the rest goes as
+        there. What it read is the connection's: frames behind an answered reply, a reply that
+        was not the one expected (an ERROR, say) or frames before it, for the general path to
+        parse. A socket error it met fails the request and breaks the link as one met here would;
+        an exception a signal handler raised is raised, with the request known to the link."""
+        stage, req_id, frame, sent, landed, extra, eof, error = stopped
+        wire, conn = self.wire, self.wire.conn
+        local = [(addr, length) for addr, _, length in descs]
+        reading = True
+        try:
+            if stage == "tail":  # answered: only the frames behind the reply are left
+                with wire.conn_lock:
+                    conn.receive_data(extra)
+                with self._pending_lock:
+                    self._idle_if_done()  # (the compiled path marked the link busy for its request)
+                pending.on_landed(landed)
+                return
+            try:
+                self.expect(req_id, pending)
+                with wire.conn_lock:
+                    wire.frame_of(conn.sent_small, write, req_id, 0 if write else nbytes)
+            except BaseException:
+                if stage == "send":
+                    wire.send_lock.release()
+                raise
+            if stage == "send":
+                try:
+                    if isinstance(error, OSError):
+                        wire.send_lock.release()
+                        raise wire._fail(f"socket error: {error}", error) from error
+                    if error is not None:
+                        wire.send_lock.release()
+                        raise error
+                    wire.finish_parts(frame, local if write else [], deadline, len(frame) + (nbytes if write else 0), sent)
+                except HixlError:
+                    self._send_failed(req_id)
+                    raise
+                reading = self._read_until(req_id, pending, deadline, [] if write else local, nbytes if write else 0)
+            else:
+                if stage == "land":  # (a READ's DATA, short: the rest is the next reader's to drop)
+                    with wire.conn_lock:
+                        conn.took_frame(proto.FrameType.DATA, req_id, nbytes)
+                        conn.data_moved(landed)
+                with wire.conn_lock:
+                    if extra:
+                        conn.receive_data(extra)
+                    if eof:
+                        conn.receive_data(b"")
+                if isinstance(error, OSError):
+                    self._end(LinkState.BROKEN, str(wire._fail(f"socket error: {error}", error)))
+                elif error is not None:
+                    raise error
+                if stage == "land":
+                    self._landed(req_id, pending, landed)
+                else:
+                    reading = self._read_until(req_id, pending, deadline)
+            if reading and not pending.done:
+                pending.abandoned = True  # (as in exchange: a DATA that comes later is drained)
+        finally:
+            if reading:
+                self._last_exchange = time.monotonic()
+                self._give_back_read_role(rearm=bool(self._pending))
+
     def _abandon(self, req_id: int, pending: Pending) -> None:
         """Request ``req_id``, handed to the reader thread, timed out: mark it abandoned, so that its
         reply lands nothing — unless the reader thread took the reply already, and is landing it:
@@ -404,12 +481,7 @@ class PeerLink:
             if into is not None and deadline is not None and self.on_event is None and not (wire.conn.buffered or wire.conn.data_left):
                 landed = wire.read_reply(req_id, into, deadline, landing)
                 if landed is not None:
-                    with self._pending_lock:
-                        mine = self._pending.pop(req_id, None) is pending
-                        self._idle_if_done()
-                    if mine:  # (else the link ended meanwhile, and failed it)
-                        pending.on_landed(landed)
-                        _woken(pending)
+                    self._landed(req_id, pending, landed)
             while not pending.done and self.state is LinkState.CONNECTED:
                 event = self.wire.next_event(deadline)
                 if isinstance(event, proto.Data) and event.req_id != req_id:
@@ -427,6 +499,16 @@ class PeerLink:
             # caller would take that for a timeout).
             _fail(pending, self._end_error)
         return True
+
+    def _landed(self, req_id: int, pending: Pending, landed: int) -> None:
+        """The latency path read request ``req_id``'s reply itself, ``landed`` bytes of its data:
+        ``pending`` is answered (unless the link ended meanwhile, and failed it)."""
+        with self._pending_lock:
+            mine = self._pending.pop(req_id, None) is pending
+            self._idle_if_done()
+        if mine:
+            pending.on_landed(landed)
+            _woken(pending)
 
     def _hand_over(self, data: proto.Data) -> None:
         """Give the read role (held) and ``data``, whose bytes are next on the socket, to the reader thread."""

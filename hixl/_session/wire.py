@@ -77,7 +77,8 @@ class _Scratch(threading.local):
         self.view = memoryview(self.data)
 
 
-_SCRATCH = _Scratch()
+SCRATCH = _Scratch()
+"""Each thread's receive buffer (its ``data``)."""
 
 
 class Wire:
@@ -120,11 +121,11 @@ class Wire:
         """Where a ``recv`` of frames lands: the calling thread's (what it holds is handed to the
         connection before the call that read it returns), so a thousand connections cost a
         reading thread's buffer, not one each."""
-        return _SCRATCH.data
+        return SCRATCH.data
 
     @property
     def _scratch_view(self) -> memoryview:
-        return _SCRATCH.view
+        return SCRATCH.view
 
     # -- life -----------------------------------------------------------------------------------
     def mark_dead(self, reason: str) -> None:
@@ -527,11 +528,18 @@ class Wire:
         finally:
             self.send_lock.release()
 
-    def _send_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None, total: int) -> None:
+    def finish_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None, total: int, sent: int) -> None:
+        """Send the rest of what :meth:`send_parts` sends, ``sent`` bytes of which its caller sent,
+        holding ``send_lock`` (released here)."""
+        try:
+            self._send_parts(frame, data, deadline, total, sent)
+        finally:
+            self.send_lock.release()
+
+    def _send_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None, total: int, sent: int = 0) -> None:
         # One hixl._accel.tcp_send call nearly always: it retries a short send itself, and waits for
         # room at most an interval at a time, so heartbeat duty and the deadline are checked here.
         started = now = time.monotonic()
-        sent = 0
         while True:
             until = now + self.interval if deadline is None else min(deadline, now + self.interval)
             before = sent

@@ -80,6 +80,14 @@ class LinkSession(Protocol):
         in all) and a WRITE's data in one send, the reply read on this thread (a DATA's bytes
         straight into local memory)."""
 
+    def compiled_exchange(self) -> Any:
+        """The latency path in C (:class:`hixl._accel.TcpSmall`), or None without the extension."""
+
+    def resume(
+        self, stopped: tuple[Any, ...], write: bool, descs: list[tuple[int, int, int]], nbytes: int, pending: Pending, deadline: float
+    ) -> None:
+        """Go on from where the compiled latency path stopped short (as :meth:`exchange` from there)."""
+
     def call(self, message: proto.Message, timeout: float) -> proto.Message:
         """Send a request and wait for its reply."""
 

@@ -160,6 +160,7 @@ class TcpChannel(Channel):
 
     def __init__(self, link: LinkSession) -> None:
         self.link = link
+        self._compiled = link.compiled_exchange()
 
     def start(self, req: TransferReq, op: Op, descs: np.ndarray) -> None:
         """Send the request's frames (and WRITE data); replies complete ``req`` on the reading thread."""
@@ -178,9 +179,15 @@ class TcpChannel(Channel):
         link = self.link
         deadline = time.monotonic() + timeout
         write = op is Op.WRITE
+        # In C where it can be (hixl._accel.TcpSmall); where that stops short, the link goes on from there.
+        stopped = self._compiled.run(write, descs, deadline) if self._compiled is not None else None
+        if stopped is True:
+            return True
         pending = _Small(descs, deadline, 0 if write else nbytes)
         try:
-            if not link.exchange(write, descs, nbytes, pending, deadline):
+            if stopped is not None:
+                link.resume(stopped, write, descs, nbytes, pending, deadline)
+            elif not link.exchange(write, descs, nbytes, pending, deadline):
                 return False  # someone else is reading: queue behind them on the general path
         except HixlError as exc:
             if pending.error is None:
