@@ -488,12 +488,16 @@ class Wire:
         """``make(*args)``: a frame from the connection (caller holds ``conn_lock``). If the connection
         has closed meanwhile (the peer's end of stream was just parsed, by another thread), that
         is :class:`PeerDisconnected`, as it is for every other way a send finds the peer gone —
-        not the :class:`ProtocolError` the connection raises for sending on a closed connection."""
+        not the :class:`ProtocolError` the connection raises for sending on a closed connection.
+        So is one that is closing (another thread said BYE, and is ending the link): a request
+        made in that instant meets a link going away, not a broken protocol."""
         try:
             return make(*args)
         except ProtocolError as exc:
             if self.conn.state is ConnState.CLOSED:
                 raise self._fail(self.conn.closed_reason or "the connection closed", exc) from exc
+            if self.conn.state is ConnState.CLOSING:
+                raise PeerDisconnected(f"the connection to {self.peer} is closing (BYE sent)") from exc
             raise
 
     def _acquire_send(self, deadline: float | None) -> None:

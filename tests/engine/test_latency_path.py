@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import hixl
-from hixl import Engine, Op, TransferTimeout
+from hixl import Engine, Op, PeerDisconnected, TransferTimeout
 from hixl import _protocol as proto
 from hixl._session.initiator import REARM_QUIET
 from hixl.testing import ScriptedPeer, ScriptedTarget
@@ -102,3 +102,33 @@ def test_a_data_that_comes_after_its_read_timed_out_lands_nothing() -> None:
         assert bytes(buf[:16]) == bytes(8) + b"\xcd" * 8  # the stream is in step: the next READ is answered
         eng.disconnect(fake.engine)
 
+
+
+def test_a_read_made_while_another_thread_says_bye_meets_a_disconnected_peer() -> None:
+    """The instant between a disconnect's BYE going out and the link ending: a READ made then
+    fails with PeerDisconnected (the link is going away), not with the ProtocolError the
+    connection raises for a READ sent after BYE. (The target here waits after the BYE, so the
+    instant lasts.)"""
+    said_bye = threading.Event()
+
+    def script(peer: ScriptedPeer) -> None:
+        peer.accept_handshake([(BASE, 4096, 1)])
+        for _ in range(3):  # a burst: under the C extension the READs after the first are compiled
+            request = peer.recv()
+            peer.send(proto.Data(request.req_id, 8), bytes(8))
+        assert isinstance(peer.recv(), proto.Bye)
+        said_bye.wait(10)
+
+    with ScriptedTarget(script) as fake, Engine("127.0.0.1", {"transport": "tcp"}) as eng:
+        buf = hixl.empty(4096)
+        eng.register_mem(buf)
+        eng.connect(fake.engine)
+        for _ in range(3):
+            eng.transfer_sync(fake.engine, Op.READ, [(int(buf.ctypes.data), BASE, 8)], timeout=5)
+        link = eng._peers[fake.engine].link  # (white box: the first half of what disconnect does)
+        assert link.wire.try_send(proto.Bye(0, "disconnect"))
+        try:
+            with pytest.raises(PeerDisconnected, match="closing"):
+                eng.transfer_sync(fake.engine, Op.READ, [(int(buf.ctypes.data), BASE, 8)], timeout=5)
+        finally:
+            said_bye.set()
