@@ -333,7 +333,6 @@ class PeerLink:
         an exception a signal handler raised is raised, with the request known to the link."""
         stage, req_id, frame, sent, landed, extra, eof, error = stopped
         wire, conn = self.wire, self.wire.conn
-        local = [(addr, length) for addr, _, length in descs]
         reading = True
         try:
             if stage == "tail":  # answered: only the frames behind the reply are left
@@ -352,12 +351,12 @@ class PeerLink:
                     wire.send_lock.release()
                 raise
             if stage == "send":
+                local = [(addr, length) for addr, _, length in descs]
                 try:
-                    if isinstance(error, OSError):
-                        wire.send_lock.release()
-                        raise wire._fail(f"socket error: {error}", error) from error
                     if error is not None:
                         wire.send_lock.release()
+                        if isinstance(error, OSError):
+                            raise wire._fail(f"socket error: {error}", error) from error
                         raise error
                     wire.finish_parts(frame, local if write else [], deadline, len(frame) + (nbytes if write else 0), sent)
                 except HixlError:
