@@ -611,6 +611,10 @@ class PeerLink:
         except Exception as exc:  # a bug must still not strand waiters
             log.exception("hixl link reader crashed")
             self._end(LinkState.BROKEN, f"internal error: {exc!r}")
+        finally:
+            handed, self._handed_over = self._handed_over, None
+            if handed is not None:  # a caller's read role, handed over as the link closed: given back
+                self.wire.read_lock.release()
 
     def _take_over(self) -> None:
         """Read on from the DATA frame a caller handed over, with the read role it holds for us."""

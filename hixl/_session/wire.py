@@ -149,9 +149,36 @@ class Wire:
         return error
 
     def close(self) -> None:
-        """Shut the socket down and release it."""
+        """Shut the socket down, and release it once nobody reads or sends on it.
+
+        A reader or a sender inside a call holds the socket's descriptor number (``fd``, and C
+        code holds it as an int), not the socket: released under it, the number goes to the next
+        socket this process opens — a new connection, often to the same peer — and that thread's
+        next syscall reads or writes the other connection's stream (its bytes stolen, or ours
+        spliced into it). Shut down, the socket fails such syscalls at once, so holders let go
+        soon. If either lock is held now (by the caller itself, perhaps, closing from a callback),
+        a thread of its own releases the socket once both are free, waiting no longer than the
+        peer's liveness budget (a holder stuck that long is not coming back)."""
         self.mark_dead("closed")
+        if self.read_lock.acquire(blocking=False):
+            if self.send_lock.acquire(blocking=False):
+                self.sock.close()
+                self.send_lock.release()
+                self.read_lock.release()
+                return
+            self.read_lock.release()
+        threading.Thread(target=self._close_when_free, name=f"hixl-close-{self.peer}", daemon=True).start()
+
+    def _close_when_free(self) -> None:
+        # Read role first, then the send lock: the order every holder of both takes them in.
+        budget = self.interval * self.misses
+        reading = self.read_lock.acquire(timeout=budget)
+        sending = self.send_lock.acquire(timeout=budget)
         self.sock.close()
+        if sending:
+            self.send_lock.release()
+        if reading:
+            self.read_lock.release()
 
     # -- waiting ----------------------------------------------------------------------------------
     def wait(self, events: int, deadline: float | None, what: str) -> None:

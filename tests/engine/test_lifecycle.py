@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import numpy as np
@@ -135,6 +137,41 @@ def test_disconnect_and_reconnect(transport: str, shared_target: TargetProcess, 
             assert eng.connected_engines() == []
         assert resources.threads() <= threads
         assert resources.fds() == fds
+
+
+def test_disconnect_keeps_the_socket_number_while_a_reader_is_inside_a_call(shared_target: TargetProcess, resources) -> None:  # type: ignore[no-untyped-def]
+    """A thread inside a read (C code, too) holds the socket's descriptor number, not the socket:
+    released under it, the number would go to the next socket opened — a reconnection, say — and
+    that thread's next recv would read the other connection's stream. So disconnect shuts the
+    socket down at once and releases it only once the read role is given back."""
+    with Engine("127.0.0.1", {"transport": "tcp"}) as eng:
+        threads = resources.threads()
+        eng.connect(shared_target.engine)
+        wire = eng._peers[shared_target.engine].link.wire  # (white box: a reader is whoever holds the read role)
+        fd, inode = wire.fd, os.fstat(wire.fd).st_ino
+        assert wire.read_lock.acquire(timeout=5)
+        try:
+            eng.disconnect(shared_target.engine)
+            a, b = socket.socketpair()  # (the lowest free numbers: the link's, had it been released)
+            with a, b:
+                assert fd not in (a.fileno(), b.fileno()) and os.fstat(fd).st_ino == inode
+                assert os.read(fd, 1) == b""  # shut down: a reader's next recv ends at once
+        finally:
+            wire.read_lock.release()
+        deadline = time.monotonic() + 5
+        while _same_file(fd, inode):
+            assert time.monotonic() < deadline, "the socket was not released once the read role was free"
+            time.sleep(0.01)
+        while resources.threads() > threads:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+
+def _same_file(fd: int, inode: int) -> bool:
+    try:
+        return os.fstat(fd).st_ino == inode
+    except OSError:
+        return False
 
 
 def test_notifications_name_their_connection_and_engines_their_incarnation() -> None:

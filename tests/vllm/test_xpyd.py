@@ -234,24 +234,52 @@ def waiting(fleet: Fleet, name: str) -> int:
     return sum(int(float(n)) for n in re.findall(r"^vllm:num_requests_waiting\{[^}]*\} (\S+)$", text, re.M))
 
 
+class Stream:
+    """A streamed answer on a socket from :func:`send_raw`, read only to see whether it ended."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._tail = b""
+        sock.setblocking(False)
+
+    def ended(self) -> bool:
+        """Whether the server sent the stream's last event (``data: [DONE]``) yet."""
+        try:
+            while chunk := self.sock.recv(1 << 16):
+                self._tail = (self._tail + chunk)[-16:]
+        except BlockingIOError:
+            pass
+        return b"[DONE]" in self._tail
+
+
 def test_abort_at_decode_releases_prefill_blocks_at_once(fleet: Fleet) -> None:
-    """A request waits in D2's queue (D2 runs one at a time, three long ones are ahead); its client
+    """A request waits in D2's queue (D2 runs one at a time, long ones are ahead); its client
     leaves; P1 frees its blocks at once, long before their lease would have run out."""
     status, prefilled = post(fleet, "p1", body(fleet, words(40, offset=50), max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
     assert status == 200
     pulled_before = fleet.log("d2").count("hixl: pulled request")
-    busy = [send_raw(fleet, "d2", body(fleet, words(5, offset=i), max_tokens=480, stream=True)) for i in range(3)]
-    try:
-        deadline = time.monotonic() + 60
-        while waiting(fleet, "d2") < 2:  # one of the busy ones runs, two wait
+    busy = [Stream(send_raw(fleet, "d2", body(fleet, words(5, offset=i), max_tokens=480, stream=True))) for i in range(5)]
+
+    deadline = time.monotonic() + 60
+
+    def queued(extra: int) -> None:
+        """Until D2's queue holds the busy requests still unanswered but the one running, and
+        ``extra`` more, on two looks a quarter second apart (under load the first busy ones may
+        be answered meanwhile, and the gauge can lag a step behind an answer)."""
+        held = 0
+        while held < 2:
             assert time.monotonic() < deadline, fleet.log("d2")[-3000:]
-            time.sleep(0.05)
+            ahead = sum(not stream.ended() for stream in busy)
+            held = held + 1 if waiting(fleet, "d2") >= ahead - 1 + extra else 0
+            time.sleep(0.25 if held else 0.05)
+
+    try:
+        queued(0)
         victim = send_raw(fleet, "d2", body(fleet, words(40, offset=50), stream=True, kv_transfer_params=prefilled["kv_transfer_params"]))
         # It reaches D2's scheduler (how soon depends on the load: not a fixed sleep) and waits behind
         # the busy ones, its lease extended.
-        while waiting(fleet, "d2") < 3:
-            assert time.monotonic() < deadline, fleet.log("d2")[-3000:]
-            time.sleep(0.05)
+        queued(1)
+        assert sum(not stream.ended() for stream in busy) >= 2, "the busy requests were answered before the victim waited long"
         time.sleep(1.5)
         assert fleet.log("d2").count("hixl: pulled request") == pulled_before, "D2 ran the request already: no wait to abort"
         assert "released by decode" not in fleet.log("p1")
@@ -269,8 +297,8 @@ def test_abort_at_decode_releases_prefill_blocks_at_once(fleet: Fleet) -> None:
         assert float(found.group(2)) > LEASE_S / 3  # well before the lease would have run out
         assert fleet.log("d2").count("hixl: pulled request") == pulled_before  # and never pulled
     finally:
-        for sock in busy:
-            sock.close()
+        for stream in busy:
+            stream.sock.close()
 
 
 def test_a_prefill_killed_mid_run_costs_no_client_an_error(fleet: Fleet) -> None:
