@@ -57,6 +57,7 @@ import numpy as np
 
 from .. import Op, TransferOpDesc, empty
 from .._memory import merge_adjacent
+from ..datadist._layout import in_remote_order
 from ..datadist import (
     BlocksCacheKey,
     Cache,
@@ -182,9 +183,10 @@ def pull_descriptors(
     """The ``(tensors, len(src), 3)`` descriptors of a pull of blocks ``src`` into ``dst``.
 
     Built as DataDist builds them: tensor by tensor (K0, V0, K1, ..., or one per
-    layer with ``fused_kv``), blocks in the order given, one (local, remote,
-    length) per block per tensor.
+    layer with ``fused_kv``), blocks in the remote blocks' order (``in_remote_order``),
+    one (local, remote, length) per block per tensor.
     """
+    dst, src = in_remote_order(np.asarray(dst, dtype=np.uint64), np.asarray(src, dtype=np.uint64), Op.READ)
     tensors = shape.tensors_per_layer * shape.layers
     tensor_bytes = np.uint64(shape.pool_tokens * shape.token_bytes)
     block = np.uint64(shape.block_bytes(block_size))

@@ -4,7 +4,8 @@ A cache is ``num_tensors`` tensors, ``tensor_num_per_layer`` per layer, each
 ``shape[0]`` rows (blocks, or batch entries) of ``row_bytes``. Moving rows
 ``src_rows`` to ``dst_rows`` for a range of layers is an outer sum of tensor
 base addresses and row offsets: one numpy expression, no Python loop over
-blocks. Runs that are contiguous on both sides are merged by the engine.
+blocks. A blocks transfer's pairs go in the remote blocks' order; runs that
+are contiguous on both sides are merged by the engine.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from .._types import Op
 from ._types import CacheDesc
 
-__all__ = ["layer_tensors", "resolve_layers", "row_descs", "rows_array"]
+__all__ = ["in_remote_order", "layer_tensors", "resolve_layers", "row_descs", "rows_array"]
 
 
 def rows_array(rows: Any, limit: int, what: str) -> np.ndarray:
@@ -29,6 +31,20 @@ def rows_array(rows: Any, limit: int, what: str) -> np.ndarray:
     if int(arr.min()) < 0 or int(arr.max()) >= limit:
         raise ValueError(f"{what} out of range: valid indices are 0..{limit - 1}")
     return arr.astype(np.uint64)
+
+
+def in_remote_order(local_rows: np.ndarray, remote_rows: np.ndarray, op: Op) -> tuple[np.ndarray, np.ndarray]:
+    """The block pairs of a transfer sorted by their remote block, where no destination block repeats
+    (``op``: READ lands in the local blocks, WRITE in the remote ones): then the bytes that land are
+    the same in any order. Remote blocks adjacent there — in a pool after some churn, about half of
+    a prompt's — then follow one another in the descriptors, and a cma copy takes each such run as
+    one remote range: the kernel pins remote memory range by range, the page tables locked each
+    time (see ``lane_copy`` in ``_native.c``). Pairs are left as given where a destination repeats."""
+    landing = local_rows if op is Op.READ else remote_rows
+    if len(remote_rows) < 2 or len(np.unique(landing)) != len(landing):
+        return local_rows, remote_rows
+    order = np.argsort(remote_rows, kind="stable")
+    return local_rows[order], remote_rows[order]
 
 
 def resolve_layers(desc: CacheDesc, layer_range: range | None, tensor_num_per_layer: int, what: str) -> range:

@@ -25,7 +25,7 @@ from .._request import TransferReq
 from .._types import Op
 from ._catalog import Catalog, RemoteCache
 from ._errors import LLMException, LLMStatusCode, translate_errors
-from ._layout import layer_tensors, resolve_layers, row_descs, rows_array
+from ._layout import in_remote_order, layer_tensors, resolve_layers, row_descs, rows_array
 from ._state import DataDistState
 from ._task import CacheTask, TaskControl
 from ._types import (
@@ -356,6 +356,7 @@ class CacheManager:
         remote_rows = rows_array(remote_blocks, remote.cache_desc.shape[0], "remote block indices")
         if len(local_rows) != len(remote_rows):
             raise ValueError(f"{len(remote_rows)} source blocks but {len(local_rows)} destination blocks")
+        local_rows, remote_rows = in_remote_order(local_rows, remote_rows, op)
         if remote_heads is None and local_heads is None:
             _check_compatible(local.cache_desc, remote.cache_desc)
             return self._plan(op, remote_engine, local, remote, local_rows, remote_rows, local_layer_range, remote_layer_range, tensor_num_per_layer, local.cache_desc.row_bytes, catalog)

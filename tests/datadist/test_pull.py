@@ -83,6 +83,19 @@ def test_pull_into_torch_views_of_one_storage(remote, local, make_remote, make_l
     assert not mine.storage[:, 3:].any()
 
 
+def _record_transfers(engine, monkeypatch):
+    """The descriptors of every ``transfer_sync`` the engine makes from now on (a pass-through spy)."""
+    seen = []
+    real = engine.transfer_sync
+
+    def spy(remote_engine, op, op_descs, timeout=None):
+        seen.append(np.array(op_descs, copy=True))
+        return real(remote_engine, op, op_descs, timeout)
+
+    monkeypatch.setattr(engine, "transfer_sync", spy)
+    return seen
+
+
 @pytest.mark.parametrize(
     ("src", "dst", "runs_per_tensor"),
     [
@@ -103,15 +116,7 @@ def test_contiguous_blocks_merge_into_runs(remote, local, make_remote, make_loca
     key = new_blocks_key()
     name = make_remote(F32, key, seed=5)
     mine = make_local(F32)
-    engine = local.engine
-    seen = []
-    real = engine.transfer_sync
-
-    def spy(remote_engine, op, op_descs, timeout=None):
-        seen.append(np.array(op_descs, copy=True))
-        return real(remote_engine, op, op_descs, timeout)
-
-    monkeypatch.setattr(engine, "transfer_sync", spy)
+    seen = _record_transfers(local.engine, monkeypatch)
     local.cache_manager.pull_blocks(key, mine.cache, src, dst)
     check, descs = seen  # first the 8-byte read of the source's catalog generation, then the data
     assert len(check) == 1 and check[0][2] == 8
@@ -119,6 +124,29 @@ def test_contiguous_blocks_merge_into_runs(remote, local, make_remote, make_loca
     expected = 1 if runs_per_tensor is None else F32.num_tensors * runs_per_tensor
     assert len(merge_adjacent(descs)) == expected
     np.testing.assert_array_equal(mine.read()[:, dst], remote.read(name, (slice(None), src)))
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "sent"),
+    [
+        ([6, 2, 3, 0], [0, 1, 2, 3], [0, 2, 3, 6]),  # by remote block: 2 and 3 side by side there
+        ([6, 2, 3, 0], [1, 3, 3, 0], [6, 2, 3, 0]),  # a destination repeats: the order matters, as given
+    ],
+    ids=["sorted", "repeated-destination"],
+)
+def test_blocks_go_in_the_remote_blocks_order(remote, local, make_remote, make_local, monkeypatch, src, dst, sent):
+    """DataDist hands the engine a pull's blocks sorted by remote block (a cma copy then takes
+    blocks adjacent over there as one remote range) — unless a destination block repeats."""
+    key = new_blocks_key()
+    name = make_remote(F32, key, seed=6)
+    mine = make_local(F32)
+    seen = _record_transfers(local.engine, monkeypatch)
+    local.cache_manager.pull_blocks(key, mine.cache, src, dst)
+    descs = seen[-1].reshape(F32.num_tensors, len(src), 3)
+    block = F32.row_bytes
+    assert ((descs[0, :, 1] - descs[0, :, 1].min()) // block + min(sent)).tolist() == sent
+    if len(set(dst)) == len(dst):
+        np.testing.assert_array_equal(mine.read()[:, dst], remote.read(name, (slice(None), src)))
 
 
 def test_pull_layer_sub_range(remote, local, make_remote, make_local):

@@ -101,6 +101,28 @@ def test_cma_window_moves_exactly_the_bytes_over_any_lanes(impl: ModuleType, lan
     assert np.array_equal(there, want)  # those bytes, and nothing else
 
 
+@pytest.mark.parametrize("lanes", [1, 2, 3, 16])
+@pytest.mark.parametrize("write", [False, True], ids=["READ", "WRITE"])
+def test_cma_window_moves_runs_adjacent_on_one_side_only(impl: ModuleType, lanes: int, write: bool) -> None:
+    """A paged pull in the remote blocks' order: blocks side by side on one side (all of here's,
+    about half of there's) and scattered on the other, which the C copy sends as fewer, longer
+    iovecs on each side — cut by the lanes inside runs, too."""
+    block, count = 16 << 10, 1000
+    here, there = hixl.empty(block * count), hixl.empty(2 * block * count)
+    here[:] = np.random.default_rng(4).integers(0, 256, here.nbytes, dtype=np.uint8)
+    there.fill(0)
+    slots = np.random.default_rng(5).permutation(2 * count)[:count].astype(np.uint64)
+    a = np.uint64(here.ctypes.data) + np.arange(count, dtype=np.uint64) * np.uint64(block)
+    b = np.uint64(there.ctypes.data) + slots * np.uint64(block)
+    lens = np.full(count, block, np.uint64)
+    local, remote = (iovecs(a, lens), iovecs(b, lens)) if write else (iovecs(b, lens), iovecs(a, lens))
+    moved = impl.cma_window(os.getpid(), write, int(local.ctypes.data), int(remote.ctypes.data), count, lanes)
+    assert moved == block * count
+    want = np.zeros(there.nbytes, np.uint8)
+    want.reshape(-1, block)[slots.astype(np.int64)] = here.reshape(-1, block)
+    assert np.array_equal(there, want)
+
+
 def test_cma_window_reports_a_fault_in_any_lane(impl: ModuleType) -> None:
     size = 4 * LANE_FROM
     here = hixl.empty(size)
