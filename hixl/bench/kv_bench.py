@@ -57,7 +57,6 @@ import numpy as np
 
 from .. import Op, TransferOpDesc, empty
 from .._memory import merge_adjacent
-from ..datadist._layout import in_remote_order
 from ..datadist import (
     BlocksCacheKey,
     Cache,
@@ -69,6 +68,7 @@ from ..datadist import (
     LLMRole,
     LLMStatusCode,
 )
+from ..datadist._layout import in_remote_order
 from .baselines import IOV_MAX, Copier, cma_batch_copier
 from .config import BenchConfig, format_size
 from .kv_prefill import CONTIGUOUS_SALT, POOL_SALT, PREFILL_CLUSTER, KvShape, PrefillProcess, pattern

@@ -103,7 +103,6 @@ def test_a_data_that_comes_after_its_read_timed_out_lands_nothing() -> None:
         eng.disconnect(fake.engine)
 
 
-
 def test_a_read_made_while_another_thread_says_bye_meets_a_disconnected_peer() -> None:
     """The instant between a disconnect's BYE going out and the link ending: a READ made then
     fails with PeerDisconnected (the link is going away), not with the ProtocolError the
