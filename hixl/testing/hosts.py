@@ -12,7 +12,8 @@ bridge in a "switch" namespace::
 A host may also have a PID namespace of its own (every process started on it shares that
 one, as the processes of one container do: a long-lived init holds it, and commands enter
 it with ``nsenter``), and may run its commands as another user. :meth:`Host.cut` breaks its
-link — the switch's port goes down, or every packet is dropped — until the block ends.
+link — the switch's port goes down, or every packet is dropped — until the block ends;
+:meth:`Host.limit_rate` caps what the link carries, for as long.
 
 Where the packets can go: each host namespace has ``lo`` and ``eth0`` and no route but the
 subnet's, and the switch namespace holds only the bridge, so nothing leaves for any other
@@ -231,6 +232,11 @@ class Host:
 
         return DataDistProcess(role, cluster_id, config, prefix=self.prefix, **kwargs)
 
+    @property
+    def _link_ends(self) -> list[tuple[str | None, str]]:
+        """(namespace, device) of each end of this host's link: the switch's port, the host's interface."""
+        return [(self._switch, self._port), (self.netns, self.device)]
+
     @contextlib.contextmanager
     def cut(self, how: str = "down") -> Iterator[None]:
         """Break this host's link for the duration of the block; restored after it.
@@ -249,14 +255,29 @@ class Host:
             return
         if how != "loss":
             raise ValueError(f"how must be 'down' or 'loss', not {how!r}")
-        ends = [(self._switch, self._port), (self.netns, self.device)]
-        for netns, device in ends:
+        for netns, device in self._link_ends:
             _drop_everything(netns, device)
         try:
             yield
         finally:
-            for netns, device in ends:
+            for netns, device in self._link_ends:
                 _tc(netns, "qdisc", "del", "dev", device, "root")
+
+    @contextlib.contextmanager
+    def limit_rate(self, rate: str = "1gbit") -> Iterator[None]:
+        """Cap what this host's link carries each way at ``rate`` (tc's units) for the block.
+
+        A token bucket on both ends of the link (what the host sends, what the switch sends it),
+        so a transfer of a known size is sure to be still on the wire a known time after it began,
+        however fast this machine copies — a test cutting a link mid-transfer needs that.
+        """
+        for netns, device in self._link_ends:
+            _tc(netns, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
+        try:
+            yield
+        finally:
+            for netns, device in self._link_ends:
+                _tc(netns, "qdisc", "del", "dev", device, "root", check=False)
 
     def __repr__(self) -> str:
         where = self.netns or "this netns"

@@ -63,6 +63,23 @@ def test_a_host_reaches_nothing_outside_its_subnet(hosts: Hosts) -> None:
     assert out.strip() == "OSError", out
 
 
+def _root_qdisc(netns: str | None, device: str) -> str:
+    where = ["-n", netns] if netns else []
+    return subprocess.run(["tc", *where, "qdisc", "show", "dev", device, "root"], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("index", [0, 3], ids=["own-netns", "here"])
+def test_limit_rate_caps_both_ends_of_the_link_and_lifts_the_cap_after(hosts: Hosts, index: int) -> None:
+    host = hosts[index]
+    ends = [(hosts.switch, f"p{index}"), (host.netns, host.device)]
+    with host.limit_rate("300mbit"):
+        for netns, device in ends:
+            shown = _root_qdisc(netns, device)
+            assert "tbf" in shown and "rate 300Mbit" in shown, (netns, device, shown)
+    for netns, device in ends:
+        assert "tbf" not in _root_qdisc(netns, device), (netns, device)
+
+
 def test_processes_of_a_pid_namespace_host_share_one(hosts: Hosts) -> None:
     own = os.readlink("/proc/self/ns/pid")
     seen = [hosts[1].run(["readlink", "/proc/self/ns/pid"], capture_output=True, text=True).stdout.strip() for _ in range(2)]
