@@ -9,7 +9,8 @@ found (docs/tools.md, "How the baselines are built", has the figures):
 
 * :func:`cma_copier` / :func:`cma_batch_copier` — bare ``process_vm_readv`` /
   ``process_vm_writev``, one call per transfer (the batch one: per IOV_MAX
-  iovecs, split over threads as hixl's copy lanes split a batch), its arguments converted to C
+  iovecs, split over threads as hixl's copy lanes split a batch; :func:`cma_lanes_copier`
+  one range split so), its arguments converted to C
   once, not at every call; below
   :data:`GIL_HELD_BELOW` bytes without releasing the GIL around the call.
 * :class:`RawStream` — a plain TCP stream to the bench target's raw server:
@@ -45,6 +46,7 @@ __all__ = [
     "RawStream",
     "cma_batch_copier",
     "cma_copier",
+    "cma_lanes_copier",
     "gather_copier",
     "memcpy_copier",
 ]
@@ -118,18 +120,32 @@ def _finish(call: Callable[..., int], pid: int, local: int, remote: int, nbytes:
         moved = call(*args)
 
 
-def cma_batch_copier(pid: int, op: Op, local: np.ndarray, remote: np.ndarray, lanes: int = 1) -> Copier:
+def cma_lanes_copier(pid: int, op: Op, local_addr: int, remote_addr: int, nbytes: int, lanes: int) -> Copier:
+    """One contiguous range cut into ``lanes`` parts (4 KiB-aligned cuts), one syscall and one
+    thread each (the caller's included): the kernel's ceiling for a laned copy of it on that many
+    cores. Threads are started per call, so it pays ~0.1 ms a copy that hixl's lane threads do not.
+    """
+    cuts = [min(nbytes, (nbytes * i // lanes) & ~4095) for i in range(lanes)] + [nbytes]
+    parts = [(start, end - start) for start, end in zip(cuts, cuts[1:]) if end > start]
+    local = np.array([[local_addr + start, length] for start, length in parts], dtype=np.uint64)
+    remote = np.array([[remote_addr + start, length] for start, length in parts], dtype=np.uint64)
+    return cma_batch_copier(pid, op, local, remote, lanes, per_call=1)
+
+
+def cma_batch_copier(
+    pid: int, op: Op, local: np.ndarray, remote: np.ndarray, lanes: int = 1, per_call: int = IOV_MAX
+) -> Copier:
     """Scattered blocks: ``local``/``remote`` are ``(N, 2)`` uint64 iovec arrays of equal lengths.
 
-    One syscall per IOV_MAX iovecs — the best a batched caller can do — and with ``lanes`` > 1
-    those calls split over that many threads (the caller's included) in even runs, as hixl's
-    copy lanes split a batch: the kernel's ceiling for the layout on that many cores.
+    One syscall per ``per_call`` iovecs (IOV_MAX: the best a batched caller can do) and with
+    ``lanes`` > 1 those calls split over that many threads (the caller's included) in even runs, as
+    hixl's copy lanes split a batch: the kernel's ceiling for the layout on that many cores.
     """
     local = np.ascontiguousarray(local, dtype=np.uint64)
     remote = np.ascontiguousarray(remote, dtype=np.uint64)
     windows = []
-    for start in range(0, len(local), IOV_MAX):
-        count = min(IOV_MAX, len(local) - start)
+    for start in range(0, len(local), per_call):
+        count = min(per_call, len(local) - start)
         expect = int(local[start : start + count, 1].sum())
         args = _cma_args(pid, int(local.ctypes.data) + 16 * start, int(remote.ctypes.data) + 16 * start, count)
         windows.append((_cma_call(op, expect), args, expect))

@@ -19,6 +19,7 @@ from hixl.bench.baselines import (
     _cma_call,
     cma_batch_copier,
     cma_copier,
+    cma_lanes_copier,
     gather_copier,
     memcpy_copier,
 )
@@ -111,6 +112,26 @@ def test_cma_copiers_move_single_ranges_and_scattered_blocks(target: BenchTarget
         local[:] = 9
         cma_copier(target.pid, Op.WRITE, int(local.ctypes.data), remote.addr + 8, 32)()
         assert target.read(remote, 8, 32) == b"\x09" * 32
+    finally:
+        target.free(remote)
+
+
+@pytest.mark.parametrize(("nbytes", "lanes"), [(SIZE, 3), (SIZE - 3, 2), (5000, 4)])
+def test_the_lanes_copier_moves_one_range_in_parts(target: BenchTarget, nbytes: int, lanes: int) -> None:
+    remote = target.alloc(SIZE, SEED)
+    local = empty(SIZE)
+    try:
+        if not _cma_allowed(target, local, remote.addr):
+            pytest.skip("process_vm_readv is not permitted here")
+        before = np.frombuffer(target.read(remote, 0, SIZE), dtype=np.uint8).copy()
+        local[:] = 0
+        cma_lanes_copier(target.pid, Op.READ, int(local.ctypes.data), remote.addr, nbytes, lanes)()
+        assert np.array_equal(local[:nbytes], before[:nbytes]) and not local[nbytes:].any()
+        pattern = np.random.default_rng(nbytes).integers(0, 256, SIZE, dtype=np.uint8)
+        local[:] = pattern
+        cma_lanes_copier(target.pid, Op.WRITE, int(local.ctypes.data), remote.addr, nbytes, lanes)()
+        after = np.frombuffer(target.read(remote, 0, SIZE), dtype=np.uint8)
+        assert np.array_equal(after[:nbytes], pattern[:nbytes]) and np.array_equal(after[nbytes:], before[nbytes:])
     finally:
         target.free(remote)
 

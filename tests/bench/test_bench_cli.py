@@ -261,6 +261,27 @@ def test_target_netns_measures_tcp_over_a_veth_next_to_loopback(tmp_path: Path) 
     assert _namespaces() == before  # made for the run, and removed
 
 
+def test_cma_from_16_mib_shows_the_raw_lanes_ceiling_next_to_hixl(tmp_path: Path) -> None:
+    """Where the lanes must beat one syscall, the same bytes on bare syscalls over as many threads."""
+    path = tmp_path / "lanes.json"
+    args = ["--transport", "cma", "--max-size", "16M", "--repeat", "1", "--iterations", "20", "--no-progress"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*args, "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    if "cma" not in _measured(doc, ["cma"]):
+        pytest.skip("process_vm_readv is not permitted here")
+    rows = {(r["name"], r["op"], r["size"]): r for r in doc["rows"] if r["transport"] == "cma"}
+    lanes = {key for key in rows if key[0] == "raw lanes bandwidth"}
+    if (os.cpu_count() or 1) == 1:  # copy_lanes defaults to the cores: one lane, nothing to split
+        assert not lanes
+        return
+    assert lanes == {("raw lanes bandwidth", op, 16 << 20) for op in ("READ", "WRITE")}
+    for _, op, size in lanes:
+        row, hixl = rows[("raw lanes bandwidth", op, size)], rows[("bandwidth", op, size)]
+        assert row["value"] > 0 and row["target"] is None
+        assert row["baseline"] == hixl["baseline"] and row["baseline_name"] == hixl["baseline_name"]
+
+
 def test_target_netns_needs_the_engine_scenario() -> None:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
