@@ -43,7 +43,7 @@ import numpy as np
 
 from .. import _accel
 from .._exceptions import HixlError, PeerDisconnected, TransferError
-from .._iov import IovCursor, iovecs, process_vm_readv
+from .._iov import IovWindows, iovecs, process_vm_readv
 from .._session.address import boot_id as _boot_id
 from .._session.initiator import LinkState
 from .._types import MemType, Op
@@ -154,12 +154,14 @@ class CmaChannel(Channel):
         """
         write = op is Op.WRITE
         lanes = self._lanes
-        cursor = IovCursor(iovecs(descs[:, 0], descs[:, 2]), iovecs(descs[:, 1], descs[:, 2]))
+        # At most CHUNK bytes a lane under one hold: a REVOKE waits for one chunk, not for a whole
+        # transfer of up to IOV_MAX ranges. Cut up front: between two windows the caches are cold.
+        windows = IovWindows(iovecs(descs[:, 0], descs[:, 2]), iovecs(descs[:, 1], descs[:, 2]), CHUNK * lanes)
         regions = self.link.regions
         # Checked again before the first syscall: an async request may start well after the
         # engine validated it, and a REVOKE may have come in between.
         checked = None
-        while not cursor.finished:
+        while not windows.finished:
             regions.lease.wait_for_revoke(req.deadline)  # (not under the lock: cancel would wait too)
             with req.io_lock:
                 if req.cancelled:
@@ -169,13 +171,8 @@ class CmaChannel(Channel):
                     if not self._process.alive():
                         raise PeerDisconnected(f"target process {self.pid} exited")
                     if current:
-                        # At most CHUNK bytes a lane under one hold: a REVOKE waits for one chunk, not
-                        # for a whole transfer of up to IOV_MAX ranges.
-                        (local, remote), count, restore = cursor.window_of(CHUNK * lanes)
-                        try:
-                            moved = _accel.cma_window(self.pid, write, local, remote, count, lanes)
-                        finally:
-                            restore()
+                        local, remote, count, _ = windows.current()
+                        moved = _accel.cma_window(self.pid, write, local, remote, count, lanes)
             if not current:
                 # The peer's regions changed under the request: fetch them (outside the locks: that
                 # is a network round trip), and go on only if it still fits.
@@ -185,7 +182,7 @@ class CmaChannel(Channel):
                 continue
             if moved <= 0:
                 raise _errno_error(-moved, self.pid) if moved < 0 else TransferError("copy made no progress")
-            cursor.advance(moved)
+            windows.advance(moved)
         return True
 
     def latency_path(self, registry: Registry) -> Callable[[Op, object], bool]:

@@ -4,6 +4,7 @@ returns: the lease and the request's lock cover them)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 import hixl
 from hixl import Engine, Op, TransferStatus, _accel
 from hixl._accel import pure
-from hixl._iov import iovecs
+from hixl._iov import IovWindows, iovecs
 from hixl.testing import TargetProcess
 
 MakeTarget = Callable[..., TargetProcess]
@@ -68,6 +69,70 @@ def test_a_split_covers_every_byte_once_in_order(lens: list[int], lanes: int) ->
         assert total >= LANE_FROM and step % 4096 == 0 and all(p[2] == step for p in parts[:-1])
     else:
         assert lanes == 1 or total < LANE_FROM or -(-(-(-total // lanes)) // 4096) * 4096 >= total
+
+
+def _rows(addr: int, count: int) -> list[tuple[int, int]]:
+    """The ``count`` iovecs at ``addr``, as (base, len) pairs."""
+    array = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(addr)).reshape(count, 2)
+    return [(int(base), int(length)) for base, length in array]
+
+
+def _after(rows: list[tuple[int, int]], moved: int) -> list[tuple[int, int]]:
+    """``rows`` less their first ``moved`` bytes."""
+    rest = []
+    for base, length in rows:
+        skip = min(moved, length)
+        moved -= skip
+        if length > skip:
+            rest.append((base + skip, length - skip))
+    return rest
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 5000), min_size=1, max_size=40),
+    limit=st.integers(1, 6000),
+    max_count=st.integers(1, 8),
+    shorts=st.lists(st.floats(0, 1), max_size=6),
+)
+def test_windows_cover_every_byte_once_in_order_and_resume_after_a_short_count(
+    lens: list[int], limit: int, max_count: int, shorts: list[float]
+) -> None:
+    """IovWindows (cma's copy loop): each window within ``limit`` bytes and one of its multiples,
+    at most ``max_count`` entries, local and remote cut alike; all of them together are the
+    entries given, in order; a short count leaves the rest of the window to move next."""
+    count = len(lens)
+    lengths = np.array(lens, dtype=np.uint64)
+    local = np.uint64(1 << 30) + np.arange(count, dtype=np.uint64) * np.uint64(10_000)  # never touched: no copy here
+    remote = np.uint64(1 << 40) + np.arange(count, dtype=np.uint64) * np.uint64(7_919)
+    windows = IovWindows(iovecs(local, lengths), iovecs(remote, lengths), limit, max_count)
+    assert windows.total == sum(lens)
+    moved_at, pieces = 0, []
+    while not windows.finished:
+        local_ptr, remote_ptr, n, nbytes = windows.current()
+        here, there = _rows(local_ptr, n), _rows(remote_ptr, n)
+        assert 1 <= n <= max_count and 0 < nbytes <= limit and sum(length for _, length in here) == nbytes
+        assert moved_at // limit == (moved_at + nbytes - 1) // limit  # never across a multiple of limit
+        assert [length for _, length in here] == [length for _, length in there]
+        pieces += [(lb, rb - lb, length) for (lb, length), (rb, _) in zip(here, there)]
+        moved_at += nbytes
+        if shorts and nbytes > 1:  # a short count first: the window's rest is what comes next
+            short = 1 + int(shorts.pop() * (nbytes - 2))
+            windows.advance(short)
+            local_ptr, remote_ptr, n, rest = windows.current()
+            assert rest == nbytes - short
+            assert _rows(local_ptr, n) == _after(here, short) and _rows(remote_ptr, n) == _after(there, short)
+            nbytes = rest
+        windows.advance(nbytes)
+    merged: list[tuple[int, int, int]] = []  # pieces that continue one another on both sides, joined again
+    for base, offset, length in pieces:
+        if merged and merged[-1][0] + merged[-1][2] == base and merged[-1][1] == offset:
+            merged[-1] = (merged[-1][0], offset, merged[-1][2] + length)
+        else:
+            merged.append((base, offset, length))
+    assert merged == [(int(lb), int(rb) - int(lb), n) for lb, rb, n in zip(local, remote, lens) if n]
+    with pytest.raises(ValueError):
+        IovWindows(iovecs(local, lengths), iovecs(remote, lengths), 0)
 
 
 def _scattered(buf: np.ndarray, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
