@@ -125,7 +125,7 @@ def cma_lanes_copier(pid: int, op: Op, local_addr: int, remote_addr: int, nbytes
     thread each (the caller's included): the kernel's ceiling for a laned copy of it on that many
     cores. Threads are started per call, so it pays ~0.1 ms a copy that hixl's lane threads do not.
     """
-    cuts = [min(nbytes, (nbytes * i // lanes) & ~4095) for i in range(lanes)] + [nbytes]
+    cuts = [(nbytes * i // lanes) & ~4095 for i in range(lanes)] + [nbytes]  # (each under nbytes)
     parts = [(start, end - start) for start, end in zip(cuts, cuts[1:]) if end > start]
     local = np.array([[local_addr + start, length] for start, length in parts], dtype=np.uint64)
     remote = np.array([[remote_addr + start, length] for start, length in parts], dtype=np.uint64)
