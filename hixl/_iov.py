@@ -168,12 +168,19 @@ class IovWindows:
         lens = np.asarray(local[:, 1], dtype=np.uint64)
         ends = np.cumsum(lens, dtype=np.uint64)
         self.total = int(ends[-1]) if len(ends) else 0
-        # Where each piece ends: every entry's end and every window's, empty pieces left out.
-        bounds = np.union1d(ends, np.arange(limit, self.total, limit, dtype=np.uint64))
-        bounds = bounds[bounds > 0]
+        # Where each piece ends: every entry's end, and every window's end that falls inside an
+        # entry (one that meets an entry's end cuts nothing). Inserted at their place in one pass,
+        # not sorted in: a union of the two (a sort) took ~5 ms for a 40 000-block KV pull.
+        cuts = np.arange(limit, self.total, limit, dtype=np.uint64)
+        inside = np.searchsorted(ends, cuts, side="left")  # (the first entry ending at or after a cut)
+        straddled = ends[inside] != cuts
+        cuts, inside = cuts[straddled], inside[straddled]
+        bounds = np.insert(ends, inside, cuts)
+        entry = np.insert(np.arange(len(ends)), inside, inside)  # (the entry each piece is of)
         starts = np.empty_like(bounds)
         starts[:1], starts[1:] = 0, bounds[:-1]
-        entry = np.searchsorted(ends, starts, side="right")  # (the entry holding each piece's first byte)
+        kept = bounds > starts  # (empty entries make no piece)
+        bounds, starts, entry = bounds[kept], starts[kept], entry[kept]
         skip = starts - (ends[entry] - lens[entry])
         pieces = bounds - starts
         self._sides = [
