@@ -24,6 +24,10 @@ these functions are handed the tables their callers checked and hold current.
 - :func:`cma_window` — one window of iovecs through ``process_vm_*``, split over *copy lanes*
   (threads of its own: C threads in the extension, which never wait for the GIL) from
   :data:`LANE_FROM` bytes; :func:`copy_pieces` takes lanes too (shm).
+- :func:`cma_windows` — a large cma copy window after window, each window's checks (the REVOKE
+  lease, the request's lock and cancellation, the peer's table and generation, its liveness)
+  before its copy; back to the caller only where one of them stops it (see
+  :meth:`hixl.transports.cma.CmaChannel._copy`).
 - :class:`CmaSmall` — cma's whole latency path to one peer in one call: both sides' region
   checks, the lease, :func:`cma_copy`'s checks and its syscall (``transfer_sync`` of a few
   descriptors calls nothing else below the engine).
@@ -60,6 +64,11 @@ import numpy as np
 from . import pure
 
 __all__ = [
+    "CMA_CANCELLED",
+    "CMA_GONE",
+    "CMA_REVOKING",
+    "CMA_STALE",
+    "CMA_STUCK",
     "CmaSmall",
     "GIL_FREE_FROM",
     "IMPLEMENTATION",
@@ -78,6 +87,7 @@ __all__ = [
     "check_small",
     "cma_copy",
     "cma_window",
+    "cma_windows",
     "copy_pieces",
     "mapped_copy",
     "tcp_land",
@@ -117,6 +127,12 @@ mapped_copy = _impl.mapped_copy
 copy_pieces = _impl.copy_pieces
 cma_copy = _impl.cma_copy
 cma_window = _impl.cma_window
+cma_windows = _impl.cma_windows
+CMA_STALE: int = _impl.CMA_STALE
+CMA_GONE: int = _impl.CMA_GONE
+CMA_REVOKING: int = _impl.CMA_REVOKING
+CMA_CANCELLED: int = _impl.CMA_CANCELLED
+CMA_STUCK: int = _impl.CMA_STUCK
 CmaSmall = _impl.CmaSmall
 TcpSmall: type | None = getattr(_impl, "TcpSmall", None)
 tcp_send = _impl.tcp_send

@@ -482,23 +482,23 @@ lanes_after_fork(void)
     lane_threads = 0;
 }
 
-/* Copy every entry of `w` (`total` bytes) over up to `lanes` lanes, the calling thread being the
- * first; call with the GIL released. The bytes moved if every part moved all of its bytes; else
- * -errno of the first part that failed, or 0 (a part made no progress). One lane: the call's
- * own answer (a short count included), as one process_vm_* call would give it. */
+/* Copy `total` bytes of `w`'s entries from `offset` bytes into entry `first` over up to `lanes`
+ * lanes, the calling thread being the first; call with the GIL released. The bytes moved if every
+ * part moved all of its bytes; else -errno of the first part that failed, or 0 (a part made no
+ * progress). One lane: lane_copy's answer (a short count included). */
 static int64_t
-lanes_copy(const lane_work_t *w, uint64_t total, int lanes)
+lanes_copy(const lane_work_t *w, Py_ssize_t first, uint64_t offset, uint64_t total, int lanes)
 {
     if (lanes > MAX_LANES)
         lanes = MAX_LANES;
     /* (total / lanes rounded up, then up to a page: never more than `lanes` parts) */
     uint64_t step = lanes > 1 ? ((total + (uint64_t)lanes - 1) / (uint64_t)lanes + LANE_ALIGN - 1) / LANE_ALIGN * LANE_ALIGN : 0;
     if (lanes <= 1 || total < LANE_FROM || step == 0 || step >= total)
-        return lane_copy(w, 0, 0, total);
+        return lane_copy(w, first, offset, total);
     lane_part_t parts[MAX_LANES];
     int count = 0;
-    Py_ssize_t i = 0;
-    uint64_t offset = 0, start = 0;
+    Py_ssize_t i = first;
+    uint64_t start = 0;
     while (start < total && count < MAX_LANES) { /* the part from byte `start`: entry i, `offset` bytes in */
         uint64_t bytes = total - start < step ? total - start : step;
         parts[count] = (lane_part_t){w, i, offset, bytes, 0, NULL, NULL};
@@ -572,7 +572,35 @@ lanes_copy_iovs(pid_t pid, int write, const struct iovec *local, const struct io
                 uint64_t total, int lanes)
 {
     lane_work_t w = {LANE_CMA, write, pid, local, remote, NULL, NULL, count};
-    return lanes_copy(&w, total, lanes);
+    return lanes_copy(&w, 0, 0, total, lanes);
+}
+
+/* The arguments cma_window and cma_windows begin with — pid, write, local_iovs, remote_iovs, count
+ * (>= 0), lanes — as a copy's entries and its lanes; 0 with an exception set if one is not that, or
+ * if `name` was not given `expected` arguments in all. */
+static int
+iov_call_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected, const char *name, lane_work_t *w,
+              long *lanes)
+{
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, expected);
+        return 0;
+    }
+    long pid = PyLong_AsLong(args[0]);
+    int write = PyObject_IsTrue(args[1]);
+    unsigned long long local = PyLong_AsUnsignedLongLong(args[2]);
+    unsigned long long remote = PyLong_AsUnsignedLongLong(args[3]);
+    Py_ssize_t count = PyLong_AsSsize_t(args[4]);
+    *lanes = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred() || write < 0)
+        return 0;
+    if (count < 0) {
+        PyErr_SetString(PyExc_ValueError, "count must be >= 0");
+        return 0;
+    }
+    *w = (lane_work_t){LANE_CMA, write, (pid_t)pid, (const struct iovec *)(uintptr_t)local,
+                       (const struct iovec *)(uintptr_t)remote, NULL, NULL, count};
+    return 1;
 }
 
 PyDoc_STRVAR(cma_window_doc,
@@ -586,36 +614,27 @@ PyDoc_STRVAR(cma_window_doc,
 static PyObject *
 cma_window(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "cma_window takes 6 arguments");
+    lane_work_t w;
+    long lanes;
+    if (!iov_call_args(args, nargs, 6, "cma_window", &w, &lanes))
         return NULL;
-    }
-    long pid = PyLong_AsLong(args[0]);
-    int write = PyObject_IsTrue(args[1]);
-    unsigned long long local = PyLong_AsUnsignedLongLong(args[2]);
-    unsigned long long remote = PyLong_AsUnsignedLongLong(args[3]);
-    Py_ssize_t count = PyLong_AsSsize_t(args[4]);
-    long lanes = PyLong_AsLong(args[5]);
-    if (PyErr_Occurred() || write < 0)
-        return NULL;
+    Py_ssize_t count = w.count;
     if (count < 1 || count > IOV_MAX) {
         PyErr_SetString(PyExc_ValueError, "count must be in [1, IOV_MAX]");
         return NULL;
     }
-    lane_work_t w = {LANE_CMA, write, (pid_t)pid, (const struct iovec *)(uintptr_t)local,
-                     (const struct iovec *)(uintptr_t)remote, NULL, NULL, count};
     uint64_t total = 0;
     for (Py_ssize_t i = 0; i < count; i++)
         total += w.local[i].iov_len;
     int64_t moved;
     if (lanes > 1 && total >= LANE_FROM) {
         Py_BEGIN_ALLOW_THREADS
-        moved = lanes_copy(&w, total, (int)lanes);
+        moved = lanes_copy(&w, 0, 0, total, (int)lanes);
         Py_END_ALLOW_THREADS
     } else { /* one call, as cma_copy makes it */
         int err = 0;
         PyThreadState *released = total >= GIL_FREE_FROM ? PyEval_SaveThread() : NULL;
-        moved = write ? process_vm_writev(w.pid, w.local, count, w.remote, count, 0)
+        moved = w.write ? process_vm_writev(w.pid, w.local, count, w.remote, count, 0)
                       : process_vm_readv(w.pid, w.local, count, w.remote, count, 0);
         err = errno;
         if (released != NULL)
@@ -686,7 +705,7 @@ copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (lanes > 1 && total >= LANE_FROM) {
         lane_work_t w = {LANE_MEMCPY, write, 0, NULL, NULL, rows, heres, count};
         Py_BEGIN_ALLOW_THREADS
-        lanes_copy(&w, total, (int)lanes);
+        lanes_copy(&w, 0, 0, total, (int)lanes);
         Py_END_ALLOW_THREADS
         PyBuffer_Release(&pv);
         PyBuffer_Release(&hv);
@@ -723,7 +742,7 @@ typedef struct {
 } spans_cache_t;
 
 static PyObject *str_table, *str_readable, *str_writable, *str_intervals, *str_state, *str_regions, *str_lease,
-    *str_revoking, *str_generation, *str_enter, *str_leave;
+    *str_revoking, *str_generation, *str_enter, *str_leave, *str_io_lock, *str_cancelled, *str_acquire, *str_release;
 
 static void
 spans_free(spans_t *s)
@@ -1847,11 +1866,207 @@ done:
     return result;
 }
 
+/* ---- cma_windows: a large copy's window loop, each window's checks and its copy ---------------- */
+
+/* What cma_windows answers besides 0 (every byte moved) and -errno: it stopped before a window. */
+#define CMA_REVOKING (CMA_INELIGIBLE - 3) /* a REVOKE is under way: wait for it, go on */
+#define CMA_CANCELLED (CMA_INELIGIBLE - 4) /* the request was cancelled (or expired) */
+#define CMA_STUCK (CMA_INELIGIBLE - 5) /* a window moved nothing */
+
+/* The truth of obj.name; -1 with an exception set. */
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+/* The checks before one window, in the order of the Python loop they replace, and the window's
+ * copy: `*moved` the bytes it moved, the answer 0, a CMA_* stop or -1 with an exception set. Holds
+ * req.io_lock and a lease token around the copy, as CmaChannel's loop would. */
+static long
+cma_one_window(PyObject *const *args, const lane_work_t *w, Py_ssize_t first, uint64_t offset, uint64_t bytes,
+               int lanes, int64_t *moved)
+{
+    long pidfd = PyLong_AsLong(args[6]);
+    PyObject *page = args[9], *regions = args[10], *table = args[11], *req = args[12];
+    if (pidfd == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *lease = PyObject_GetAttr(regions, str_lease);
+    if (lease == NULL)
+        return -1;
+    long stop = -1;
+    PyObject *lock = NULL, *token = NULL;
+    int revoking = attr_true(lease, str_revoking);
+    if (revoking != 0) {
+        stop = revoking < 0 ? -1 : CMA_REVOKING;
+        goto done;
+    }
+    lock = PyObject_GetAttr(req, str_io_lock);
+    PyObject *got = lock == NULL ? NULL : PyObject_CallMethodNoArgs(lock, str_acquire);
+    if (got == NULL) {
+        Py_CLEAR(lock);
+        goto done;
+    }
+    Py_DECREF(got);
+    int cancelled = attr_true(req, str_cancelled);
+    if (cancelled != 0) {
+        stop = cancelled < 0 ? -1 : CMA_CANCELLED;
+        goto done;
+    }
+    token = PyObject_CallMethodNoArgs(lease, str_enter);
+    int held = token == NULL ? -1 : PyObject_IsTrue(token);
+    if (held <= 0) {
+        stop = held < 0 ? -1 : CMA_REVOKING;
+        goto done;
+    }
+    /* The page first: the channel closes it before the pidfd, so an open page means an open pidfd
+     * (no thread runs between the two: the GIL is held). A closed one is answered as stale: the
+     * caller's refresh then says the channel closed. A process gone goes before a stale table, as
+     * the Python loop had it. */
+    uint64_t current;
+    if (!read_generation(page, &current)) {
+        stop = CMA_STALE;
+        goto done;
+    }
+#ifdef SYS_pidfd_send_signal
+    if (pidfd < 0 || (syscall(SYS_pidfd_send_signal, (int)pidfd, 0, NULL, 0) < 0 && errno != EPERM)) {
+        stop = CMA_GONE;
+        goto done;
+    }
+#else
+    stop = CMA_GONE; /* (no pidfds: no channel would have been opened) */
+    goto done;
+#endif
+    int same = attr_is(regions, str_table, table);
+    if (same <= 0) {
+        stop = same < 0 ? -1 : CMA_STALE; /* replaced since the caller checked the ranges */
+        goto done;
+    }
+    PyObject *generation_obj = PyObject_GetAttr(regions, str_generation);
+    if (generation_obj == NULL)
+        goto done;
+    unsigned long long generation = PyLong_AsUnsignedLongLong(generation_obj);
+    Py_DECREF(generation_obj);
+    if (generation == (unsigned long long)-1 && PyErr_Occurred())
+        goto done;
+    if (current != generation) {
+        stop = CMA_STALE;
+        goto done;
+    }
+    if (bytes >= GIL_FREE_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        *moved = lanes_copy(w, first, offset, bytes, bytes >= LANE_FROM ? lanes : 1);
+        Py_END_ALLOW_THREADS
+    } else {
+        *moved = lane_copy(w, first, offset, bytes);
+    }
+    stop = 0;
+done:;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback); /* (an error of the steps above stays the one raised) */
+    int undone = 0;
+    if (token != NULL) {
+        if (PyObject_IsTrue(token) > 0) {
+            PyObject *left = PyObject_CallMethodOneArg(lease, str_leave, token);
+            undone |= left == NULL;
+            Py_XDECREF(left);
+        }
+        Py_DECREF(token);
+    }
+    if (lock != NULL) {
+        PyObject *released = PyObject_CallMethodNoArgs(lock, str_release);
+        undone |= released == NULL;
+        Py_XDECREF(released);
+        Py_DECREF(lock);
+    }
+    Py_DECREF(lease);
+    if (type != NULL) {
+        PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
+    }
+    return undone || type != NULL ? -1 : stop;
+}
+
+PyDoc_STRVAR(cma_windows_doc,
+"cma_windows(pid, write, local_iovs, remote_iovs, count, lanes, pidfd, start, limit, generation_page,\n"
+"            regions, table, req) -> (moved, stop)\n\n"
+"process_vm_writev (write) or process_vm_readv of ``count`` iovec pairs at addresses ``local_iovs``\n"
+"and ``remote_iovs`` (equal lengths pairwise; any count) from byte ``start`` on, in windows of up\n"
+"to ``limit`` bytes split over up to ``lanes`` threads. Before each window, as CmaChannel's loop:\n"
+"no REVOKE under way (``regions.lease``), ``req.io_lock`` taken and ``req.cancelled`` false, a\n"
+"lease token taken, ``regions.table`` still ``table`` and the 8-byte generation at the start of\n"
+"``generation_page`` still ``regions.generation``, the process ``pidfd`` pins still there; the\n"
+"token and the lock given back after it. ``moved``: bytes moved from ``start``; ``stop``: 0 once\n"
+"every byte moved, else why it stopped: -errno of a failed copy, CMA_REVOKING, CMA_CANCELLED,\n"
+"CMA_STALE, CMA_GONE or CMA_STUCK (a window moved nothing).");
+
+static PyObject *
+cma_windows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    lane_work_t w;
+    long lanes;
+    if (!iov_call_args(args, nargs, 13, "cma_windows", &w, &lanes))
+        return NULL;
+    Py_ssize_t count = w.count;
+    unsigned long long start = PyLong_AsUnsignedLongLong(args[7]);
+    unsigned long long limit = PyLong_AsUnsignedLongLong(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (limit == 0) {
+        PyErr_SetString(PyExc_ValueError, "limit must be > 0");
+        return NULL;
+    }
+    Py_ssize_t i = 0; /* the next byte to move: `offset` bytes into entry i */
+    uint64_t offset = start, left = 0, done = 0;
+    for (; i < count && offset >= w.local[i].iov_len; i++)
+        offset -= w.local[i].iov_len;
+    if (i == count && offset > 0) {
+        PyErr_SetString(PyExc_ValueError, "start lies past the iovecs' end");
+        return NULL;
+    }
+    for (Py_ssize_t j = i; j < count; j++)
+        left += w.local[j].iov_len;
+    left -= offset;
+    long stop = 0;
+    while (left > 0) {
+        uint64_t bytes = left < limit ? left : limit;
+        int64_t moved = 0;
+        stop = cma_one_window(args, &w, i, offset, bytes, (int)lanes, &moved);
+        if (stop == -1)
+            return NULL;
+        if (stop == 0 && moved < 0)
+            stop = (long)moved;
+        else if (stop == 0 && moved == 0)
+            stop = CMA_STUCK;
+        if (stop != 0)
+            break;
+        done += (uint64_t)moved;
+        left -= (uint64_t)moved;
+        for (uint64_t step = (uint64_t)moved; step > 0;) { /* past what moved */
+            uint64_t rest = w.local[i].iov_len - offset;
+            if (step < rest) {
+                offset += step;
+                step = 0;
+            } else {
+                step -= rest;
+                i++;
+                offset = 0;
+            }
+        }
+    }
+    return Py_BuildValue("(Kl)", (unsigned long long)done, stop);
+}
+
 /* -- TcpSmall: TCP's latency path on the initiator in one call ------------------------------ */
 
 static PyObject *str_on_event, *str_on_send_failed, *str_disarmed, *str_pending, *str_dead_reason, *str_data_left,
     *str_buf, *str_pos, *str_clock_offset, *str_ids, *str_busy_since, *str_last_alive, *str_last_exchange,
-    *str_interval, *str_busy_poll, *str_acquire, *str_release, *str_rearm, *str_data, *str_conn, *str_fd,
+    *str_interval, *str_busy_poll, *str_rearm, *str_data, *str_conn, *str_fd,
     *str_read_lock, *str_send_lock, *stage_send, *stage_reply, *stage_land, *stage_tail;
 
 typedef struct {
@@ -1981,18 +2196,6 @@ set_time(PyObject *obj, PyObject *name, const double *value)
     int rc = PyObject_SetAttr(obj, name, v);
     Py_DECREF(v);
     return rc;
-}
-
-/* The truth of obj.name; -1 with an exception set. */
-static int
-attr_true(PyObject *obj, PyObject *name)
-{
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL)
-        return -1;
-    int truth = PyObject_IsTrue(value);
-    Py_DECREF(value);
-    return truth;
 }
 
 /* The number of entries of link._pending (a dict); -1 with an exception set. */
@@ -2317,6 +2520,7 @@ static PyMethodDef methods[] = {
     {"copy_pieces", (PyCFunction)(void (*)(void))copy_pieces, METH_FASTCALL, copy_pieces_doc},
     {"cma_copy", (PyCFunction)(void (*)(void))cma_copy, METH_FASTCALL, cma_copy_doc},
     {"cma_window", (PyCFunction)(void (*)(void))cma_window, METH_FASTCALL, cma_window_doc},
+    {"cma_windows", (PyCFunction)(void (*)(void))cma_windows, METH_FASTCALL, cma_windows_doc},
     {"tcp_send", (PyCFunction)(void (*)(void))tcp_send, METH_FASTCALL, tcp_send_doc},
     {"tcp_reply", (PyCFunction)(void (*)(void))tcp_reply, METH_FASTCALL, tcp_reply_doc},
     {"tcp_land", (PyCFunction)(void (*)(void))tcp_land, METH_FASTCALL, tcp_land_doc},
@@ -2339,7 +2543,8 @@ PyInit__native(void)
         {&str_table, "table"},       {&str_readable, "readable"}, {&str_writable, "writable"},
         {&str_intervals, "intervals"}, {&str_state, "state"},     {&str_regions, "regions"},
         {&str_lease, "lease"},       {&str_revoking, "revoking"}, {&str_generation, "generation"},
-        {&str_enter, "enter"},       {&str_leave, "leave"},
+        {&str_enter, "enter"},       {&str_leave, "leave"},       {&str_io_lock, "io_lock"},
+        {&str_cancelled, "cancelled"},
         {&str_on_event, "on_event"}, {&str_on_send_failed, "on_send_failed"}, {&str_disarmed, "_disarmed"},
         {&str_pending, "_pending"}, {&str_dead_reason, "dead_reason"}, {&str_data_left, "data_left"},
         {&str_buf, "_buf"}, {&str_pos, "_pos"}, {&str_clock_offset, "_clock_offset"}, {&str_ids, "_ids"},
@@ -2365,6 +2570,9 @@ PyInit__native(void)
                       PyModule_AddIntConstant(m, "CMA_INELIGIBLE", CMA_INELIGIBLE) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_STALE", CMA_STALE) < 0 ||
                       PyModule_AddIntConstant(m, "CMA_GONE", CMA_GONE) < 0 ||
+                      PyModule_AddIntConstant(m, "CMA_REVOKING", CMA_REVOKING) < 0 ||
+                      PyModule_AddIntConstant(m, "CMA_CANCELLED", CMA_CANCELLED) < 0 ||
+                      PyModule_AddIntConstant(m, "CMA_STUCK", CMA_STUCK) < 0 ||
                       PyModule_AddObjectRef(m, "CmaSmall", (PyObject *)&CmaSmallType) < 0 ||
                       PyModule_AddObjectRef(m, "TcpSmall", (PyObject *)&TcpSmallType) < 0 ||
                       PyModule_AddIntConstant(m, "TCP_WAIT", TCP_WAIT) < 0 ||

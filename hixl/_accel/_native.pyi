@@ -11,6 +11,9 @@ MAX_LANES: int
 CMA_INELIGIBLE: int
 CMA_STALE: int
 CMA_GONE: int
+CMA_REVOKING: int
+CMA_CANCELLED: int
+CMA_STUCK: int
 TCP_WAIT: int
 TCP_EOF: int
 TCP_LOWAT: int
@@ -27,6 +30,10 @@ def mapped_copy(
 def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool, lanes: int = 1) -> None: ...
 def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: object, generation: int) -> int: ...
 def cma_window(pid: int, write: bool, local_iovs: int, remote_iovs: int, count: int, lanes: int) -> int: ...
+def cma_windows(
+    pid: int, write: bool, local_iovs: int, remote_iovs: int, count: int, lanes: int, pidfd: int, start: int,
+    limit: int, generation_page: object, regions: object, table: object, req: object,
+) -> tuple[int, int]: ...
 
 class CmaSmall:
     def __init__(

@@ -46,12 +46,15 @@ import time
 
 import numpy as np
 
-from .._iov import IOV_MAX, IovCursor, process_vm_readv, process_vm_writev, readv
+from .._iov import IOV_MAX, IovCursor, IovWindows, process_vm_readv, process_vm_writev, readv
 
 __all__ = [
+    "CMA_CANCELLED",
     "CMA_GONE",
     "CMA_INELIGIBLE",
+    "CMA_REVOKING",
     "CMA_STALE",
+    "CMA_STUCK",
     "CmaSmall",
     "GIL_FREE_FROM",
     "SMALL_MAX",
@@ -64,6 +67,8 @@ __all__ = [
     "batch_order",
     "check_small",
     "cma_copy",
+    "cma_window",
+    "cma_windows",
     "copy",
     "copy_many",
     "copy_pieces",
@@ -91,6 +96,12 @@ CMA_STALE = CMA_INELIGIBLE - 1
 """... the peer's generation is not the one given (our regions are out of date)."""
 CMA_GONE = CMA_INELIGIBLE - 2
 """... the pinned process has gone."""
+CMA_REVOKING = CMA_INELIGIBLE - 3
+"""What :func:`cma_windows` answers when it stopped before a window for a REVOKE under way."""
+CMA_CANCELLED = CMA_INELIGIBLE - 4
+"""... for the request's cancellation (or expiry)."""
+CMA_STUCK = CMA_INELIGIBLE - 5
+"""... because a window moved nothing."""
 _NUMPY_FROM = 16
 """Fewest blocks worth one numpy call (it costs a few microseconds to set up)."""
 
@@ -245,13 +256,18 @@ def _refusal(pidfd: int, generation_page: object, generation: int) -> int:
         return CMA_INELIGIBLE
     if current != generation:
         return CMA_STALE
+    return 0 if _alive(pidfd) else CMA_GONE
+
+
+def _alive(pidfd: int) -> bool:
+    """Whether the process ``pidfd`` pins still exists (signal 0 through it)."""
     try:
         signal.pidfd_send_signal(pidfd, 0)
     except PermissionError:
-        pass  # it exists; signalling it is another permission than cma's
+        return True  # it exists; signalling it is another permission than cma's
     except (OSError, ValueError):
-        return CMA_GONE
-    return 0
+        return False
+    return True
 
 
 def _cma_call(pid: int, write: bool, triples: list[tuple[int, int, int]], lanes: int) -> int:
@@ -448,6 +464,74 @@ def cma_window(pid: int, write: bool, local_iovs: int, remote_iovs: int, count: 
 
 
 _SHORT = 1 << 40  # (a part that fell short without an error: not an errno)
+
+
+def _iov_rows(address: int, count: int) -> np.ndarray:
+    """The ``count`` iovecs at ``address`` as a ``(count, 2)`` uint64 view."""
+    return np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(address)).reshape(count, 2)
+
+
+def cma_windows(
+    pid: int, write: bool, local_iovs: int, remote_iovs: int, count: int, lanes: int, pidfd: int, start: int,
+    limit: int, generation_page: object, regions: Any, table: object, req: Any,
+) -> tuple[int, int]:
+    """``process_vm_writev`` (``write``) or ``process_vm_readv`` of ``count`` iovec pairs at
+    addresses ``local_iovs`` and ``remote_iovs`` (equal lengths pairwise; any count) from byte
+    ``start`` on, in windows of up to ``limit`` bytes split over up to ``lanes`` threads. Before
+    each window: no REVOKE under way (``regions.lease``), ``req.io_lock`` taken and
+    ``req.cancelled`` false, a lease token taken, ``regions.table`` still ``table`` and the
+    generation on ``generation_page`` still ``regions.generation``, the process ``pidfd`` pins
+    still there; the token and the lock given back after it. ``(moved, stop)``: the bytes moved
+    from ``start``, and 0 once every byte moved, else why it stopped: -errno of a failed copy,
+    :data:`CMA_REVOKING`, :data:`CMA_CANCELLED`, :data:`CMA_STALE`, :data:`CMA_GONE` or
+    :data:`CMA_STUCK` (a window moved nothing)."""
+    if count < 0:
+        raise ValueError("count must be >= 0")
+    if limit <= 0:
+        raise ValueError("limit must be > 0")
+    local, remote = _iov_rows(local_iovs, count), _iov_rows(remote_iovs, count)
+    if start:  # (going on after a stop: the entries from byte `start` on)
+        ends = np.cumsum(local[:, 1], dtype=np.uint64)
+        if start > (int(ends[-1]) if count else 0):
+            raise ValueError("start lies past the iovecs' end")
+        first = int(np.searchsorted(ends, np.uint64(start), side="right"))  # (the entry holding byte `start`)
+        local, remote = local[first:].copy(), remote[first:].copy()
+        if len(local):
+            skip = np.uint64(start - (int(ends[first]) - int(local[0, 1])))
+            for side in (local, remote):
+                side[0, 0] += skip
+                side[0, 1] -= skip
+    windows, done = IovWindows(local, remote, limit), 0
+    while not windows.finished:
+        lease = regions.lease
+        if lease.revoking:
+            return done, CMA_REVOKING
+        with req.io_lock:
+            if req.cancelled:
+                return done, CMA_CANCELLED
+            token = lease.enter()
+            if not token:
+                return done, CMA_REVOKING
+            try:
+                # The page first (closed: answered as stale, the caller's refresh then says the
+                # channel closed); a process gone goes before a stale table.
+                try:
+                    current = _GENERATION.unpack_from(generation_page)[0]  # type: ignore[arg-type]
+                except (TypeError, ValueError):
+                    return done, CMA_STALE
+                if not _alive(pidfd):
+                    return done, CMA_GONE
+                if regions.table is not table or current != regions.generation:
+                    return done, CMA_STALE
+                here, there, entries, nbytes = windows.current()
+                moved = cma_window(pid, write, here, there, entries, lanes if nbytes >= LANE_FROM else 1)
+            finally:
+                lease.leave(token)
+        if moved <= 0:
+            return done, moved if moved < 0 else CMA_STUCK
+        done += moved
+        windows.advance(moved)
+    return done, 0
 
 
 def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool, lanes: int = 1) -> None:

@@ -82,9 +82,7 @@ class Lease:
             token = self.enter()
             if token:
                 break
-            self.wait_for_revoke(deadline)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TransferTimeout("a change of the peer's registrations held its memory past the deadline")
+            self.wait_out_revoke(deadline)
         try:
             yield
         finally:
@@ -94,6 +92,13 @@ class Lease:
         """Wait while a REVOKE is under way (until ``deadline`` at most)."""
         if self.revoking:
             self._no_revoke.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def wait_out_revoke(self, deadline: float | None) -> None:
+        """Wait while a REVOKE is under way; :class:`TransferTimeout` once ``deadline`` has passed
+        (for a copy that stepped aside for one: it may look again only before its deadline)."""
+        self.wait_for_revoke(deadline)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TransferTimeout("a change of the peer's registrations held its memory past the deadline")
 
     @contextmanager
     def exclusive(self, deadline: float) -> Iterator[None]:

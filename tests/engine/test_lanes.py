@@ -5,7 +5,12 @@ returns: the lease and the request's lock cover them)."""
 from __future__ import annotations
 
 import ctypes
+import errno
+import mmap
 import os
+import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -19,6 +24,9 @@ import hixl
 from hixl import Engine, Op, TransferStatus, _accel
 from hixl._accel import pure
 from hixl._iov import IovWindows, iovecs
+from hixl._request import TransferReq
+from hixl._session.peer_regions import PeerRegions
+from hixl.transports._peerproc import PeerProcess
 from hixl.testing import TargetProcess
 
 MakeTarget = Callable[..., TargetProcess]
@@ -195,8 +203,6 @@ def test_cma_window_reports_a_fault_in_any_lane(impl: ModuleType) -> None:
     local = iovecs(np.uint64(here.ctypes.data) + np.arange(4, dtype=np.uint64) * np.uint64(LANE_FROM), lens)
     remote = local.copy()
     remote[3, 0] = 1 << 46  # nothing mapped there: the last lane's part faults
-    import errno
-
     for lanes in (1, 4):
         moved = impl.cma_window(os.getpid(), False, int(local.ctypes.data), int(remote.ctypes.data), 4, lanes)
         assert moved == (3 * LANE_FROM if lanes == 1 else -errno.EFAULT)  # one call: the bytes before it
@@ -296,3 +302,147 @@ def test_lanes_work_in_a_forked_child(impl: ModuleType) -> None:
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("a forked child's laned copy hung")
+
+
+# -- cma_windows: the window loop with each window's checks -----------------------------------------
+
+
+class _Windows:
+    """One call of ``cma_windows`` with this process as its own peer: ``size`` bytes in scattered
+    ranges of uneven lengths (some empty) from ``here`` into ``there``, with a real peer table,
+    lease, generation page and request."""
+
+    def __init__(self, size: int = 3 * LANE_FROM, count: int = 29, seed: int = 7) -> None:
+        self.here, self.there = hixl.empty(size), hixl.empty(size)
+        self.here[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+        self.there.fill(0)
+        self.a, self.lens = _scattered(self.here, count, seed)
+        self.lens[::7] = 0
+        self.b, _ = _scattered(self.there, count, seed + 1)
+        # A READ from here's ranges (the "remote" side) into there's.
+        self.local, self.remote = iovecs(self.b, self.lens), iovecs(self.a, self.lens)
+        self.regions = PeerRegions([[int(self.here.ctypes.data), size, 1]], generation=5)
+        self.page = mmap.mmap(-1, 8)
+        self.page[:] = struct.pack("<Q", 5)
+        self.process = PeerProcess(os.getpid())
+        self.req = TransferReq("self", Op.READ, count, int(self.lens.sum()), timeout=None)
+
+    def run(self, impl: ModuleType, start: int = 0, limit: int = LANE_FROM, lanes: int = 2) -> tuple[int, int]:
+        return impl.cma_windows(
+            os.getpid(), False, int(self.local.ctypes.data), int(self.remote.ctypes.data), len(self.lens), lanes,
+            self.process.fd, start, limit, self.page, self.regions, self.regions.table, self.req,
+        )
+
+    def landed(self) -> np.ndarray:
+        """Where every byte lands once all moved."""
+        want = np.zeros(self.there.nbytes, np.uint8)
+        base_here, base_there = int(self.here.ctypes.data), int(self.there.ctypes.data)
+        for x, y, n in zip(self.a.tolist(), self.b.tolist(), self.lens.tolist()):
+            want[y - base_there : y - base_there + n] = self.here[x - base_here : x - base_here + n]
+        return want
+
+    def assert_untouched(self) -> None:
+        assert not self.there.any()
+        assert not self.req.io_lock.locked()
+        with self.regions.lease.exclusive(time.monotonic() + 0.5):  # (no token left: a REVOKE waits for none)
+            pass
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    start_share=st.floats(0, 1),
+    limit=st.sampled_from([4096, 100_000, LANE_FROM, 3 * LANE_FROM]),
+    lanes=st.integers(1, 4),
+)
+def test_cma_windows_moves_every_byte_from_start_on(start_share: float, limit: int, lanes: int) -> None:
+    """Any start (inside an entry, at an empty one, at the end), any window size, any lanes: the
+    bytes from ``start`` on land, none before it, in both implementations."""
+    case = _Windows()
+    total = int(case.lens.sum())
+    start = int(total * start_share)
+    want = case.landed()
+    # The bytes before `start`: the first `start` bytes of the entries, in order.
+    skipped = np.zeros(case.there.nbytes, bool)
+    left, base = start, int(case.there.ctypes.data)
+    for y, n in zip(case.b.tolist(), case.lens.tolist()):
+        take = min(left, n)
+        skipped[y - base : y - base + take] = True
+        left -= take
+    want[skipped] = 0
+    for impl in [pure] + ([_native()] if _native() else []):
+        case.there.fill(0)
+        assert case.run(impl, start, limit, lanes) == (total - start, 0)
+        assert np.array_equal(case.there, want)
+
+
+def test_cma_windows_stops_before_a_window_a_check_refuses(impl: ModuleType) -> None:
+    """Each check, refusing, stops the loop before its window moves a byte, and gives back the
+    request's lock and the lease's token: a REVOKE under way, a cancelled request, a table
+    replaced or a generation moved on since the caller checked, the page unmapped (the channel
+    closed), the process gone."""
+    case = _Windows()
+    case.regions.lease.revoking = True
+    assert case.run(impl) == (0, impl.CMA_REVOKING)
+    case.regions.lease.revoking = False
+    case.assert_untouched()
+
+    case.req.cancelled = True
+    assert case.run(impl) == (0, impl.CMA_CANCELLED)
+    case.req.cancelled = False
+    case.assert_untouched()
+
+    checked = case.regions.table
+    case.regions.table = PeerRegions([[int(case.here.ctypes.data), case.here.nbytes, 1]], 5).table
+    assert impl.cma_windows(
+        os.getpid(), False, int(case.local.ctypes.data), int(case.remote.ctypes.data), len(case.lens), 2,
+        case.process.fd, 0, LANE_FROM, case.page, case.regions, checked, case.req,
+    ) == (0, impl.CMA_STALE)
+    case.assert_untouched()
+
+    case.page[:] = struct.pack("<Q", 6)
+    assert case.run(impl) == (0, impl.CMA_STALE)
+    case.page.close()
+    assert case.run(impl) == (0, impl.CMA_STALE)
+    case.assert_untouched()
+
+    case.page = mmap.mmap(-1, 8)
+    case.page[:] = struct.pack("<Q", 5)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = PeerProcess(child.pid)
+    child.wait()
+    case.process = gone
+    assert case.run(impl) == (0, impl.CMA_GONE)
+    case.assert_untouched()
+
+
+def test_cma_windows_stops_between_windows_with_what_moved(impl: ModuleType) -> None:
+    """A request cancelled while a window is copied: that window's bytes count, the next one never
+    starts. A fault in a later window: -errno, with the windows before it counted."""
+
+    class CancelledAfterOneLook(TransferReq):
+        looks = 0
+
+        @property  # type: ignore[override]
+        def cancelled(self) -> bool:
+            self.looks += 1
+            return self.looks > 1
+
+        @cancelled.setter
+        def cancelled(self, value: bool) -> None:
+            pass
+
+    case = _Windows()
+    case.req = CancelledAfterOneLook("self", Op.READ, 1, 1, timeout=None)
+    assert int(case.lens.sum()) > 2 * MiB
+    moved, stop = case.run(impl, limit=MiB)
+    assert (moved, stop) == (MiB, impl.CMA_CANCELLED)
+    landed = case.there != 0
+    assert np.array_equal(case.there[landed], case.landed()[landed])
+    assert 0 < np.count_nonzero(case.there) < np.count_nonzero(case.landed())
+
+    case = _Windows()
+    last = int(np.flatnonzero(case.lens)[-1])
+    case.remote[last, 0] = 1 << 46  # nothing mapped there
+    before = int(case.lens[:last].sum())
+    moved, stop = case.run(impl, limit=4096, lanes=1)
+    assert stop == -errno.EFAULT and before - 4096 < moved <= before
