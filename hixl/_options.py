@@ -81,8 +81,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
   frames, handshakes and heartbeats are served by one I/O thread besides.
 - ``max_inflight``: async requests per peer not yet finished; more raise ResourceExhausted.
 - ``copy_lanes``: threads (the caller's included) a same-host copy (cma, shm) is split over, window
-  by window from 4 MiB, each copying a part of about equal bytes (default: the cores, at most 4; 1:
-  one thread). The lease and cancel rules hold per window, as with one lane.
+  by window from 4 MiB, each taking the window's next piece as it frees up (default: the cores, at
+  most 4; 1: one thread). The lease and cancel rules hold per window, as with one lane.
 - ``busy_poll``: seconds (0 to 0.01; 0: never) that a TCP reply is waited for by trying again
   before sleeping, and that the target's I/O thread polls for its next frame after one came: a
   sleeping thread woken by a reply due in microseconds costs that much more again on a VM whose

@@ -318,16 +318,19 @@ cma_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* ---- copy lanes: one window of a copy split over threads ------------------------------------
  *
- * One process_vm_* call (or memcpy) runs at one core's copy speed; a window cut into parts of
- * about equal bytes (every cut but the last on a multiple of 4 KiB of the window), each copied by
- * a thread of its own, runs at several. The calling thread copies the first part itself, with the
- * GIL released; the others go to a few C threads (no Python in them: they never wait for the GIL),
- * started on first need and shared by the whole process. The caller returns once every part has
- * ended, so a window is one step for the Python that decides: it takes the lease and the
- * request's lock before, and they cover every lane's bytes. */
+ * One process_vm_* call (or memcpy) runs at one core's copy speed; a window copied by several
+ * threads at once runs at several. The threads take the window's bytes piece by piece, each piece
+ * (every cut but the last on a multiple of 4 KiB of the window) a share of what is left — half of
+ * it for two lanes, down to LANE_PIECE_MIN — so whoever is free takes the next: a thread that woke
+ * late, or ran on a slower or busier core, leaves its share to the others instead of keeping the
+ * window waiting for it, and all of them end within about one small piece of each other. The
+ * calling thread copies too, with the GIL released; the others are a few C threads (no Python in
+ * them: they never wait for the GIL), started on first need and shared by the whole process. The
+ * caller returns once every piece has ended, so a window is one step for the Python that decides:
+ * it takes the lease and the request's lock before, and they cover every lane's bytes. */
 
 #define LANE_ALIGN 4096u
-#define LANE_IOVS 1024 /* iovecs per syscall within a part */
+#define LANE_IOVS 1024 /* iovecs per syscall within a piece */
 
 enum { LANE_CMA, LANE_MEMCPY };
 
@@ -340,18 +343,32 @@ typedef struct {
     Py_ssize_t count;
 } lane_work_t;
 
-typedef struct lane_part {
+/* The smallest piece a lane takes, but for the window's last: ~45 us of copying here, the most the
+ * lanes of a window end apart once the window is shared out, and a syscall's fixed cost (~1-2 us)
+ * still small beside it. */
+#define LANE_PIECE_MIN (256u << 10)
+
+/* One window being copied: what is left to hand out, and how its pieces ended. Under lane_lock. */
+typedef struct {
     const lane_work_t *work;
-    Py_ssize_t first; /* the part starts `offset` bytes into entry `first` ... */
-    uint64_t offset, bytes; /* ... and has `bytes` bytes */
-    int64_t result; /* bytes moved, or -errno */
-    int *remaining; /* the caller's count of parts not yet ended */
-    struct lane_part *next;
-} lane_part_t;
+    int lanes;
+    uint64_t total, claimed; /* bytes of the window, and handed out so far */
+    Py_ssize_t next; /* the next piece starts `offset` bytes into entry `next` */
+    uint64_t offset;
+    int64_t error; /* -errno of the first piece that failed, else 0 */
+    int stuck; /* a piece moved fewer bytes than it had */
+    int helpers; /* lane threads asked to help and not yet done */
+} lane_job_t;
+
+/* A lane thread's invitation to help with a job: queued until a thread takes it. */
+typedef struct lane_help {
+    lane_job_t *job;
+    struct lane_help *next;
+} lane_help_t;
 
 static pthread_mutex_t lane_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t lane_work_cond = PTHREAD_COND_INITIALIZER, lane_done_cond = PTHREAD_COND_INITIALIZER;
-static lane_part_t *lane_queue, *lane_queue_tail;
+static lane_help_t *lane_queue, *lane_queue_tail;
 static int lane_threads;
 
 static uint64_t
@@ -374,7 +391,7 @@ iov_append(struct iovec *iov, int n, char *base, uint64_t len)
     return n + 1;
 }
 
-/* Copy one part; bytes moved (fewer only if the kernel moved nothing more) or -errno. */
+/* Copy one piece; bytes moved (fewer only if the kernel moved nothing more) or -errno. */
 static int64_t
 lane_copy(const lane_work_t *w, Py_ssize_t i, uint64_t offset, uint64_t bytes)
 {
@@ -414,7 +431,7 @@ lane_copy(const lane_work_t *w, Py_ssize_t i, uint64_t offset, uint64_t bytes)
         if (moved < 0)
             return -(int64_t)errno;
         if (moved == 0)
-            break; /* no progress: the caller sees a short part */
+            break; /* no progress: the caller sees a short piece */
         done += (uint64_t)moved;
         for (uint64_t left = (uint64_t)moved; left > 0;) { /* step past what moved */
             uint64_t rest = w->local[i].iov_len - offset;
@@ -431,6 +448,54 @@ lane_copy(const lane_work_t *w, Py_ssize_t i, uint64_t offset, uint64_t bytes)
     return (int64_t)done;
 }
 
+/* The next piece of `job` into *first, *offset, *bytes; 0 once nothing is left to hand out (or a
+ * piece failed: the others stop where they are). Call under lane_lock. */
+static int
+lane_claim(lane_job_t *job, Py_ssize_t *first, uint64_t *offset, uint64_t *bytes)
+{
+    uint64_t left = job->total - job->claimed;
+    if (left == 0 || job->error != 0 || job->stuck)
+        return 0;
+    uint64_t piece = (left / (uint64_t)job->lanes + LANE_ALIGN - 1) / LANE_ALIGN * LANE_ALIGN;
+    if (piece < LANE_PIECE_MIN)
+        piece = LANE_PIECE_MIN;
+    if (piece > left)
+        piece = left;
+    *first = job->next;
+    *offset = job->offset;
+    *bytes = piece;
+    job->claimed += piece;
+    for (uint64_t step = piece; step > 0 && job->next < job->work->count;) { /* to where the next begins */
+        uint64_t rest = entry_len(job->work, job->next) - job->offset;
+        if (step < rest) {
+            job->offset += step;
+            step = 0;
+        } else {
+            step -= rest;
+            job->next++;
+            job->offset = 0;
+        }
+    }
+    return 1;
+}
+
+/* Copy pieces of `job` until none is left. Call under lane_lock; it is let go around each copy. */
+static void
+lane_run(lane_job_t *job)
+{
+    Py_ssize_t first;
+    uint64_t offset, bytes;
+    while (lane_claim(job, &first, &offset, &bytes)) {
+        pthread_mutex_unlock(&lane_lock);
+        int64_t moved = lane_copy(job->work, first, offset, bytes);
+        pthread_mutex_lock(&lane_lock);
+        if (moved < 0 && job->error == 0)
+            job->error = moved;
+        else if (moved >= 0 && (uint64_t)moved != bytes)
+            job->stuck = 1;
+    }
+}
+
 static void *
 lane_main(void *unused)
 {
@@ -438,37 +503,41 @@ lane_main(void *unused)
     for (;;) {
         while (lane_queue == NULL)
             pthread_cond_wait(&lane_work_cond, &lane_lock);
-        lane_part_t *part = lane_queue;
-        lane_queue = part->next;
+        lane_help_t *help = lane_queue;
+        lane_queue = help->next;
         if (lane_queue == NULL)
             lane_queue_tail = NULL;
-        pthread_mutex_unlock(&lane_lock);
-        part->result = lane_copy(part->work, part->first, part->offset, part->bytes);
-        pthread_mutex_lock(&lane_lock);
-        if (--*part->remaining == 0)
+        lane_job_t *job = help->job;
+        lane_run(job);
+        if (--job->helpers == 0)
             pthread_cond_broadcast(&lane_done_cond);
     }
     return NULL;
 }
 
-/* The first queued part of the call counting its parts in `remaining`, taken off the queue; NULL if
- * none is queued. Call under lane_lock. */
-static lane_part_t *
-lane_unqueue(int *remaining)
+/* Take `job`'s invitations no thread has taken off the queue: it has nothing left to hand out. The
+ * count taken. Call under lane_lock. */
+static int
+lane_unqueue(const lane_job_t *job)
 {
-    lane_part_t *prev = NULL;
-    for (lane_part_t *part = lane_queue; part != NULL; prev = part, part = part->next) {
-        if (part->remaining != remaining)
-            continue;
-        if (prev != NULL)
-            prev->next = part->next;
-        else
-            lane_queue = part->next;
-        if (lane_queue_tail == part)
-            lane_queue_tail = prev;
-        return part;
+    int taken = 0;
+    lane_help_t *prev = NULL;
+    for (lane_help_t *help = lane_queue; help != NULL;) {
+        lane_help_t *next = help->next;
+        if (help->job != job) {
+            prev = help;
+        } else {
+            if (prev != NULL)
+                prev->next = next;
+            else
+                lane_queue = next;
+            if (lane_queue_tail == help)
+                lane_queue_tail = prev;
+            taken++;
+        }
+        help = next;
     }
-    return NULL;
+    return taken;
 }
 
 /* After fork: the child has none of the parent's lane threads (nor its queue). */
@@ -483,50 +552,28 @@ lanes_after_fork(void)
 }
 
 /* Copy `total` bytes of `w`'s entries from `offset` bytes into entry `first` over up to `lanes`
- * lanes, the calling thread being the first; call with the GIL released. The bytes moved if every
- * part moved all of its bytes; else -errno of the first part that failed, or 0 (a part made no
+ * lanes, the calling thread being one; call with the GIL released. The bytes moved if every piece
+ * moved all of its bytes; else -errno of the first piece that failed, or 0 (a piece made no
  * progress). One lane: lane_copy's answer (a short count included). */
 static int64_t
 lanes_copy(const lane_work_t *w, Py_ssize_t first, uint64_t offset, uint64_t total, int lanes)
 {
     if (lanes > MAX_LANES)
         lanes = MAX_LANES;
-    /* (total / lanes rounded up, then up to a page: never more than `lanes` parts) */
-    uint64_t step = lanes > 1 ? ((total + (uint64_t)lanes - 1) / (uint64_t)lanes + LANE_ALIGN - 1) / LANE_ALIGN * LANE_ALIGN : 0;
-    if (lanes <= 1 || total < LANE_FROM || step == 0 || step >= total)
+    if (lanes <= 1 || total < LANE_FROM)
         return lane_copy(w, first, offset, total);
-    lane_part_t parts[MAX_LANES];
-    int count = 0;
-    Py_ssize_t i = first;
-    uint64_t start = 0;
-    while (start < total && count < MAX_LANES) { /* the part from byte `start`: entry i, `offset` bytes in */
-        uint64_t bytes = total - start < step ? total - start : step;
-        parts[count] = (lane_part_t){w, i, offset, bytes, 0, NULL, NULL};
-        count++;
-        start += bytes;
-        for (uint64_t left = bytes; left > 0 && i < w->count;) { /* walk to where the next begins */
-            uint64_t rest = entry_len(w, i) - offset;
-            if (left < rest) {
-                offset += left;
-                left = 0;
-            } else {
-                left -= rest;
-                i++;
-                offset = 0;
-            }
-        }
-    }
-    int remaining = count - 1;
+    lane_job_t job = {w, lanes, total, 0, first, offset, 0, 0, lanes - 1};
+    lane_help_t helps[MAX_LANES];
     pthread_mutex_lock(&lane_lock);
-    for (int k = 1; k < count; k++) {
-        parts[k].remaining = &remaining;
+    for (int k = 0; k < lanes - 1; k++) {
+        helps[k] = (lane_help_t){&job, NULL};
         if (lane_queue_tail != NULL)
-            lane_queue_tail->next = &parts[k];
+            lane_queue_tail->next = &helps[k];
         else
-            lane_queue = &parts[k];
-        lane_queue_tail = &parts[k];
+            lane_queue = &helps[k];
+        lane_queue_tail = &helps[k];
     }
-    while (lane_threads < MAX_LANES - 1 && lane_threads < count - 1) {
+    while (lane_threads < lanes - 1) {
         pthread_t thread;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
@@ -534,37 +581,20 @@ lanes_copy(const lane_work_t *w, Py_ssize_t first, uint64_t offset, uint64_t tot
         int failed = pthread_create(&thread, &attr, lane_main, NULL);
         pthread_attr_destroy(&attr);
         if (failed)
-            break; /* (the parts queued still run: on the threads there are, or here below) */
+            break; /* (the window is still copied: here, and on the threads there are) */
         lane_threads++;
     }
     pthread_cond_broadcast(&lane_work_cond);
-    pthread_mutex_unlock(&lane_lock);
-    parts[0].result = lane_copy(w, parts[0].first, parts[0].offset, parts[0].bytes);
-    /* Then wait for the lane threads. (Copying here the parts they have not begun, as soon as ours is
-     * done or after a grace, made copies run one part after the other whenever another process kept
-     * the other cores busy for a moment: a woken thread may wait milliseconds for a core, and then
-     * still copies alongside us for most of its part.) */
-    pthread_mutex_lock(&lane_lock);
-    while (remaining > 0) {
-        lane_part_t *part = lane_threads == 0 ? lane_unqueue(&remaining) : NULL;
-        if (part != NULL) { /* no lane thread could be started: copy the parts here */
-            pthread_mutex_unlock(&lane_lock);
-            part->result = lane_copy(part->work, part->first, part->offset, part->bytes);
-            pthread_mutex_lock(&lane_lock);
-            remaining--;
-            continue;
-        }
+    lane_run(&job);
+    /* Nothing is left to hand out: the invitations not yet taken are withdrawn (a thread that has
+     * not woken by now would find nothing), and the window waits only for pieces being copied. */
+    job.helpers -= lane_unqueue(&job);
+    while (job.helpers > 0)
         pthread_cond_wait(&lane_done_cond, &lane_lock);
-    }
     pthread_mutex_unlock(&lane_lock);
-    int64_t short_part = 0;
-    for (int k = 0; k < count; k++) {
-        if (parts[k].result < 0)
-            return parts[k].result;
-        if ((uint64_t)parts[k].result != parts[k].bytes)
-            short_part = 1;
-    }
-    return short_part ? 0 : (int64_t)total;
+    if (job.error != 0)
+        return job.error;
+    return job.stuck ? 0 : (int64_t)total;
 }
 
 static int64_t
@@ -608,7 +638,7 @@ PyDoc_STRVAR(cma_window_doc,
 "process_vm_writev (write) or process_vm_readv of ``count`` iovec pairs at addresses ``local_iovs``\n"
 "and ``remote_iovs`` (equal lengths pairwise), split over up to ``lanes`` threads from LANE_FROM\n"
 "bytes; the GIL released from GIL_FREE_FROM bytes. One lane: one call, its answer (the bytes\n"
-"moved, or -errno). Several: the bytes if every part moved all of its own, else -errno of a part\n"
+"moved, or -errno). Several: the bytes if every piece moved all of its own, else -errno of a piece\n"
 "that failed, or 0.");
 
 static PyObject *

@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -172,6 +173,46 @@ def test_cma_window_moves_exactly_the_bytes_over_any_lanes(impl: ModuleType, lan
     for x, y, n in zip(a.tolist(), b.tolist(), lens.tolist()):
         want[y - base_there : y - base_there + n] = here[x - base_here : x - base_here + n]
     assert np.array_equal(there, want)  # those bytes, and nothing else
+
+
+@pytest.mark.parametrize("lanes", [2, 4])
+def test_laned_copies_from_many_threads_at_once_each_move_their_bytes(impl: ModuleType, lanes: int) -> None:
+    """Copies running at once share the lane threads: each returns once its own bytes, all of
+    them, have landed — whether the lane threads helped it or were busy with another copy."""
+    size = 6 * LANE_FROM + 12345  # ranges of about a third of it: each copy over LANE_FROM, laned
+
+    def copy_repeatedly(seed: int, failures: list[str]) -> None:
+        source, dest = hixl.empty(size), hixl.empty(size)
+        source[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+        a, lens = _scattered(source, 13, seed)
+        b = a - np.uint64(source.ctypes.data) + np.uint64(dest.ctypes.data)  # the same places in dest
+        local, remote = iovecs(b, lens), iovecs(a, lens)  # a READ from source's ranges into dest's
+        want = np.zeros(size, np.uint8)
+        for at, n in zip((a - np.uint64(source.ctypes.data)).tolist(), lens.tolist()):
+            want[at : at + n] = source[at : at + n]
+        for _ in range(5):
+            dest.fill(0)
+            moved = impl.cma_window(os.getpid(), False, int(local.ctypes.data), int(remote.ctypes.data), len(lens), lanes)
+            if moved != int(lens.sum()) or not np.array_equal(dest, want):
+                failures.append(f"copy {seed}: {moved} of {int(lens.sum())} bytes, landed as given: {np.array_equal(dest, want)}")
+                return
+
+    failures: list[str] = []
+
+    def copy_or_report(seed: int) -> None:
+        try:
+            copy_repeatedly(seed, failures)
+        except Exception as error:  # (a thread's exception would not fail the test by itself)
+            failures.append(f"copy {seed}: {error!r}")
+
+    threads = [threading.Thread(target=copy_or_report, args=(seed,), daemon=True) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), "a laned copy hung"
+    assert failures == []
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 3, 16])
