@@ -377,6 +377,22 @@ entry_len(const lane_work_t *w, Py_ssize_t i)
     return w->kind == LANE_CMA ? (uint64_t)w->local[i].iov_len : w->rows[3 * i + 2];
 }
 
+/* Move the place `offset` bytes into entry *i on by `step` bytes of `w`'s entries (not past their end). */
+static void
+entry_advance(const lane_work_t *w, Py_ssize_t *i, uint64_t *offset, uint64_t step)
+{
+    while (step > 0 && *i < w->count) {
+        uint64_t rest = entry_len(w, *i) - *offset;
+        if (step < rest) {
+            *offset += step;
+            return;
+        }
+        step -= rest;
+        (*i)++;
+        *offset = 0;
+    }
+}
+
 /* iov[0..n) with `len` bytes at `base` after them: the last entry grown if it ends at `base`,
  * else a new one. The new count. */
 static int
@@ -433,17 +449,7 @@ lane_copy(const lane_work_t *w, Py_ssize_t i, uint64_t offset, uint64_t bytes)
         if (moved == 0)
             break; /* no progress: the caller sees a short piece */
         done += (uint64_t)moved;
-        for (uint64_t left = (uint64_t)moved; left > 0;) { /* step past what moved */
-            uint64_t rest = w->local[i].iov_len - offset;
-            if (left < rest) {
-                offset += left;
-                left = 0;
-            } else {
-                left -= rest;
-                i++;
-                offset = 0;
-            }
-        }
+        entry_advance(w, &i, &offset, (uint64_t)moved);
     }
     return (int64_t)done;
 }
@@ -465,17 +471,7 @@ lane_claim(lane_job_t *job, Py_ssize_t *first, uint64_t *offset, uint64_t *bytes
     *offset = job->offset;
     *bytes = piece;
     job->claimed += piece;
-    for (uint64_t step = piece; step > 0 && job->next < job->work->count;) { /* to where the next begins */
-        uint64_t rest = entry_len(job->work, job->next) - job->offset;
-        if (step < rest) {
-            job->offset += step;
-            step = 0;
-        } else {
-            step -= rest;
-            job->next++;
-            job->offset = 0;
-        }
-    }
+    entry_advance(job->work, &job->next, &job->offset, piece); /* to where the next begins */
     return 1;
 }
 
@@ -2077,17 +2073,7 @@ cma_windows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             break;
         done += (uint64_t)moved;
         left -= (uint64_t)moved;
-        for (uint64_t step = (uint64_t)moved; step > 0;) { /* past what moved */
-            uint64_t rest = w.local[i].iov_len - offset;
-            if (step < rest) {
-                offset += step;
-                step = 0;
-            } else {
-                step -= rest;
-                i++;
-                offset = 0;
-            }
-        }
+        entry_advance(&w, &i, &offset, (uint64_t)moved);
     }
     return Py_BuildValue("(Kl)", (unsigned long long)done, stop);
 }

@@ -181,7 +181,8 @@ def test_laned_copies_from_many_threads_at_once_each_move_their_bytes(impl: Modu
     them, have landed — whether the lane threads helped it or were busy with another copy."""
     size = 6 * LANE_FROM + 12345  # ranges of about a third of it: each copy over LANE_FROM, laned
 
-    def copy_repeatedly(seed: int, failures: list[str]) -> None:
+    def copy_repeatedly(seed: int) -> str | None:
+        """Five copies of scattered ranges; what went wrong, if anything."""
         source, dest = hixl.empty(size), hixl.empty(size)
         source[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
         a, lens = _scattered(source, 13, seed)
@@ -194,16 +195,18 @@ def test_laned_copies_from_many_threads_at_once_each_move_their_bytes(impl: Modu
             dest.fill(0)
             moved = impl.cma_window(os.getpid(), False, int(local.ctypes.data), int(remote.ctypes.data), len(lens), lanes)
             if moved != int(lens.sum()) or not np.array_equal(dest, want):
-                failures.append(f"copy {seed}: {moved} of {int(lens.sum())} bytes, landed as given: {np.array_equal(dest, want)}")
-                return
+                return f"copy {seed}: {moved} of {int(lens.sum())} bytes, landed as given: {np.array_equal(dest, want)}"
+        return None
 
     failures: list[str] = []
 
     def copy_or_report(seed: int) -> None:
         try:
-            copy_repeatedly(seed, failures)
+            failure = copy_repeatedly(seed)
         except Exception as error:  # (a thread's exception would not fail the test by itself)
-            failures.append(f"copy {seed}: {error!r}")
+            failure = f"copy {seed}: {error!r}"
+        if failure is not None:
+            failures.append(failure)
 
     threads = [threading.Thread(target=copy_or_report, args=(seed,), daemon=True) for seed in range(6)]
     for thread in threads:
