@@ -30,7 +30,9 @@ these functions are handed the tables their callers checked and hold current.
   :meth:`hixl.transports.cma.CmaChannel._copy`).
 - :class:`CmaSmall` — cma's whole latency path to one peer in one call: both sides' region
   checks, the lease, :func:`cma_copy`'s checks and its syscall (``transfer_sync`` of a few
-  descriptors calls nothing else below the engine).
+  descriptors calls nothing else below the engine); one descriptor of up to
+  :data:`PROC_MEM_MAX` bytes goes through the peer's ``/proc/<pid>/mem`` instead, where the
+  channel has it open (one syscall, no liveness check: see :mod:`hixl.transports.cma`).
 - :func:`tcp_send`, :func:`tcp_reply`, :func:`tcp_land` — TCP's latency path on the initiator:
   a small request's frame (and a WRITE's data, from registered memory) out in one ``sendmsg``, its
   reply's header read and recognised (a DATA or ACK for that request, else "not mine"), and once
@@ -75,6 +77,7 @@ __all__ = [
     "LANE_FROM",
     "MAX_LANES",
     "NATIVE",
+    "PROC_MEM_MAX",
     "PURE_ENV",
     "TCP_EOF",
     "TCP_LOWAT",
@@ -117,6 +120,9 @@ LANE_FROM = pure.LANE_FROM
 """Copies of fewer bytes (per call) stay in one lane, in both implementations."""
 MAX_LANES = pure.MAX_LANES
 """The most lanes one copy is split over."""
+PROC_MEM_MAX = pure.PROC_MEM_MAX
+"""A copy of one descriptor of at most this many bytes goes through the peer's ``/proc/<pid>/mem``
+(:class:`CmaSmall`'s ``proc_mem``), in both implementations."""
 
 _impl, IMPLEMENTATION = _choose()
 NATIVE = _impl is not pure

@@ -6,6 +6,7 @@ import numpy as np
 
 GIL_FREE_FROM: int
 SMALL_MAX: int
+PROC_MEM_MAX: int
 LANE_FROM: int
 MAX_LANES: int
 CMA_INELIGIBLE: int
@@ -38,7 +39,7 @@ def cma_windows(
 class CmaSmall:
     def __init__(
         self, pid: int, pidfd: int, generation_page: object, registry: object, link: object, connected: object,
-        read: object, write: object, chunk: int, lanes: int = 1,
+        read: object, write: object, chunk: int, lanes: int = 1, proc_mem: int = -1,
     ) -> None: ...
     def run(self, op: object, descs: object) -> bool: ...
 class TcpSmall:

@@ -57,6 +57,7 @@ __all__ = [
     "CMA_STUCK",
     "CmaSmall",
     "GIL_FREE_FROM",
+    "PROC_MEM_MAX",
     "SMALL_MAX",
     "TCP_EOF",
     "TCP_LOWAT",
@@ -89,6 +90,10 @@ MAX_LANES = 16
 _LANE_ALIGN = 4096  # every cut but the last on a page of the copy: no page copied by two lanes
 SMALL_MAX = 64
 """The most descriptors :func:`check_small` and :func:`mapped_copy` take."""
+PROC_MEM_MAX = 4096
+"""A copy of one descriptor of at most this many bytes goes through the peer's ``/proc/<pid>/mem``
+where :class:`CmaSmall` has it (one system call, no liveness check); above a page the kernel's copy
+through a bounce page costs more than the second call it saves (docs/engine.md)."""
 CMA_INELIGIBLE = -(1 << 20)
 """What :func:`cma_copy` answers when it tried nothing: ``descs`` is not a small list, or the
 generation page is closed."""
@@ -250,13 +255,27 @@ def cma_copy(pid: int, pidfd: int, write: bool, descs: object, generation_page: 
 
 def _refusal(pidfd: int, generation_page: object, generation: int) -> int:
     """:func:`cma_copy`'s answer if the page or the process refuses a copy; 0 if neither does."""
+    return _page_refusal(generation_page, generation) or (0 if _alive(pidfd) else CMA_GONE)
+
+
+def _page_refusal(generation_page: object, generation: int) -> int:
+    """:data:`CMA_INELIGIBLE` if the generation page is closed, :data:`CMA_STALE` if it is not at
+    ``generation``; else 0."""
     try:
         current = _GENERATION.unpack_from(generation_page)[0]  # type: ignore[arg-type]
     except (TypeError, ValueError):  # unmapped by close()
         return CMA_INELIGIBLE
-    if current != generation:
-        return CMA_STALE
-    return 0 if _alive(pidfd) else CMA_GONE
+    return CMA_STALE if current != generation else 0
+
+
+def _proc_mem_call(proc_mem: int, write: bool, here: int, there: int, nbytes: int) -> int:
+    """One ``pwrite`` (``write``) or ``pread`` of ``nbytes`` between local ``here`` and the peer's
+    ``there`` on its ``/proc/<pid>/mem``: the bytes moved (0 once the process has exited), or -errno."""
+    view = (ctypes.c_char * nbytes).from_address(here)
+    try:
+        return os.pwritev(proc_mem, [view], there) if write else os.preadv(proc_mem, [view], there)
+    except OSError as exc:
+        return -(exc.errno or errno.EIO)
 
 
 def _alive(pidfd: int) -> bool:
@@ -294,20 +313,24 @@ class CmaSmall:
     mapped generation page; ``registry``: this engine's registrations (``.table``); ``link``: the
     link to the peer (its ``.state`` must be ``connected``; ``.regions`` holds the peer's table,
     generation and lease); ``read``/``write``: the two ops; ``chunk``: the most bytes one call
-    may move; ``lanes``: threads a copy of :data:`LANE_FROM` bytes or more is split over.
+    may move; ``lanes``: threads a copy of :data:`LANE_FROM` bytes or more is split over;
+    ``proc_mem``: the peer's ``/proc/<pid>/mem``, open for reading and writing and proven to be
+    its memory, for a copy of one descriptor of up to :data:`PROC_MEM_MAX` bytes (-1: none).
     """
 
     def __init__(
         self, pid: int, pidfd: int, generation_page: object, registry: Any, link: Any, connected: object,
-        read: object, write: object, chunk: int, lanes: int = 1,
+        read: object, write: object, chunk: int, lanes: int = 1, proc_mem: int = -1,
     ) -> None:
         self._pid, self._pidfd, self._page, self._lanes = pid, pidfd, generation_page, max(1, lanes)
+        self._proc_mem = proc_mem
         self._registry, self._link, self._regions = registry, link, link.regions
         self._connected, self._read, self._write, self._chunk = connected, read, write, chunk
 
     def run(self, op: object, descs: object) -> bool:
         """True once every byte of ``descs`` (a list of up to :data:`SMALL_MAX` (local, remote, len)
-        int triples, at most ``chunk`` bytes) moved in one ``process_vm_*`` call; False if nothing
+        int triples, at most ``chunk`` bytes) moved in one ``process_vm_*`` call (or one ``pread`` or
+        ``pwrite`` on ``proc_mem``); False if nothing
         was tried or the call fell short (the general path then checks, explains, retries)."""
         if op is self._write:
             write = True
@@ -350,9 +373,16 @@ class CmaSmall:
         try:
             if regions.table is not checked:
                 return False  # replaced since we checked: the general path checks again
-            moved = _refusal(self._pidfd, self._page, regions.generation) or _cma_call(
-                self._pid, write, triples, self._lanes if total >= LANE_FROM else 1
-            )
+            if self._proc_mem >= 0 and len(triples) == 1 and total <= PROC_MEM_MAX:
+                # The file holds the process's memory, not its pid: no liveness check (see the C twin).
+                here, there, _ = triples[0]
+                moved = _page_refusal(self._page, regions.generation) or _proc_mem_call(
+                    self._proc_mem, write, here, there, total
+                )
+            else:
+                moved = _refusal(self._pidfd, self._page, regions.generation) or _cma_call(
+                    self._pid, write, triples, self._lanes if total >= LANE_FROM else 1
+                )
         finally:
             lease.leave(token)
         return moved == total

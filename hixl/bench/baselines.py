@@ -13,6 +13,10 @@ found (docs/tools.md, "How the baselines are built", has the figures):
   one range split so), its arguments converted to C
   once, not at every call; below
   :data:`GIL_HELD_BELOW` bytes without releasing the GIL around the call.
+* :func:`proc_mem_copier` — one bare ``pread`` / ``pwrite`` on the target's
+  ``/proc/<pid>/mem``: the call hixl's cma makes for one descriptor of up to
+  :data:`hixl._accel.PROC_MEM_MAX` bytes, and faster there than ``process_vm_*``
+  (its arguments, too, converted once; the GIL held).
 * :class:`RawStream` — a plain TCP stream to the bench target's raw server:
   ``sendall`` / :func:`~hixl.bench.target.recv_exact` of the same byte count at a
   raised low-water mark; and its round trip: blocking 8-byte request/response
@@ -31,6 +35,7 @@ import os
 import socket
 import struct
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +54,8 @@ __all__ = [
     "cma_lanes_copier",
     "gather_copier",
     "memcpy_copier",
+    "proc_mem_copier",
+    "proc_mem_opens",
 ]
 
 Copier = Callable[[], None]
@@ -101,6 +108,41 @@ def cma_copier(pid: int, op: Op, local_addr: int, remote_addr: int, nbytes: int)
             _finish(call, pid, local_addr, remote_addr, nbytes, moved)
 
     copy.keepalive = iov  # type: ignore[attr-defined]
+    return copy
+
+
+_PROC_MEM_CALLS = {
+    op: _bind(ctypes.PyDLL(None, use_errno=True), name) for op, name in ((Op.READ, "pread"), (Op.WRITE, "pwrite"))
+}
+
+
+def proc_mem_opens(pid: int) -> bool:
+    """Whether ``/proc/<pid>/mem`` opens for reading and writing here (where it does not, hixl's cma
+    copies every size with ``process_vm_*``, and so do the baselines)."""
+    try:
+        os.close(os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC))
+    except OSError:
+        return False
+    return True
+
+
+def proc_mem_copier(pid: int, op: Op, local_addr: int, remote_addr: int, nbytes: int) -> Copier:
+    """One contiguous range between this process and ``pid`` in one ``pread`` (READ) or ``pwrite``
+    on ``/proc/<pid>/mem``, opened once (and closed with the copier). For small ranges only: the
+    kernel copies through a bounce page, a page at a time. Raises :class:`OSError` if the file
+    cannot be opened (no ptrace permission, say)."""
+    call = _PROC_MEM_CALLS[op]
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+    args = ctypes.c_int(fd), ctypes.c_void_p(local_addr), ctypes.c_size_t(nbytes), ctypes.c_int64(remote_addr)
+
+    def copy() -> None:
+        moved = call(*args)
+        if moved != nbytes:
+            if moved < 0:
+                _raise_errno("/proc/<pid>/mem copy failed")
+            raise OSError(f"/proc/<pid>/mem copy moved {moved} of {nbytes} bytes")
+
+    weakref.finalize(copy, os.close, fd)
     return copy
 
 

@@ -8,7 +8,9 @@ connection to the bench target (:mod:`hixl.bench.target`):
    each side's peak RSS grew (zero-copy means: not at all). The same
    transfer is the run's self-check that the right bytes arrived.
 2. **Bandwidth** — single transfers of each size, READ and WRITE, against a
-   bare ``process_vm_readv``/``writev`` loop (cma), a plain socket stream
+   bare ``process_vm_readv``/``writev`` loop (cma; up to
+   :data:`hixl._accel.PROC_MEM_MAX` bytes, the ``pread``/``pwrite`` on
+   ``/proc/<pid>/mem`` that hixl makes there), a plain socket stream
    (tcp) over the *same* buffers, or a memcpy of the same bytes (shm: the
    initiator copies in its own process, through its mapping of the target's
    pool memory; the baseline maps that very memory too and copies it with one memcpy).
@@ -16,8 +18,10 @@ connection to the bench target (:mod:`hixl.bench.target`):
    threads of bare syscalls, the ceiling the copy lanes are held to.
 3. **Alignment** (cma) — READ with the remote source shifted by a few bytes.
 4. **Latency** — every ``transfer_sync`` of 8 B / 4 KiB timed alone, against
-   one raw syscall (cma), one raw 8-byte request/response (tcp) or one memcpy
-   (shm), in alternating bursts (:func:`~hixl.bench.timing.interleaved_latency`).
+   one raw syscall (cma: the ``pread``/``pwrite`` on ``/proc/<pid>/mem`` hixl
+   makes for these, with one ``process_vm_*`` call beside it for reference),
+   one raw 8-byte request/response (tcp) or one memcpy (shm), in alternating
+   bursts (:func:`~hixl.bench.timing.interleaved_latency`).
 5. **Batch** — a paged KV cache in miniature: many 16 KiB blocks, shuffled
    on both sides so nothing merges, against IOV_MAX-per-call raw batches (cma),
    the same bytes streamed (tcp) or a numpy gather of the same blocks (shm).
@@ -45,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import PAGE_SIZE, Engine, HixlError, Op, TransferOpDesc, empty
+from .. import PAGE_SIZE, Engine, HixlError, Op, TransferOpDesc, _accel, empty
 from ..testing.hosts import Hosts
 from .baselines import (
     Copier,
@@ -55,6 +59,8 @@ from .baselines import (
     cma_lanes_copier,
     gather_copier,
     memcpy_copier,
+    proc_mem_copier,
+    proc_mem_opens,
 )
 from .config import BenchConfig, format_size
 from .procstat import cpu_ns, memory, reset_peak_rss
@@ -70,6 +76,7 @@ VETH = "tcp-veth"
 """The rows' transport when the target is in another network namespace (``--target-netns``)."""
 MiB = 1 << 20
 OPS = (Op.READ, Op.WRITE)
+_PROCESS_VM = {Op.READ: "process_vm_readv", Op.WRITE: "process_vm_writev"}
 
 # The issues' targets: hixl may cost this much relative to the raw calls (issue 14's for cma and tcp).
 # cma against one raw process_vm_* call of the same bytes, by size (the smallest size a target
@@ -210,6 +217,8 @@ class _TransportBench:
         # shm is chosen at connect only if the target has pool memory registered then.
         self._anchor = target.alloc(PAGE_SIZE, shared=True) if transport == "shm" else None
         self._mirror: np.ndarray | None = None  # shm: the target's buffer, mapped here, for the baselines
+        # cma: up to PROC_MEM_MAX bytes, hixl (and so the baseline) copies through /proc/<pid>/mem where it opens.
+        self._proc_mem_max = _accel.PROC_MEM_MAX if transport == "cma" and proc_mem_opens(target.pid) else 0
         try:
             self.engine.connect(target.engine)
             self.stream = RawStream(target.raw_address) if transport == "tcp" else None
@@ -297,14 +306,18 @@ class _TransportBench:
         if self._mirror is not None:
             mirror = self._mirror[: local.nbytes]
             return memcpy_copier(local, mirror) if op is Op.READ else memcpy_copier(mirror, local)
+        if local.nbytes <= self._proc_mem_max:  # the call hixl makes for these, bare
+            return proc_mem_copier(self.target.pid, op, int(local.ctypes.data), remote_addr, local.nbytes)
         return cma_copier(self.target.pid, op, int(local.ctypes.data), remote_addr, local.nbytes)
 
-    def _raw_name(self, op: Op) -> str:
+    def _raw_name(self, op: Op, nbytes: int) -> str:
         if self.stream is not None:
             return "socket stream"
         if self.transport == "shm":
             return "memcpy, same bytes"
-        return "process_vm_readv" if op is Op.READ else "process_vm_writev"
+        if nbytes <= self._proc_mem_max:
+            return f"{'pread' if op is Op.READ else 'pwrite'} /proc/<pid>/mem"
+        return _PROCESS_VM[op]
 
     # -- phases ----------------------------------------------------------------------------
     def _big_buffer_phases(self) -> None:
@@ -367,7 +380,7 @@ class _TransportBench:
         else:
             target = next((t for floor, t in TCP_BANDWIDTH if nbytes >= floor), None)
         speed = {name: _gib_per_s(nbytes * iterations, median(laps)) for name, laps in times.items()}
-        versus = {"baseline": speed["raw"], "baseline_name": self._raw_name(op)}
+        versus = {"baseline": speed["raw"], "baseline_name": self._raw_name(op, nbytes)}
         self._row("bandwidth", op.name, nbytes, speed["hixl"], "GiB/s", **versus, target=target)
         if "raw lanes" in speed:
             note = f"the kernel's ceiling: the range cut in {lanes}, one bare syscall on a thread each"
@@ -396,17 +409,17 @@ class _TransportBench:
                     with self.progress.step(f"{self.label} latency {op.name} {format_size(nbytes)}"):
                         # TCP is judged against a plain 8-byte round trip between the same two processes.
                         raw = self.echo.round_trip() if self.echo is not None else self._raw(op, local[:nbytes], remote.addr)
-                        samples = interleaved_latency(
-                            {
-                                "hixl": self._hixl(op, _descs(int(local.ctypes.data), remote.addr, nbytes)),
-                                "raw": raw,
-                            },
-                            iterations,
-                            warmup,
-                        )
-                    for contender, ns in samples.items():
-                        self.latency_samples[(self.label, op.name, nbytes, contender)] = [t / 1000 for t in ns]
-                    raw_name = "socket round trip, 8 B" if self.echo is not None else f"{self._raw_name(op)} (1 call)"
+                        contenders = {
+                            "hixl": self._hixl(op, _descs(int(local.ctypes.data), remote.addr, nbytes)),
+                            "raw": raw,
+                        }
+                        if nbytes <= self._proc_mem_max:
+                            local_addr = int(local.ctypes.data)
+                            contenders["process_vm"] = cma_copier(self.target.pid, op, local_addr, remote.addr, nbytes)
+                        samples = interleaved_latency(contenders, iterations, warmup)
+                    for contender in ("hixl", "raw"):  # (the plot's curves: the reference is a row only)
+                        self.latency_samples[(self.label, op.name, nbytes, contender)] = [t / 1000 for t in samples[contender]]
+                    raw_name = "socket round trip, 8 B" if self.echo is not None else f"{self._raw_name(op, nbytes)} (1 call)"
                     median_target = {"cma": CMA_LATENCY, "tcp": TCP_LATENCY}.get(self.transport)
                     for label, pct, target in (("median", 50.0, median_target), ("p99", 99.0, None)):
                         self._row(
@@ -419,6 +432,17 @@ class _TransportBench:
                             baseline_name=raw_name,
                             target=target,
                             note=f"transfer_sync, {iterations} calls",
+                        )
+                    if "process_vm" in samples:
+                        self._row(
+                            "process_vm latency median",
+                            op.name,
+                            nbytes,
+                            percentile(samples["process_vm"], 50.0) / 1000,
+                            "us",
+                            baseline=percentile(samples["raw"], 50.0) / 1000,
+                            baseline_name=raw_name,
+                            note=f"{_PROCESS_VM[op]} (1 call), for reference",
                         )
 
     def _batch_phase(self) -> None:
@@ -438,7 +462,7 @@ class _TransportBench:
                     raw, raw_name = self._gather(op, local, local_blocks, remote_blocks), "numpy gather, same blocks"
                 else:
                     raw = cma_batch_copier(self.target.pid, op, descs[:, [0, 2]], descs[:, [1, 2]])
-                    raw_name = f"{self._raw_name(op)} batched"
+                    raw_name = f"{_PROCESS_VM[op]} batched"
                 with self.progress.step(f"{self.label} batch {op.name} {blocks} x {format_size(block)}"):
                     times = interleaved_reps(
                         {"hixl": self._hixl(op, descs), "raw": raw}, iterations, self.config.repeat, self.config.warmup

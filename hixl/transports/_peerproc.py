@@ -10,7 +10,8 @@ can name any process it likes; it cannot make another process hold its socket.
 
 :class:`PeerProcess` then pins that process with a pidfd for the life of the
 link, so a pid that the kernel hands to a new process after the peer died is
-never mistaken for it. :func:`map_peer_file` opens a file the peer names (by fd
+never mistaken for it, and may open its ``/proc/<pid>/mem``, which no pid reuse can redirect
+(:meth:`PeerProcess.open_memory`). :func:`map_peer_file` opens a file the peer names (by fd
 number) without ever blocking: what it is is checked with ``stat`` before the
 open, which is non-blocking, and again with ``fstat`` after.
 """
@@ -144,7 +145,48 @@ class PeerProcess(Watched):
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self.memory_fd = -1
+        """Its ``/proc/<pid>/mem`` once :meth:`open_memory` proved it, else -1."""
         super().__init__(os.pidfd_open(pid))  # ProcessLookupError if there is no such process
+
+    def open_memory(self, addr: int, expected: bytes) -> bool:
+        """Open ``/proc/<pid>/mem`` for reading and writing, and keep it (:attr:`memory_fd`) if it
+        holds ``expected`` at ``addr``; whether it does.
+
+        The open file is bound to the process's address space, not to its pid: a pid the kernel
+        hands to another process later cannot redirect it, and once the process has exited it
+        reads and writes nothing — so a copy through it needs no liveness check (see
+        :class:`hixl._accel.CmaSmall`). Bytes only that process holds (a connection's probe bytes,
+        already read there through ``process_vm_readv``), read through the file, prove that the
+        ``/proc`` mounted here names that same process: one of another PID namespace would name
+        another process, or none. Where ``/proc`` refuses (no ptrace permission, hidepid, a kernel
+        that forbids the file) this is simply false.
+        """
+        try:
+            fd = os.open(f"/proc/{self.pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            proven = os.pread(fd, len(expected), addr) == expected
+        except (OSError, OverflowError):
+            proven = False
+        if not proven:
+            os.close(fd)
+            return False
+        self.close_memory()
+        self.memory_fd = fd
+        return True
+
+    def close_memory(self) -> None:
+        """Close :attr:`memory_fd`; idempotent."""
+        if self.memory_fd >= 0:
+            os.close(self.memory_fd)
+            self.memory_fd = -1
+
+    def close(self) -> None:
+        """Release the pidfd and the memory file; idempotent."""
+        self.close_memory()
+        super().close()
 
     def alive(self) -> bool:
         """True until the pinned process is gone (reaped: only then can its pid be reused).

@@ -22,6 +22,7 @@ from hixl.bench.baselines import (
     cma_lanes_copier,
     gather_copier,
     memcpy_copier,
+    proc_mem_copier,
 )
 from hixl.bench.target import STREAM_LOWAT_FROM, BenchTarget, recv_exact, sample_bytes
 
@@ -112,6 +113,28 @@ def test_cma_copiers_move_single_ranges_and_scattered_blocks(target: BenchTarget
         local[:] = 9
         cma_copier(target.pid, Op.WRITE, int(local.ctypes.data), remote.addr + 8, 32)()
         assert target.read(remote, 8, 32) == b"\x09" * 32
+    finally:
+        target.free(remote)
+
+
+def test_the_proc_mem_copier_reads_and_writes_one_small_range(target: BenchTarget) -> None:
+    remote = target.alloc(SIZE, SEED)
+    local = empty(SIZE)
+    try:
+        try:
+            read = proc_mem_copier(target.pid, Op.READ, int(local.ctypes.data) + 1, remote.addr + 3, 4096)
+        except OSError:
+            pytest.skip("/proc/<pid>/mem is not permitted here")
+        local[:] = 0
+        read()
+        assert np.array_equal(local[1:4097], sample_bytes(SEED, SIZE)[3:4099]) and local[0] == 0 and local[4097] == 0
+        local[:] = 6
+        proc_mem_copier(target.pid, Op.WRITE, int(local.ctypes.data), remote.addr + 8, 8)()
+        assert target.read(remote, 7, 10) == bytes(sample_bytes(SEED, SIZE)[7:8]) + b"\x06" * 8 + bytes(
+            sample_bytes(SEED, SIZE)[16:17]
+        )
+        with pytest.raises(OSError):  # an address the target has not mapped
+            proc_mem_copier(target.pid, Op.READ, int(local.ctypes.data), 1 << 46, 8)()
     finally:
         target.free(remote)
 

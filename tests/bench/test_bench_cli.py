@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from hixl import _accel
 from hixl.bench.cli import main
 from hixl.bench.config import BenchConfig
 from hixl.bench.engine_bench import VETH
@@ -46,6 +47,12 @@ def _expected_rows(transports: list[str]) -> set[tuple[str, str, str, int | None
             expected.add(("batch", t, op, QUICK.batch_blocks * QUICK.batch_block_size))
         if t == "cma":
             expected |= {(f"misaligned {c}", t, "READ", QUICK.align_size) for c in ("src", "dst")}
+            expected |= {
+                ("process_vm latency median", t, op, size)
+                for op in ("READ", "WRITE")
+                for size in QUICK.latency_sizes
+                if size <= _accel.PROC_MEM_MAX
+            }
     return expected
 
 
@@ -78,6 +85,24 @@ def test_json_has_every_expected_row(quick_run: tuple[dict[str, Any], str]) -> N
     got = [(r["name"], r["transport"], r["op"], r["size"]) for r in doc["rows"]]
     assert len(got) == len(set(got)), "duplicate rows"
     assert set(got) == _expected_rows(transports)
+
+
+def test_cma_is_held_to_the_call_it_makes_at_each_size(quick_run: tuple[dict[str, Any], str]) -> None:
+    """Up to PROC_MEM_MAX, hixl's cma copies one range with a pread/pwrite on /proc/<pid>/mem: its
+    baseline there is that call, bare (with process_vm_* printed beside it); above, process_vm_*."""
+    doc, _ = quick_run
+    if "cma" not in _measured(doc, ["cma"]):
+        pytest.skip("cma is not permitted here")
+    for row in doc["rows"]:
+        if row["transport"] != "cma" or row["name"] not in ("bandwidth", "latency median", "process_vm latency median"):
+            continue
+        call = {"READ": "readv", "WRITE": "writev"}[row["op"]]
+        if row["size"] <= _accel.PROC_MEM_MAX:
+            assert row["baseline_name"].startswith(f"p{call[:-1]} /proc/<pid>/mem"), row
+        else:
+            assert row["baseline_name"] == f"process_vm_{call}", row
+        if row["name"] == "process_vm latency median":
+            assert f"process_vm_{call} (1 call)" in row["note"] and row["target"] is None, row
 
 
 def test_figures_and_ratios_are_positive(quick_run: tuple[dict[str, Any], str]) -> None:

@@ -370,11 +370,24 @@ READ_ONLY_AT = 2 * BLOCK
 """The "peer's" region from this offset on is registered read-only."""
 
 
+@pytest.fixture(params=["process_vm", "proc_mem"])
+def proc_mem(request: pytest.FixtureRequest) -> Any:
+    """-1 (every copy through process_vm_*), or this process's /proc/self/mem open for reading and
+    writing (a copy of one descriptor of up to PROC_MEM_MAX bytes through it)."""
+    if request.param == "process_vm":
+        yield -1
+        return
+    fd = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+    yield fd
+    os.close(fd)
+
+
 @pytest.fixture
-def small_path(impl: ModuleType, own_process: Any) -> Any:
+def small_path(impl: ModuleType, own_process: Any, proc_mem: int) -> Any:
     """A CmaSmall over this process as its own peer: real registrations on both sides (the local
     buffer read-write; the peer's first two blocks read-write, the rest read-only) and the real
-    PeerRegions with its lease, on a stand-in link (only .state and .regions are read)."""
+    PeerRegions with its lease, on a stand-in link (only .state and .regions are read); with and
+    without the peer's /proc/<pid>/mem."""
     from types import SimpleNamespace
 
     from hixl._memory import Registry
@@ -389,7 +402,7 @@ def small_path(impl: ModuleType, own_process: Any) -> Any:
     p = int(peer.ctypes.data)
     regions = PeerRegions([[p, READ_ONLY_AT, 1], [p + READ_ONLY_AT, 4 * BLOCK - READ_ONLY_AT, 0]], 7)
     link = SimpleNamespace(state=LinkState.CONNECTED, regions=regions)
-    path = impl.CmaSmall(pid, pidfd, page, registry, link, LinkState.CONNECTED, Op.READ, Op.WRITE, 1 << 20)
+    path = impl.CmaSmall(pid, pidfd, page, registry, link, LinkState.CONNECTED, Op.READ, Op.WRITE, 1 << 20, 1, proc_mem)
     return SimpleNamespace(run=path.run, local=local, peer=peer, l=int(local.ctypes.data), p=p, link=link,
                            registry=registry, regions=regions, page=page, READ=Op.READ, WRITE=Op.WRITE)
 
@@ -474,3 +487,96 @@ def test_cma_small_gives_its_lease_token_back(small_path: Any) -> None:
     s.peer.fill(3)
     assert s.run(s.READ, big) is True and (s.local == 3).all()
     assert not s.regions.lease._holders
+
+
+def test_the_proc_mem_limit_is_the_same_in_both_implementations() -> None:
+    native = _native()
+    if native is None:
+        pytest.skip("the C extension is not built here")
+    assert native.PROC_MEM_MAX == pure.PROC_MEM_MAX == _accel.PROC_MEM_MAX == BLOCK
+
+
+def test_cma_small_copies_one_small_descriptor_through_proc_mem_without_asking_the_pidfd(
+    impl: ModuleType, own_process: Any
+) -> None:
+    """The /proc/<pid>/mem file is bound to the process's memory, so that way needs no pidfd: with
+    a closed one (-1, "gone") one descriptor of up to PROC_MEM_MAX bytes still moves through the
+    file, and only that; anything else takes process_vm_* and is refused without its pidfd."""
+    from types import SimpleNamespace
+
+    from hixl._memory import Registry
+    from hixl._session.initiator import LinkState
+    from hixl._session.peer_regions import PeerRegions
+    from hixl._types import Op
+
+    pid, _, page = own_process
+    local, peer = hixl.empty(4 * BLOCK), hixl.empty(4 * BLOCK)
+    registry = Registry()
+    registry.register(local)
+    l, p = int(local.ctypes.data), int(peer.ctypes.data)
+    link = SimpleNamespace(state=LinkState.CONNECTED, regions=PeerRegions([[p, 4 * BLOCK, 1]], 7))
+    fd = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        run = impl.CmaSmall(pid, -1, page, registry, link, LinkState.CONNECTED, Op.READ, Op.WRITE, 1 << 20, 1, fd).run
+        peer[:] = np.arange(4 * BLOCK, dtype=np.uint8)
+        local.fill(0)
+        assert run(Op.READ, [(l + 1, p + 5, BLOCK)]) is True  # a page, across two of them on each side
+        assert np.array_equal(local[1 : BLOCK + 1], peer[5 : BLOCK + 5]) and local[0] == 0 and local[BLOCK + 1] == 0
+        local[:] = 0xCD
+        assert run(Op.WRITE, [(l, p + 3 * BLOCK, 8)]) is True
+        assert (peer[3 * BLOCK : 3 * BLOCK + 8] == 0xCD).all() and peer[3 * BLOCK + 8] == (3 * BLOCK + 8) % 256
+        before = peer.copy()
+        local.fill(0)
+        assert run(Op.READ, [(l, p, BLOCK + 1)]) is False  # over the limit: process_vm_*, whose pidfd is closed
+        assert run(Op.READ, [(l, p, 8), (l + 8, p + 8, 8)]) is False  # two descriptors: the same
+        struct.pack_into("<Q", page, 0, 8)
+        assert run(Op.READ, [(l, p, 8)]) is False  # the generation page is still read first
+        assert run(Op.WRITE, [(l, p, 8)]) is False
+        struct.pack_into("<Q", page, 0, 7)
+        assert (local == 0).all() and np.array_equal(peer, before)
+    finally:
+        os.close(fd)
+
+
+def test_cma_small_moves_nothing_through_the_proc_mem_of_a_process_that_exited(
+    impl: ModuleType, own_process: Any
+) -> None:
+    """A /proc/<pid>/mem opened while its process lived reads and writes nothing once it exited,
+    whoever has its pid now: the copy is refused (and the general path then reports the peer gone)."""
+    from types import SimpleNamespace
+
+    from hixl._memory import Registry
+    from hixl._session.initiator import LinkState
+    from hixl._session.peer_regions import PeerRegions
+    from hixl._types import Op
+
+    _, pidfd, page = own_process
+    local = hixl.empty(BLOCK)
+    peer = np.full(BLOCK, 9, dtype=np.uint8)  # private memory: the child's copy is its own after fork
+    registry = Registry()
+    registry.register(local)
+    l, p = int(local.ctypes.data), int(peer.ctypes.data)
+    local.fill(0)
+    hold, release = os.pipe()
+    child = os.fork()  # the same addresses, its own copy of the bytes
+    if child == 0:
+        os.close(release)
+        os.read(hold, 1)
+        os._exit(0)
+    os.close(hold)
+    peer.fill(5)  # ours now differ from the child's
+    fd = os.open(f"/proc/{child}/mem", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        link = SimpleNamespace(state=LinkState.CONNECTED, regions=PeerRegions([[p, BLOCK, 1]], 7))
+        run = impl.CmaSmall(child, pidfd, page, registry, link, LinkState.CONNECTED, Op.READ, Op.WRITE, 1 << 20, 1, fd).run
+        assert run(Op.READ, [(l, p, 8)]) is True and (local[:8] == 9).all()  # the child's bytes, through the file
+        local.fill(0)
+    finally:
+        os.close(release)
+        os.waitpid(child, 0)
+    try:
+        assert run(Op.READ, [(l, p, 8)]) is False
+        assert run(Op.WRITE, [(l, p, 8)]) is False
+        assert (local == 0).all() and (peer == 5).all()
+    finally:
+        os.close(fd)

@@ -207,14 +207,87 @@ def test_a_pinned_process_stays_dead_when_its_pid_is_reused() -> None:
         pinned.close()
 
 
-def _start_with_pid(pid: int, command: list[str]) -> subprocess.Popen:
+_HOLDER = (
+    "import ctypes, sys; held = ctypes.create_string_buffer(b'only this process holds these', 32); "
+    "print(ctypes.addressof(held), flush=True); sys.stdin.read()"
+)
+"""A process holding 32 known bytes at the address it prints, until its stdin closes."""
+
+
+def _holder(pid: int | None = None) -> tuple[subprocess.Popen, int]:
+    command = [sys.executable, "-c", _HOLDER]
+    child = _start_with_pid(pid, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE) if pid else subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    return child, int(child.stdout.readline())  # type: ignore[union-attr]
+
+
+def test_a_peer_memory_file_is_kept_only_where_it_holds_the_proof() -> None:
+    """open_memory keeps /proc/<pid>/mem only where the bytes read through it are the expected ones."""
+    child, addr = _holder()
+    pinned = PeerProcess(child.pid)
+    try:
+        assert not pinned.open_memory(addr, b"x" * 32) and pinned.memory_fd == -1
+        assert not pinned.open_memory(1 << 46, b"only this process holds these") and pinned.memory_fd == -1
+        assert pinned.open_memory(addr, b"only this process holds these") and pinned.memory_fd >= 0
+        fd = pinned.memory_fd
+        pinned.close()
+        assert pinned.memory_fd == -1
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed with the process handle
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_peer_memory_file_reads_nothing_once_its_pid_is_reused() -> None:
+    """The file the probe opened stays bound to the dead peer's memory: through it nothing is read
+    (or written) once the peer died, though its pid is alive again and holds the same bytes."""
+    first, addr = _holder()
+    pinned = PeerProcess(first.pid)
+    try:
+        assert pinned.open_memory(addr, b"only this process holds these")
+        first.kill()
+        first.wait()
+        second, second_addr = _holder(first.pid)
+        try:
+            assert second.pid == first.pid
+            assert os.pread(pinned.memory_fd, 32, addr) == b""
+            assert os.pwrite(pinned.memory_fd, b"overwritten", second_addr) == 0
+            fresh = PeerProcess(second.pid)
+            try:
+                assert fresh.open_memory(second_addr, b"only this process holds these")  # intact
+            finally:
+                fresh.close()
+        finally:
+            second.kill()
+            second.wait()
+    finally:
+        pinned.close()
+
+
+def test_a_cma_channel_holds_its_peers_memory_file(victim: TargetProcess) -> None:
+    """Where /proc allows it (here: this very user), the probe proves and keeps the peer's memory
+    file, and a small transfer_sync moves its bytes through it."""
+    with Engine("127.0.0.1", {"auth_secret": SECRET, "transport": "cma"}) as eng:
+        local = hixl.empty(SIZE)
+        eng.register_mem(local)
+        eng.connect(victim.engine)
+        process = eng._peers[victim.engine].channel._process
+        assert process.memory_fd >= 0
+        assert os.readlink(f"/proc/self/fd/{process.memory_fd}") == f"/proc/{victim.pid}/mem"
+        eng.transfer_sync(victim.engine, Op.READ, [(int(local.ctypes.data), victim.addrs[0], 4096)])
+        assert np.array_equal(local[:4096], TargetProcess.expected(SIZE, 10)[:4096])
+
+
+def _start_with_pid(pid: int, command: list[str], **popen: object) -> subprocess.Popen:
     """Start ``command`` as process ``pid`` (a few tries: other processes may take it first)."""
     for _ in range(20):
         try:
             Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
         except OSError as exc:
             pytest.skip(f"cannot choose the next pid here: {exc}")
-        child = subprocess.Popen(command)
+        child = subprocess.Popen(command, **popen)  # type: ignore[call-overload]
         if child.pid == pid:
             return child
         child.kill()
