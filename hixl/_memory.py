@@ -57,6 +57,13 @@ def empty(shape: int | Sequence[int], dtype: Any = np.uint8, *, shared: bool = F
     easy way to get a buffer is also the fast one. ``shape`` may be a byte count
     (with the default ``uint8`` dtype) or any numpy shape.
 
+    The mapping is private and asks for transparent huge pages (``MADV_HUGEPAGE``,
+    as numpy does for its own large arrays; the kernel grants them where
+    ``/sys/kernel/mm/transparent_hugepage/enabled`` says ``madvise`` or
+    ``always``): the kernel pins a huge page for a peer's ``process_vm_*`` far
+    faster than 512 small ones (docs/engine.md, "Memory"). Like any private
+    memory, a forked child gets a copy of it, not the same pages.
+
     ``shared=True`` takes the memory from hixl's shared-memory pool instead (a
     memfd, its pages allocated up front): registered, it can be moved by the
     ``shm`` transport, which peers on this host use when cross-memory attach is
@@ -70,8 +77,24 @@ def empty(shape: int | Sequence[int], dtype: Any = np.uint8, *, shared: bool = F
     nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
     if nbytes < 0:
         raise ParamInvalid(f"negative size {shape!r}")
-    mapping = _shm_pool.allocate(nbytes) if shared else mmap.mmap(-1, max(nbytes, 1))
+    mapping = _shm_pool.allocate(nbytes) if shared else _private_mapping(max(nbytes, 1))
     return np.frombuffer(mapping, dtype=np.uint8, count=nbytes).view(dt).reshape(dims)
+
+
+def _private_mapping(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping of ``nbytes``, on transparent huge pages where the kernel has them.
+
+    Asked for at every size: the kernel only puts a huge page on a whole aligned 2 MiB inside the
+    mapping, so a small buffer stays on small pages; and the mark keeps the kernel from merging the
+    mapping with plain anonymous memory beside it (Python's own arenas).
+    """
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without transparent huge pages: small pages
+            pass
+    return mapping
 
 
 def buffer_range(buf: Any, mem_type: MemType = MemType.HOST, writable: bool = True) -> tuple[int, int, Any]:

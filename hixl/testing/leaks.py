@@ -6,7 +6,8 @@ interpreter or the C library keep on their own (shared libraries loaded on
 first use, the heap, small allocator arenas, freed thread stacks glibc caches)
 are not an engine's leak, so only *anonymous or memfd* mappings count (what
 ``hixl.empty`` and the cma generation page are), compared by address range, less Python's 1 MiB object
-arenas, told apart by their size. Run
+arenas, told apart by their size — the size of what is new, not of the mapping it is in: the kernel
+merges an arena with private memory beside it. Run
 the process with :data:`QUIET_MALLOC_ENV` so that glibc neither caches thread
 stacks nor keeps per-thread arenas, which would otherwise look like leaks;
 the one stack glibc keeps of the last thread that exited is recognised by its
@@ -44,8 +45,8 @@ def _maps() -> frozenset[tuple[int, int, str]]:
             # A file mapping (a shared library) or [heap] / [stack] / [vvar]. Shared
             # anonymous memory (hixl.empty's mmap) shows as "/dev/zero (deleted)".
             continue
-        if perms.startswith("---") or end - start == _PYTHON_ARENA:
-            continue  # a guard page, or an arena of Python's allocator
+        if perms.startswith("---"):
+            continue  # a guard page
         previous = rows[i - 1] if i else None
         if previous and previous[1] == start and previous[1] - previous[0] == _PAGE and previous[2].startswith("---"):
             # A thread stack below its guard page: Python's threads are detached, so
@@ -113,5 +114,9 @@ class Snapshot:
             "threads": sorted(self.threads - before.threads),
             "tasks": [f"{self.tasks - before.tasks} more OS threads"] if self.tasks > before.tasks else [],
             "fds": sorted(self.fds - before.fds),
-            "maps": [f"{s:#x}-{e:#x} {p}".rstrip() for s, e, p in _uncovered(self.maps, before.maps)],
+            "maps": [
+                f"{s:#x}-{e:#x} {p}".rstrip()
+                for s, e, p in _uncovered(self.maps, before.maps)
+                if e - s != _PYTHON_ARENA  # an arena of Python's allocator, on its own or merged into a neighbour
+            ],
         }

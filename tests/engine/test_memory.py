@@ -52,6 +52,31 @@ def test_empty_is_page_aligned_and_zeroed(shape, dtype, shared: bool) -> None:  
         assert not arr.any()
 
 
+def _vm_flags(addr: int) -> list[str]:
+    """The kernel's VmFlags of the mapping holding ``addr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= addr < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_empty_is_private_memory_with_huge_pages_asked_for() -> None:
+    """Private (a forked child gets a copy) and madvised for huge pages, which the kernel pins far
+    faster for a peer's process_vm_* (docs/engine.md, "Memory"); the pool's memory is shared."""
+    for nbytes in (mmap.PAGESIZE, 3 << 20, 8 << 20):
+        buf = hixl.empty(nbytes)
+        flags = _vm_flags(int(buf.ctypes.data))
+        assert "sh" not in flags and "hg" in flags, (nbytes, flags)
+    pooled = hixl.empty(mmap.PAGESIZE, shared=True)
+    assert "sh" in _vm_flags(int(pooled.ctypes.data))
+
+
 def test_empty_rejects_negative_sizes() -> None:
     with pytest.raises(ParamInvalid):
         hixl.empty(-1)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import io
 import json
+import mmap
 import socket
 import threading
 import time
@@ -73,6 +75,41 @@ def test_snapshot_sees_a_leaked_fd_mapping_and_thread() -> None:
     # This process may keep a malloc arena for the thread (the soak's children are told not to).
     assert (after["threads"], after["tasks"], after["fds"]) == ([], [], []), after
     assert not any(_covers(m, start) for m in after["maps"]), after
+
+
+def test_snapshot_tells_an_arena_merged_with_a_neighbour_from_a_leak() -> None:
+    """The kernel merges adjacent private anonymous mappings, so a 1 MiB one (what Python's arenas
+    are) may sit inside a larger mapping: an old one grown by a new 2 MiB mapping right after it
+    (the 2 MiB is new, the arena is not), or a new one placed right after an old mapping (nothing
+    leaked)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    rw, private, fixed_noreplace = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, 0x100000
+    MiB = 1 << 20
+
+    def place(addr: int | None, nbytes: int) -> int:
+        got = libc.mmap(addr, nbytes, rw, private | (fixed_noreplace if addr else 0), -1, 0)
+        assert got not in (None, ctypes.c_void_p(-1).value) and (addr is None or got == addr), ctypes.get_errno()
+        return int(got)
+
+    span = place(None, 8 * MiB)  # room for both cases with a gap between, taken and given back
+    libc.munmap(span, 8 * MiB)
+    arena, old = place(span, MiB), place(span + 5 * MiB, 2 * MiB)
+    try:
+        before = Snapshot.take()
+        grown, arena_after_old = place(arena + MiB, 2 * MiB), place(old + 2 * MiB, MiB)
+        try:
+            leaked = Snapshot.take().leaked_since(before)["maps"]
+            assert any(_covers(m, grown) for m in leaked), leaked
+            assert not any(_covers(m, arena) or _covers(m, arena_after_old) or _covers(m, old) for m in leaked), leaked
+        finally:
+            libc.munmap(grown, 2 * MiB)
+            libc.munmap(arena_after_old, MiB)
+    finally:
+        libc.munmap(arena, MiB)
+        libc.munmap(old, 2 * MiB)
 
 
 def _covers(mapping: str, addr: int) -> bool:
