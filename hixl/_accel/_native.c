@@ -993,8 +993,9 @@ PyDoc_STRVAR(CmaSmall_run_doc,
 "run(op, descs) -> bool\n\n"
 "transfer_sync's whole latency path for cma: True once every byte of ``descs`` (a list of up to\n"
 "SMALL_MAX (local, remote, len) int triples, at most ``chunk`` bytes in all) moved in one\n"
-"process_vm_* call (or pread/pwrite on ``proc_mem``); False if nothing was tried or the call fell short (the general path then\n"
-"checks, explains, retries: copying again is harmless). See hixl._accel.pure.CmaSmall.");
+"process_vm_* call (or pread/pwrite on ``proc_mem``); False if nothing was tried or the call fell\n"
+"short (the general path then checks, explains, retries: copying again is harmless). See\n"
+"hixl._accel.pure.CmaSmall.");
 
 /* Why the steps are in this order. Below GIL_FREE_FROM bytes the GIL is held from the lease check
  * to the end of the syscall and no Python code runs in between (only attribute reads of plain

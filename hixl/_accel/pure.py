@@ -330,8 +330,8 @@ class CmaSmall:
     def run(self, op: object, descs: object) -> bool:
         """True once every byte of ``descs`` (a list of up to :data:`SMALL_MAX` (local, remote, len)
         int triples, at most ``chunk`` bytes) moved in one ``process_vm_*`` call (or one ``pread`` or
-        ``pwrite`` on ``proc_mem``); False if nothing
-        was tried or the call fell short (the general path then checks, explains, retries)."""
+        ``pwrite`` on ``proc_mem``); False if nothing was tried or the call fell short (the general
+        path then checks, explains, retries)."""
         if op is self._write:
             write = True
         elif op is self._read:

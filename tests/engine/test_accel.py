@@ -382,6 +382,23 @@ def proc_mem(request: pytest.FixtureRequest) -> Any:
     os.close(fd)
 
 
+def _cma_small(impl: ModuleType, pid: int, pidfd: int, page: Any, local: np.ndarray, rows: list[list[int]], proc_mem: int) -> Any:
+    """A CmaSmall whose engine registered ``local`` and whose peer has the regions ``rows`` (generation
+    7), on a stand-in link (only .state and .regions are read); with its registry and regions."""
+    from types import SimpleNamespace
+
+    from hixl._memory import Registry
+    from hixl._session.initiator import LinkState
+    from hixl._session.peer_regions import PeerRegions
+    from hixl._types import Op
+
+    registry = Registry()
+    registry.register(local)
+    link = SimpleNamespace(state=LinkState.CONNECTED, regions=PeerRegions(rows, 7))
+    path = impl.CmaSmall(pid, pidfd, page, registry, link, LinkState.CONNECTED, Op.READ, Op.WRITE, 1 << 20, 1, proc_mem)
+    return SimpleNamespace(run=path.run, registry=registry, link=link, regions=link.regions)
+
+
 @pytest.fixture
 def small_path(impl: ModuleType, own_process: Any, proc_mem: int) -> Any:
     """A CmaSmall over this process as its own peer: real registrations on both sides (the local
@@ -390,21 +407,15 @@ def small_path(impl: ModuleType, own_process: Any, proc_mem: int) -> Any:
     without the peer's /proc/<pid>/mem."""
     from types import SimpleNamespace
 
-    from hixl._memory import Registry
-    from hixl._session.initiator import LinkState
-    from hixl._session.peer_regions import PeerRegions
     from hixl._types import Op
 
     pid, pidfd, page = own_process
     local, peer = hixl.empty(4 * BLOCK), hixl.empty(4 * BLOCK)
-    registry = Registry()
-    registry.register(local)
     p = int(peer.ctypes.data)
-    regions = PeerRegions([[p, READ_ONLY_AT, 1], [p + READ_ONLY_AT, 4 * BLOCK - READ_ONLY_AT, 0]], 7)
-    link = SimpleNamespace(state=LinkState.CONNECTED, regions=regions)
-    path = impl.CmaSmall(pid, pidfd, page, registry, link, LinkState.CONNECTED, Op.READ, Op.WRITE, 1 << 20, 1, proc_mem)
-    return SimpleNamespace(run=path.run, local=local, peer=peer, l=int(local.ctypes.data), p=p, link=link,
-                           registry=registry, regions=regions, page=page, READ=Op.READ, WRITE=Op.WRITE)
+    rows = [[p, READ_ONLY_AT, 1], [p + READ_ONLY_AT, 4 * BLOCK - READ_ONLY_AT, 0]]
+    path = _cma_small(impl, pid, pidfd, page, local, rows, proc_mem)
+    return SimpleNamespace(run=path.run, local=local, peer=peer, l=int(local.ctypes.data), p=p, link=path.link,
+                           registry=path.registry, regions=path.regions, page=page, READ=Op.READ, WRITE=Op.WRITE)
 
 
 def test_cma_small_moves_exactly_the_bytes_asked_for(small_path: Any) -> None:
@@ -502,22 +513,14 @@ def test_cma_small_copies_one_small_descriptor_through_proc_mem_without_asking_t
     """The /proc/<pid>/mem file is bound to the process's memory, so that way needs no pidfd: with
     a closed one (-1, "gone") one descriptor of up to PROC_MEM_MAX bytes still moves through the
     file, and only that; anything else takes process_vm_* and is refused without its pidfd."""
-    from types import SimpleNamespace
-
-    from hixl._memory import Registry
-    from hixl._session.initiator import LinkState
-    from hixl._session.peer_regions import PeerRegions
     from hixl._types import Op
 
     pid, _, page = own_process
     local, peer = hixl.empty(4 * BLOCK), hixl.empty(4 * BLOCK)
-    registry = Registry()
-    registry.register(local)
     l, p = int(local.ctypes.data), int(peer.ctypes.data)
-    link = SimpleNamespace(state=LinkState.CONNECTED, regions=PeerRegions([[p, 4 * BLOCK, 1]], 7))
     fd = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
     try:
-        run = impl.CmaSmall(pid, -1, page, registry, link, LinkState.CONNECTED, Op.READ, Op.WRITE, 1 << 20, 1, fd).run
+        run = _cma_small(impl, pid, -1, page, local, [[p, 4 * BLOCK, 1]], fd).run
         peer[:] = np.arange(4 * BLOCK, dtype=np.uint8)
         local.fill(0)
         assert run(Op.READ, [(l + 1, p + 5, BLOCK)]) is True  # a page, across two of them on each side
@@ -543,18 +546,11 @@ def test_cma_small_moves_nothing_through_the_proc_mem_of_a_process_that_exited(
 ) -> None:
     """A /proc/<pid>/mem opened while its process lived reads and writes nothing once it exited,
     whoever has its pid now: the copy is refused (and the general path then reports the peer gone)."""
-    from types import SimpleNamespace
-
-    from hixl._memory import Registry
-    from hixl._session.initiator import LinkState
-    from hixl._session.peer_regions import PeerRegions
     from hixl._types import Op
 
     _, pidfd, page = own_process
     local = hixl.empty(BLOCK)
-    peer = np.full(BLOCK, 9, dtype=np.uint8)  # private memory: the child's copy is its own after fork
-    registry = Registry()
-    registry.register(local)
+    peer = np.full(BLOCK, 9, dtype=np.uint8)  # the child's copy is its own after fork
     l, p = int(local.ctypes.data), int(peer.ctypes.data)
     local.fill(0)
     hold, release = os.pipe()
@@ -567,8 +563,7 @@ def test_cma_small_moves_nothing_through_the_proc_mem_of_a_process_that_exited(
     peer.fill(5)  # ours now differ from the child's
     fd = os.open(f"/proc/{child}/mem", os.O_RDWR | os.O_CLOEXEC)
     try:
-        link = SimpleNamespace(state=LinkState.CONNECTED, regions=PeerRegions([[p, BLOCK, 1]], 7))
-        run = impl.CmaSmall(child, pidfd, page, registry, link, LinkState.CONNECTED, Op.READ, Op.WRITE, 1 << 20, 1, fd).run
+        run = _cma_small(impl, child, pidfd, page, local, [[p, BLOCK, 1]], fd).run
         assert run(Op.READ, [(l, p, 8)]) is True and (local[:8] == 9).all()  # the child's bytes, through the file
         local.fill(0)
     finally:
