@@ -159,6 +159,11 @@ class PeerLink:
         """When the latency path last gave the read role back (see :meth:`exchange`)."""
         self._disarmed = False
         """Whether the socket is left disarmed for the latency path, for the reader thread to re-arm (see :meth:`exchange`)."""
+        self._arm_lock = threading.Lock()
+        """Held to change ``_disarmed`` together with the socket's ``epoll`` registration it
+        describes: written apart, a re-arm by one thread can fall between another's flag and
+        its ``epoll_ctl`` and leave the socket disarmed with the flag saying armed, a reply
+        then unread until a heartbeat finds the link dead (see :meth:`_rearm`)."""
         self._handed_over: Any = None
         """A DATA frame a caller met for another request, with the read role, for the reader thread."""
         self._epoll = select.epoll()
@@ -407,16 +412,16 @@ class PeerLink:
         return True
 
     def _disarm(self) -> None:
-        try:
-            self._epoll.modify(self.wire.fd, 0)
-        except (OSError, ValueError):
-            pass  # closed meanwhile: reading reports it
+        """Disarm the socket for a reader that will re-arm it when it gives the read role back."""
+        with self._arm_lock:
+            self._set_armed(False)
 
     def _disarm_for_burst(self) -> None:
         """The latency path's first call of a burst (it holds the read role): disarm the socket,
         and wake the reader thread to look every :data:`REARM_QUIET` for when to re-arm it."""
-        self._disarmed = True
-        self._disarm()
+        with self._arm_lock:
+            self._disarmed = True
+            self._set_armed(False)
         try:
             os.write(self._wake_w, b"d")
         except OSError:
@@ -579,31 +584,36 @@ class PeerLink:
         try:
             while not self._closing:
                 events = self._epoll.poll(REARM_QUIET if self._disarmed else self.wire.interval)
-                if any(fd == self._wake_r for fd, _ in events):
-                    os.read(self._wake_r, 64)
-                    if self._closing:
-                        return
-                    self._take_over()
-                    continue
+                fired = False  # the socket's event (one-shot: it is disarmed until someone re-arms it)
+                for fd, _ in events:
+                    if fd == self._wake_r:
+                        os.read(self._wake_r, 64)
+                        if self._closing:
+                            return
+                        self._take_over()
+                    else:
+                        fired = True
+                if not fired and events:
+                    continue  # woken only
                 now = time.monotonic()
-                if self._disarmed and not events and now < idle_at:
+                if self._disarmed and not fired and now < idle_at:
                     if now - self._last_exchange >= REARM_QUIET and not self.wire.read_lock.locked():
                         self._rearm()
                     continue
                 if not self.wire.read_lock.acquire(blocking=False):
-                    if events:
+                    if fired:
                         # A caller reads. The socket fired, so it is disarmed now; the latency path
                         # will not re-arm it when done: this thread will (the others do as well).
-                        self._disarmed = True
+                        self._left_disarmed()
                     continue
                 try:
-                    if events:
+                    if fired:
                         self._pump()
                     else:
                         self.wire.on_idle()
                 finally:
                     self.wire.read_lock.release()
-                    if events or self._disarmed:
+                    if fired or self._disarmed:
                         self._rearm()
                     idle_at = now + self.wire.interval
         except HixlError as exc:
@@ -637,11 +647,28 @@ class PeerLink:
             self._dispatch(event)
 
     def _rearm(self) -> None:
-        self._disarmed = False
+        """Arm the socket for the reader thread (from any thread, holding the read role or not).
+
+        The flag and the registration change under ``_arm_lock``, so that ``_disarmed`` False
+        always means armed — or fired, the event the reader thread's to handle. A latency call
+        starting a burst sets the flag and disarms; a request queued for the reader thread
+        re-arms (:meth:`submit`): apart, the re-arm could land between the other's two steps."""
+        with self._arm_lock:
+            self._disarmed = False
+            self._set_armed(True)
+
+    def _left_disarmed(self) -> None:
+        """The reader thread's event fired (one-shot: the socket is disarmed now) while a caller
+        reads: flag it, for this thread to re-arm once the caller is done (see :meth:`_read_loop`)."""
+        with self._arm_lock:
+            self._disarmed = True
+
+    def _set_armed(self, armed: bool) -> None:
+        """Caller holds ``_arm_lock``."""
         try:
-            self._epoll.modify(self.wire.fd, _ARMED)
+            self._epoll.modify(self.wire.fd, _ARMED if armed else 0)
         except (OSError, ValueError):
-            pass  # closed meanwhile
+            pass  # closed meanwhile: reading reports it
 
     def _dispatch(self, message: Any) -> None:
         if self.on_event is not None:

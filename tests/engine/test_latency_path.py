@@ -9,8 +9,12 @@ what a real one would only by bad luck (a DATA in flight past the deadline) or n
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -131,3 +135,94 @@ def test_a_read_made_while_another_thread_says_bye_meets_a_disconnected_peer() -
                 eng.transfer_sync(fake.engine, Op.READ, [(int(buf.ctypes.data), BASE, 8)], timeout=5)
         finally:
             said_bye.set()
+
+
+# -- the socket's arming, between the latency path and requests left to the reader thread ----------
+class _HeldEpoll:
+    """The link's ``epoll`` with a moment held on purpose (fault injection): the first disarming
+    (``modify(fd, 0)``) waits, up to ``HOLD`` s, for another thread to re-arm; ``poll`` waits
+    while ``polls`` is clear. Everything else is the real object's."""
+
+    HOLD = 0.5
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.disarming = threading.Event()
+        self.rearmed = threading.Event()
+        self.polls = threading.Event()
+        self.polls.set()
+        self._held = False
+
+    def modify(self, fd: int, mask: int) -> None:
+        if mask == 0 and not self._held:
+            self._held = True
+            self.disarming.set()
+            self.rearmed.wait(self.HOLD)
+        elif mask:
+            self.rearmed.set()
+        self.real.modify(fd, mask)
+
+    def poll(self, timeout: float = -1) -> list[tuple[int, int]]:
+        self.polls.wait(10)
+        return self.real.poll(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+@contextlib.contextmanager
+def _held_link() -> Iterator[tuple[Engine, str, list[tuple[int, int, int]], _HeldEpoll]]:
+    """An engine linked over TCP to a real target, its link's ``epoll`` a :class:`_HeldEpoll`; the
+    8-byte WRITE descriptor to use; nothing sent yet (the socket armed, no burst begun)."""
+    with Engine("127.0.0.1:0", {"transport": "tcp"}) as target, Engine("127.0.0.1", {"transport": "tcp", "heartbeat_interval": INTERVAL}) as eng:
+        remote, local = hixl.empty(4096), hixl.empty(4096)
+        target.register_mem(remote)
+        eng.register_mem(local)
+        eng.connect(target.local_engine)
+        link = eng._peers[target.local_engine].link  # (white box: the fault goes where the race is)
+        held = _HeldEpoll(link._epoll)
+        link._epoll = held
+        assert not link._disarmed
+        yield eng, target.local_engine, [(int(local.ctypes.data), int(remote.ctypes.data), 8)], held
+        link._epoll = held.real
+
+
+def _park_reader(link: Any, held: _HeldEpoll) -> None:
+    """Keep the link's reader thread out of ``poll`` until ``held.polls`` is set."""
+    held.polls.clear()
+    os.write(link._wake_w, b"w")  # it leaves the real poll, into the held one
+    time.sleep(0.05)
+
+
+def test_a_request_queued_while_a_burst_disarms_the_socket_is_still_answered() -> None:
+    """A burst's first latency call flags the socket disarmed, then disarms it; a request queued for
+    the reader thread in between re-arms it. Were the two steps apart, the re-arm would land between
+    them: the socket left disarmed, flagged armed — and the next request queued, finding it so, would
+    wait for its reply until a heartbeat found the link dead (seen in CI: a DataDist push whose last
+    layer did not land in 10 s)."""
+    with _held_link() as (eng, target, write, held):
+        _park_reader(eng._peers[target].link, held)  # (else it may catch the queued ACK, and re-arm)
+        caller = threading.Thread(target=eng.transfer_sync, args=(target, Op.WRITE, write, 5))
+        caller.start()
+        assert held.disarming.wait(5)
+        queued = eng.transfer_async(target, Op.WRITE, write, timeout=5)  # its worker re-arms the socket
+        caller.join(10)
+        assert queued.wait(5) is hixl.TransferStatus.COMPLETED  # (its ACK read by the caller)
+        late = eng.transfer_async(target, Op.WRITE, write, timeout=5)
+        held.polls.set()
+        status = late.wait(3)
+        assert status is hixl.TransferStatus.COMPLETED, f"a request queued after the burst: {status.name}"
+
+
+def test_a_reply_that_fires_with_the_reader_threads_wake_up_is_read() -> None:
+    """The reader thread woken by a burst's start (its wake-up pipe) and by a queued request's reply
+    (the socket) in one ``poll``: it reads the reply, rather than take the wake-up alone and leave
+    the socket — one-shot, disarmed by firing — for nobody to re-arm."""
+    with _held_link() as (eng, target, write, held):
+        _park_reader(eng._peers[target].link, held)
+        eng.transfer_sync(target, Op.WRITE, write, timeout=5)  # a burst begins: the pipe says so
+        queued = eng.transfer_async(target, Op.WRITE, write, timeout=5)  # re-arms; its ACK fires the socket
+        time.sleep(0.1)
+        held.polls.set()
+        status = queued.wait(3)
+        assert status is hixl.TransferStatus.COMPLETED, f"the queued request's reply: {status.name}"
