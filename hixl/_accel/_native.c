@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
@@ -254,6 +255,23 @@ read_generation(PyObject *page, uint64_t *out)
 static int64_t lanes_copy_iovs(pid_t pid, int write, const struct iovec *local, const struct iovec *remote,
                                Py_ssize_t count, uint64_t total, int lanes);
 
+/* Whether the process `pidfd` pins has not exited: a pidfd turns readable when its process exits
+ * (before it is reaped, which is what would free its pid for reuse). A poll() with no wait costs
+ * ~0.35 us here against ~0.51 for signal 0 through pidfd_send_signal, on every process_vm_* call's
+ * path; a closed descriptor answers POLLNVAL (gone). Interrupted, it asks again. */
+static int
+pidfd_running(long pidfd)
+{
+    if (pidfd < 0 || pidfd > INT_MAX)
+        return 0;
+    struct pollfd watch = {.fd = (int)pidfd, .events = POLLIN};
+    int ready;
+    do {
+        ready = poll(&watch, 1, 0);
+    } while (ready < 0 && errno == EINTR);
+    return ready == 0;
+}
+
 static long
 cma_checked_call(long pid, long pidfd, long proc_mem, int write, const desc_t *descs, Py_ssize_t count,
                  PyObject *page, uint64_t expected, int lanes)
@@ -267,20 +285,15 @@ cma_checked_call(long pid, long pidfd, long proc_mem, int write, const desc_t *d
         /* The peer's /proc/<pid>/mem, opened and proven by the channel, holds its address space
          * itself, not its pid: a pid given to another process cannot redirect it, and once the
          * process has exited it reads and writes 0 bytes. So no liveness check is needed — one
-         * system call instead of two, and the second (pidfd_send_signal, ~0.55 us here) cost a
-         * third of an 8-byte transfer_sync. */
+         * system call instead of two, and the second (then pidfd_send_signal, ~0.55 us here)
+         * cost a third of an 8-byte transfer_sync. */
         void *here = (void *)(uintptr_t)descs[0].local;
         ssize_t moved = write ? pwrite((int)proc_mem, here, descs[0].len, (off_t)descs[0].remote)
                               : pread((int)proc_mem, here, descs[0].len, (off_t)descs[0].remote);
         return moved < 0 ? -(long)errno : (long)moved;
     }
-#ifdef SYS_pidfd_send_signal
-    /* Signal 0 through the pidfd: the process it pins still exists (its pid not reused). */
-    if (pidfd < 0 || (syscall(SYS_pidfd_send_signal, (int)pidfd, 0, NULL, 0) < 0 && errno != EPERM))
+    if (!pidfd_running(pidfd)) /* (its pid not reused: the copy below goes by pid) */
         return CMA_GONE;
-#else
-    return CMA_INELIGIBLE;
-#endif
     struct iovec local[SMALL_MAX], remote[SMALL_MAX];
     uint64_t total = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -1152,7 +1165,6 @@ static PyTypeObject CmaSmallType = {
  * caller passes (time.monotonic() seconds), the GIL released around it and around each syscall.
  * Nothing here decides anything: tcp_reply only recognises the expected answer's header, the
  * connection (Python) then accounts for it, and only then does tcp_land move its data. */
-#include <poll.h>
 #include <sched.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -1981,15 +1993,10 @@ cma_one_window(PyObject *const *args, const lane_work_t *w, Py_ssize_t first, ui
         stop = CMA_STALE;
         goto done;
     }
-#ifdef SYS_pidfd_send_signal
-    if (pidfd < 0 || (syscall(SYS_pidfd_send_signal, (int)pidfd, 0, NULL, 0) < 0 && errno != EPERM)) {
+    if (!pidfd_running(pidfd)) {
         stop = CMA_GONE;
         goto done;
     }
-#else
-    stop = CMA_GONE; /* (no pidfds: no channel would have been opened) */
-    goto done;
-#endif
     int same = attr_is(regions, str_table, table);
     if (same <= 0) {
         stop = same < 0 ? -1 : CMA_STALE; /* replaced since the caller checked the ranges */

@@ -279,7 +279,10 @@ def _proc_mem_call(proc_mem: int, write: bool, here: int, there: int, nbytes: in
 
 
 def _alive(pidfd: int) -> bool:
-    """Whether the process ``pidfd`` pins still exists (signal 0 through it)."""
+    """Whether the process ``pidfd`` pins still exists (signal 0 through it). The C extension
+    polls the pidfd instead (cheaper there, not here: a poll object per call, or one shared by
+    threads, which it refuses), and so also counts a process that exited, not yet reaped, as gone:
+    here its copy fails instead (its memory is gone), and the general path reports it the same."""
     try:
         signal.pidfd_send_signal(pidfd, 0)
     except PermissionError:
