@@ -79,6 +79,7 @@ __all__ = [
     "NATIVE",
     "PROC_MEM_MAX",
     "PURE_ENV",
+    "STREAM_FROM",
     "TCP_EOF",
     "TCP_LOWAT",
     "TCP_LOWAT_FROM",
@@ -120,6 +121,8 @@ LANE_FROM = pure.LANE_FROM
 """Copies of fewer bytes (per call) stay in one lane, in both implementations."""
 MAX_LANES = pure.MAX_LANES
 """The most lanes one copy is split over."""
+STREAM_FROM = pure.STREAM_FROM
+"""Memory copies (shm) of at least this many bytes per call write past the caches in the C extension."""
 PROC_MEM_MAX = pure.PROC_MEM_MAX
 """A copy of one descriptor of at most this many bytes goes through the peer's ``/proc/<pid>/mem``
 (:class:`CmaSmall`'s ``proc_mem``), in both implementations."""

@@ -59,6 +59,7 @@ __all__ = [
     "GIL_FREE_FROM",
     "PROC_MEM_MAX",
     "SMALL_MAX",
+    "STREAM_FROM",
     "TCP_EOF",
     "TCP_LOWAT",
     "TCP_LOWAT_FROM",
@@ -87,6 +88,11 @@ LANE_FROM = 4 << 20
 below it, handing a part to another thread costs more than the second core gains."""
 MAX_LANES = 16
 """The most lanes one copy is split over."""
+STREAM_FROM = 16 << 20
+"""From this many bytes in one call, the C extension's memory copies (:func:`mapped_copy`,
+:func:`copy_pieces`) write with streaming stores, past the caches (ranges of a page or more); the
+same bytes land. Here numpy's copies are what they are: glibc's memcpy, which streams only from a
+threshold of its own."""
 _LANE_ALIGN = 4096  # every cut but the last on a page of the copy: no page copied by two lanes
 SMALL_MAX = 64
 """The most descriptors :func:`check_small` and :func:`mapped_copy` take."""

@@ -41,7 +41,8 @@ fp16, a 4096-token prompt: 1.25 GiB) from a prefill process with DataDist's
 pull_blocks, its blocks scattered over a paged pool on both sides, at 16-,
 32- and 128-token blocks; it reports pull_blocks bandwidth against the
 engine's own single contiguous transfer of the same bytes, and how soon the
-first layer lands with pull_blocks_async. --scenario kv-vllm does the same on
+first layer lands with pull_blocks_async (--transport shm: the prefill's cache
+in pool memory, which shm maps). --scenario kv-vllm does the same on
 vLLM's CPU layout (one tensor per layer, K and V interleaved in each block) at
 a Llama-3-8B shape (32 layers, 8 KV heads x 128, fp16, 4096 tokens: 512 MiB),
 32-token blocks.

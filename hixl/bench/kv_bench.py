@@ -7,7 +7,9 @@ and pulls it. On both sides the prompt occupies a *shuffled subset* of a pool
 twice its size, as a paged allocator hands out blocks, so the transfer is one
 descriptor per block per tensor and next to nothing merges.
 
-For each transport (forced through the decode side's ``LLMConfig``) and each
+For each transport (forced through the decode side's ``LLMConfig``; when shm
+is among them the prefill's cache and contiguous buffer are pool memory,
+``hixl.empty(..., shared=True)``, the only memory shm maps) and each
 block size (16, 32 and 128 tokens by default), three contenders are timed
 interleaved over the same two processes and the same connection
 (:func:`hixl.bench.timing.interleaved_reps`):
@@ -149,7 +151,7 @@ def _run(config: BenchConfig, progress: Progress, scenario: str) -> ScenarioResu
     rows: list[Row] = []
     notes: list[str] = []
     with progress.step(f"kv prefill: fill {format_size(shape.prompt_bytes * shape.pool_factor)} of KV"):
-        prefill = PrefillProcess(shape)
+        prefill = PrefillProcess(shape, shared="shm" in config.transports)
     with prefill:
         storage = empty(shape.storage_shape, np.float16)
         contiguous = empty(shape.prompt_bytes)

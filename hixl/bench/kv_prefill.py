@@ -165,10 +165,11 @@ def fill_pattern(buf: np.ndarray, salt: int) -> None:
 # -- the child -------------------------------------------------------------------------------
 def _serve(conn: Connection) -> None:
     """The prefill child: build and register the cache, report where it is, wait for ``exit``."""
-    shape: KvShape = conn.recv()
-    storage = empty(shape.storage_shape, np.float16)
+    shape: KvShape
+    shape, shared = conn.recv()
+    storage = empty(shape.storage_shape, np.float16, shared=shared)
     fill_pattern(storage, POOL_SALT)
-    contiguous = empty(shape.prompt_bytes)
+    contiguous = empty(shape.prompt_bytes, shared=shared)
     fill_pattern(contiguous, CONTIGUOUS_SALT)
     with LLMDataDist(LLMRole.PROMPT, PREFILL_CLUSTER) as datadist:
         datadist.init(LLMConfig(listen_ip_info="127.0.0.1:0"))
@@ -201,10 +202,10 @@ class PrefillProcess:
     addresses of its ``storage`` and ``contiguous`` buffers in its memory.
     """
 
-    def __init__(self, shape: KvShape, timeout: float = 120.0) -> None:
+    def __init__(self, shape: KvShape, timeout: float = 120.0, shared: bool = False) -> None:
         self._child = ChildProcess("hixl.bench._kv_prefill_main", timeout)
         try:
-            self._child.send(shape)
+            self._child.send((shape, shared))
             info = self._child.receive()
         except BaseException:
             self._child.kill()

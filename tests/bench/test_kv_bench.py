@@ -64,6 +64,20 @@ def test_json_has_every_expected_row(quick_run: tuple[dict[str, Any], str]) -> N
     assert doc["scenarios"] == ["kv"]
 
 
+def test_shm_is_measured_on_a_prefill_cache_in_pool_memory(tmp_path: Any) -> None:
+    """Asked for shm, the prefill child puts its cache in pool memory (shm maps only that): the
+    decode side links over shm and pulls, its rows there, not a "skipped" note."""
+    path = tmp_path / "shm.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["--scenario", "kv", "--quick", "--transport", "shm", "--no-progress", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert not [note for note in doc["notes"] if note.startswith("shm: skipped")], doc["notes"]
+    (bs,) = QUICK.block_sizes
+    assert {(r["name"], r["transport"]) for r in doc["rows"]} == {
+        (f"{name} bs={bs}", "shm") for name in ("pull_blocks", "pull_async", "first layer")
+    }
+
+
 def test_figures_baselines_and_ratios_are_positive(quick_run: tuple[dict[str, Any], str]) -> None:
     doc, _ = quick_run
     for row in doc["rows"]:

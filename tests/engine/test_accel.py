@@ -47,6 +47,7 @@ def test_the_extension_is_used_where_it_is_built() -> None:
     else:
         assert _accel.NATIVE and _accel.check_small is native.check_small
     assert native.GIL_FREE_FROM == pure.GIL_FREE_FROM and native.SMALL_MAX == pure.SMALL_MAX
+    assert native.STREAM_FROM == pure.STREAM_FROM
 
 
 def test_hixl_pure_python_selects_the_twin() -> None:
@@ -145,6 +146,47 @@ def test_copy_pieces_of_mixed_and_large_blocks(impl: ModuleType, buffers: tuple[
     assert dst[8192 : 8192 + 4096].tobytes() == src[:4096].tobytes()
     assert (big == 4).all()
     assert dst[20000:20017].tobytes() == src[100:117].tobytes() and dst[20017] == 0xEE
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("write", [False, True], ids=["READ", "WRITE"])
+def test_copies_large_enough_to_stream_land_exactly_their_bytes(impl: ModuleType, write: bool, lanes: int) -> None:
+    """From STREAM_FROM bytes a call copies with streaming stores (C): a range's first bytes up to a
+    cache line, whole lines, the rest. Ranges at every offset to a line, of lengths around it and
+    below STREAM_RANGE_MIN (plain memcpy), land exactly; the bytes between them stay."""
+    offsets = [0, 1, 63, 64, 65, 4095, 17, 40]
+    lens = [_accel.STREAM_FROM // 2 + 13, 4095, 4096, 70_001, 64 * 3 + 1, 4096 + 63, 1 << 20, _accel.STREAM_FROM // 2]
+    assert sum(lens) >= _accel.STREAM_FROM
+    gap = 4096 + 128
+    size = sum(lens) + gap * (len(lens) + 1)
+    src, dst = hixl.empty(size), hixl.empty(size)
+    src[:] = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    dst.fill(0xEE)
+    rows, want, at = [], np.full(size, 0xEE, np.uint8), gap
+    for k, (off, n) in enumerate(zip(offsets, lens)):
+        s_at, d_at = at + offsets[-1 - k], at + off  # source and destination off a line differently
+        rows.append((int(dst.ctypes.data) + d_at, int(src.ctypes.data) + s_at, n))
+        want[d_at : d_at + n] = src[s_at : s_at + n]
+        at += n + gap
+    table = np.array(rows, np.uint64)
+    if write:  # the mapped side is the destination: local column = source, heres = destination
+        impl.copy_pieces(_pieces(table[:, 1], np.zeros(len(rows), np.uint64), table[:, 2]), table[:, 0].copy(), True, lanes)
+    else:
+        impl.copy_pieces(_pieces(table[:, 0], np.zeros(len(rows), np.uint64), table[:, 2]), table[:, 1].copy(), False, lanes)
+    assert np.array_equal(dst, want)
+
+
+def test_a_small_list_large_enough_to_stream_lands_exactly(impl: ModuleType) -> None:
+    """mapped_copy streams from STREAM_FROM bytes in all (C): one range a few bytes off a line."""
+    n = _accel.STREAM_FROM + 77
+    local, here = hixl.empty(n + 8192), hixl.empty(n + 8192)
+    here[:] = np.random.default_rng(6).integers(0, 256, here.size, dtype=np.uint8)
+    local.fill(0xEE)
+    index = ([1 << 30], [(1 << 30) + here.size], [int(here.ctypes.data)], [True])
+    at = int(local.ctypes.data)
+    assert impl.mapped_copy([(at + 5, (1 << 30) + 3, n), (at, 1 << 30, 5)], False, *index) == 1
+    assert local[:5].tobytes() == here[:5].tobytes()
+    assert local[5 : 5 + n].tobytes() == here[3 : 3 + n].tobytes() and (local[5 + n :] == 0xEE).all()
 
 
 def test_the_extension_refuses_arrays_it_cannot_read_as_rows() -> None:
