@@ -122,7 +122,7 @@ LANE_FROM = pure.LANE_FROM
 MAX_LANES = pure.MAX_LANES
 """The most lanes one copy is split over."""
 STREAM_FROM = pure.STREAM_FROM
-"""Memory copies (shm) of at least this many bytes per call write past the caches in the C extension."""
+"""Memory copies (shm) of transfers of at least this many bytes write past the caches in the C extension."""
 PROC_MEM_MAX = pure.PROC_MEM_MAX
 """A copy of one descriptor of at most this many bytes goes through the peer's ``/proc/<pid>/mem``
 (:class:`CmaSmall`'s ``proc_mem``), in both implementations."""

@@ -28,8 +28,9 @@
 /* Copies of fewer bytes stay in one lane (as hixl._accel.LANE_FROM); the most lanes one copy takes. */
 #define LANE_FROM (4u << 20)
 #define MAX_LANES 16
-/* Memory copies (shm) of at least this many bytes in one call use streaming stores (as
- * hixl._accel.STREAM_FROM): see copy_bytes. */
+/* Memory copies (shm) of at least this many bytes use streaming stores (as hixl._accel.STREAM_FROM):
+ * a call of mapped_copy or copy_pieces that copies this much, and every copy_pieces call of a
+ * transfer this large (its caller says so). See copy_bytes. */
 #define STREAM_FROM (16u << 20)
 /* ... for each of their ranges of at least this many bytes: below it the partial cache lines at
  * its ends weigh, and a few lines left in the cache cost nothing. */
@@ -797,22 +798,24 @@ u64_buffer(PyObject *obj, Py_buffer *view, int ndim, Py_ssize_t columns, const c
 }
 
 PyDoc_STRVAR(copy_pieces_doc,
-"copy_pieces(pieces, heres, write, lanes=1) -> None\n\n"
+"copy_pieces(pieces, heres, write, lanes=1, stream=False) -> None\n\n"
 "For every row i of ``pieces`` ((n, 3) uint64: local, remote, len) copy len bytes between the\n"
 "local address and heres[i] (where the remote range is mapped here): to heres[i] if ``write``,\n"
 "from it otherwise. In row order (from LANE_FROM bytes on, split over up to ``lanes`` threads:\n"
-"row order within each); the GIL is released for large totals.");
+"row order within each); the GIL is released for large totals. ``stream`` (or STREAM_FROM bytes\n"
+"in this call): rows of a page or more are written with streaming stores, past the caches.");
 
 static PyObject *
 copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 && nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "copy_pieces takes 3 or 4 arguments");
+    if (nargs < 3 || nargs > 5) {
+        PyErr_SetString(PyExc_TypeError, "copy_pieces takes 3 to 5 arguments");
         return NULL;
     }
     int write = PyObject_IsTrue(args[2]);
-    long lanes = nargs == 4 ? PyLong_AsLong(args[3]) : 1;
-    if (write < 0 || (lanes == -1 && PyErr_Occurred()))
+    long lanes = nargs >= 4 ? PyLong_AsLong(args[3]) : 1;
+    int stream = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
+    if (write < 0 || stream < 0 || (lanes == -1 && PyErr_Occurred()))
         return NULL;
     Py_buffer pv, hv;
     if (!u64_buffer(args[0], &pv, 2, 3, "pieces"))
@@ -832,7 +835,7 @@ copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t total = 0;
     for (Py_ssize_t i = 0; i < count; i++)
         total += rows[3 * i + 2];
-    int stream = total >= STREAM_FROM;
+    stream = stream || total >= STREAM_FROM;
     if (lanes > 1 && total >= LANE_FROM) {
         lane_work_t w = {LANE_MEMCPY, write, stream, 0, NULL, NULL, rows, heres, count};
         Py_BEGIN_ALLOW_THREADS

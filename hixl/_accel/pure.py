@@ -89,10 +89,10 @@ below it, handing a part to another thread costs more than the second core gains
 MAX_LANES = 16
 """The most lanes one copy is split over."""
 STREAM_FROM = 16 << 20
-"""From this many bytes in one call, the C extension's memory copies (:func:`mapped_copy`,
-:func:`copy_pieces`) write with streaming stores, past the caches (ranges of a page or more); the
-same bytes land. Here numpy's copies are what they are: glibc's memcpy, which streams only from a
-threshold of its own."""
+"""From this many bytes — in one call, or in the transfer a :func:`copy_pieces` call is part of
+(its ``stream``) — the C extension's memory copies (:func:`mapped_copy`, :func:`copy_pieces`)
+write ranges of a page or more with streaming stores, past the caches; the same bytes land. Here
+numpy's copies are what they are: glibc's memcpy, which streams only from a threshold of its own."""
 _LANE_ALIGN = 4096  # every cut but the last on a page of the copy: no page copied by two lanes
 SMALL_MAX = 64
 """The most descriptors :func:`check_small` and :func:`mapped_copy` take."""
@@ -573,11 +573,13 @@ def cma_windows(
     return done, 0
 
 
-def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool, lanes: int = 1) -> None:
+def copy_pieces(pieces: np.ndarray, heres: np.ndarray, write: bool, lanes: int = 1, stream: bool = False) -> None:
     """For every row ``i`` of ``pieces`` ((n, 3) uint64: local, remote, len), copy ``len`` bytes
     between the local address and ``heres[i]`` (where the remote range is mapped here): to
     ``heres[i]`` if ``write``, from it otherwise; in row order (from :data:`LANE_FROM` bytes on,
-    split over up to ``lanes`` threads: row order within each)."""
+    split over up to ``lanes`` threads: row order within each). ``stream`` (part of a transfer of
+    :data:`STREAM_FROM` bytes or more): the C twin writes past the caches; numpy's copies here
+    cannot be told to, and the same bytes land."""
     local, lens = pieces[:, 0], pieces[:, 2]
     # Python threads copy at once only while each memmove is long enough to release the GIL for;
     # many small rows go faster through copy_many's few numpy calls on one thread.

@@ -72,6 +72,12 @@ ROUND_TRIPS = [
 ]
 
 
+#: (segments, longest segment) of the scattered tests: many small ones, and ~20 MiB in blocks of up
+#: to 40 000 bytes (a transfer past hixl._accel.STREAM_FROM: shm copies it with streaming stores).
+SEGMENTS = [(4096, 300), (1024, 40_000)]
+SEGMENT_IDS = ["small", "large"]
+
+
 def _ids(case: tuple[int, int, int]) -> str:
     return f"{case[0]}B@{case[1]}->{case[2]}"
 
@@ -222,11 +228,18 @@ class TransportConformance:
             assert target.read(DST, roff - 1, 1) == guard
 
     # -- many descriptors --------------------------------------------------------------
+    @pytest.mark.parametrize("segments", SEGMENTS, ids=SEGMENT_IDS)
     @pytest.mark.parametrize("form", ["uint64-array", "int64-array", "TransferOpDesc-list"])
     def test_scattered_read(
-        self, engine: Engine, target: TargetProcess, dst: np.ndarray, src_expected: np.ndarray, form: str
+        self,
+        engine: Engine,
+        target: TargetProcess,
+        dst: np.ndarray,
+        src_expected: np.ndarray,
+        form: str,
+        segments: tuple[int, int],
     ) -> None:
-        local, remote, lens = scattered_layout(4096, seed=1)
+        local, remote, lens = scattered_layout(segments[0], seed=1, max_len=segments[1])
         descs = np.stack([local + _addr(dst), remote + target.addrs[SRC], lens], axis=1)
         engine.transfer_sync(target.engine, Op.READ, self._as_form(descs, form))
         assert np.array_equal(dst[_segment_index(local, lens)], src_expected[_segment_index(remote, lens)])
@@ -235,9 +248,12 @@ class TransportConformance:
         touched[_segment_index(local, lens)] = True
         assert (dst[: len(touched)][~touched] == _SENTINEL).all()
 
+    @pytest.mark.parametrize("segments", SEGMENTS, ids=SEGMENT_IDS)
     @pytest.mark.parametrize("form", ["uint64-array", "TransferOpDesc-list"])
-    def test_scattered_write(self, engine: Engine, target: TargetProcess, src: np.ndarray, form: str) -> None:
-        local, remote, lens = scattered_layout(4096, seed=2)
+    def test_scattered_write(
+        self, engine: Engine, target: TargetProcess, src: np.ndarray, form: str, segments: tuple[int, int]
+    ) -> None:
+        local, remote, lens = scattered_layout(segments[0], seed=2, max_len=segments[1])
         span = int(remote.max() + lens.max())
         target.write(DST, 0, bytes([_SENTINEL]) * span)
         descs = np.stack([local + _addr(src), remote + target.addrs[DST], lens], axis=1)

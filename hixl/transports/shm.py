@@ -359,6 +359,7 @@ class ShmChannel(Channel):
             if order is not None:
                 pieces = pieces[order]
             ends = np.cumsum(pieces[:, 2], dtype=np.uint64)
+            stream = len(ends) > 0 and int(ends[-1]) >= _accel.STREAM_FROM  # each window past the caches
             done, plan, fenced = 0, None, False
             while done < len(pieces):
                 if req.deadline is not None and time.monotonic() >= req.deadline:
@@ -387,7 +388,7 @@ class ShmChannel(Channel):
                                 start = int(ends[done - 1]) if done else 0
                                 end = min(done + _WINDOW, int(np.searchsorted(ends, start + CHUNK * lanes, side="right")))
                                 end = max(end, done + 1)
-                                _accel.copy_pieces(pieces[done:end], plan[2][done - plan[1] : end - plan[1]], write, lanes)
+                                _accel.copy_pieces(pieces[done:end], plan[2][done - plan[1] : end - plan[1]], write, lanes, stream)
                                 done = end
                                 continue
                 if stale:

@@ -150,13 +150,18 @@ def test_copy_pieces_of_mixed_and_large_blocks(impl: ModuleType, buffers: tuple[
 
 @pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("write", [False, True], ids=["READ", "WRITE"])
-def test_copies_large_enough_to_stream_land_exactly_their_bytes(impl: ModuleType, write: bool, lanes: int) -> None:
-    """From STREAM_FROM bytes a call copies with streaming stores (C): a range's first bytes up to a
-    cache line, whole lines, the rest. Ranges at every offset to a line, of lengths around it and
-    below STREAM_RANGE_MIN (plain memcpy), land exactly; the bytes between them stay."""
+@pytest.mark.parametrize("told", [False, True], ids=["STREAM_FROM in the call", "told by the caller"])
+def test_copies_large_enough_to_stream_land_exactly_their_bytes(
+    impl: ModuleType, write: bool, lanes: int, told: bool
+) -> None:
+    """From STREAM_FROM bytes in a call, or when the caller says its transfer is that large, the C
+    copies use streaming stores: a range's first bytes up to a cache line, whole lines, the rest.
+    Ranges at every offset to a line, of lengths around it and below a page (plain memcpy), land
+    exactly; the bytes between them stay."""
     offsets = [0, 1, 63, 64, 65, 4095, 17, 40]
-    lens = [_accel.STREAM_FROM // 2 + 13, 4095, 4096, 70_001, 64 * 3 + 1, 4096 + 63, 1 << 20, _accel.STREAM_FROM // 2]
-    assert sum(lens) >= _accel.STREAM_FROM
+    big = 3 << 20 if told else _accel.STREAM_FROM // 2  # told: a window of a larger transfer
+    lens = [big + 13, 4095, 4096, 70_001, 64 * 3 + 1, 4096 + 63, 1 << 20, big]
+    assert (sum(lens) >= _accel.STREAM_FROM) is not told
     gap = 4096 + 128
     size = sum(lens) + gap * (len(lens) + 1)
     src, dst = hixl.empty(size), hixl.empty(size)
@@ -170,9 +175,9 @@ def test_copies_large_enough_to_stream_land_exactly_their_bytes(impl: ModuleType
         at += n + gap
     table = np.array(rows, np.uint64)
     if write:  # the mapped side is the destination: local column = source, heres = destination
-        impl.copy_pieces(_pieces(table[:, 1], np.zeros(len(rows), np.uint64), table[:, 2]), table[:, 0].copy(), True, lanes)
+        impl.copy_pieces(_pieces(table[:, 1], np.zeros(len(rows), np.uint64), table[:, 2]), table[:, 0].copy(), True, lanes, told)
     else:
-        impl.copy_pieces(_pieces(table[:, 0], np.zeros(len(rows), np.uint64), table[:, 2]), table[:, 1].copy(), False, lanes)
+        impl.copy_pieces(_pieces(table[:, 0], np.zeros(len(rows), np.uint64), table[:, 2]), table[:, 1].copy(), False, lanes, told)
     assert np.array_equal(dst, want)
 
 
