@@ -204,27 +204,29 @@ def test_requests_over_tcp_and_over_shm_take_effect_in_order(make_target: MakeTa
 
 
 # -- deregistration ------------------------------------------------------------------------------------
-def test_deregistration_unmaps_before_it_returns_and_nothing_lands_after(make_target: MakeTarget) -> None:
+@pytest.mark.parametrize("size", [ODD, 16 * MiB + ODD], ids=["small", "streamed"])
+def test_deregistration_unmaps_before_it_returns_and_nothing_lands_after(make_target: MakeTarget, size: int) -> None:
     """A thread keeps WRITEing into a pool buffer while the target deregisters it and writes its
     own pattern there (reuse): from then on the buffer is not mapped here, transfers to it are
-    refused, and not one byte of ours lands in it."""
+    refused, and not one byte of ours lands in it. Also with WRITEs large enough to be copied with
+    streaming stores (hixl._accel.STREAM_FROM), which must be visible before the copy lets go."""
     target = make_target([MiB], {"deregister_timeout": 2.0})
-    target.add_buffer(ODD, shared=True)
+    target.add_buffer(size, shared=True)
     with Engine("127.0.0.1", {"transport": "shm"}) as eng:
-        src = hixl.empty(ODD)
+        src = hixl.empty(size)
         src.fill(0xAA)
         eng.register_mem(src)
         eng.connect(target.engine)
         remote = target.addrs[1]
-        eng.transfer_sync(target.engine, Op.WRITE, [(_addr(src), remote, ODD)])
-        assert target.read(1, 0, ODD) == b"\xaa" * ODD and len(_pool_mappings(ODD)) == 1
+        eng.transfer_sync(target.engine, Op.WRITE, [(_addr(src), remote, size)])
+        assert target.read(1, 0, size) == b"\xaa" * size and len(_pool_mappings(size)) == 1
         stop, refused, errors = threading.Event(), [0], []
 
         def keep_writing() -> None:
             deadline = time.monotonic() + 20
             while not stop.is_set() and time.monotonic() < deadline:
                 try:
-                    eng.transfer_sync(target.engine, Op.WRITE, [(_addr(src), remote, ODD)])
+                    eng.transfer_sync(target.engine, Op.WRITE, [(_addr(src), remote, size)])
                 except MemoryRangeError:
                     refused[0] += 1
                 except Exception as exc:  # noqa: BLE001  (reported below)
@@ -236,8 +238,8 @@ def test_deregistration_unmaps_before_it_returns_and_nothing_lands_after(make_ta
         try:
             time.sleep(0.05)
             target.deregister(1)
-            assert _pool_mappings(ODD) == []  # unmapped before deregister_mem returned
-            target.write(1, 0, b"\x55" * ODD)  # the target reuses its memory
+            assert _pool_mappings(size) == []  # unmapped before deregister_mem returned
+            target.write(1, 0, b"\x55" * size)  # the target reuses its memory
             deadline = time.monotonic() + 10
             while refused[0] < 50 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -245,7 +247,7 @@ def test_deregistration_unmaps_before_it_returns_and_nothing_lands_after(make_ta
             stop.set()
             writer.join(30)
         assert not errors and refused[0] >= 50
-        assert target.read(1, 0, ODD) == b"\x55" * ODD
+        assert target.read(1, 0, size) == b"\x55" * size
         with pytest.raises(MemoryRangeError):
             eng.transfer_sync(target.engine, Op.READ, np.array([[_addr(src), remote, 16]], dtype=np.uint64))
 
