@@ -836,29 +836,15 @@ copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < count; i++)
         total += rows[3 * i + 2];
     stream = stream || total >= STREAM_FROM;
-    if (lanes > 1 && total >= LANE_FROM) {
-        lane_work_t w = {LANE_MEMCPY, write, stream, 0, NULL, NULL, rows, heres, count};
+    /* The rows in order: one lane's loop (lanes_copy keeps a copy under LANE_FROM in one lane). */
+    lane_work_t w = {LANE_MEMCPY, write, stream, 0, NULL, NULL, rows, heres, count};
+    if (total >= GIL_FREE_FROM) {
         Py_BEGIN_ALLOW_THREADS
         lanes_copy(&w, 0, 0, total, (int)lanes);
         Py_END_ALLOW_THREADS
-        PyBuffer_Release(&pv);
-        PyBuffer_Release(&hv);
-        Py_RETURN_NONE;
+    } else {
+        lane_copy(&w, 0, 0, total);
     }
-    PyThreadState *released = total >= GIL_FREE_FROM ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        void *local = (void *)(uintptr_t)rows[3 * i], *there = (void *)(uintptr_t)heres[i];
-        if (i + 1 < count) {
-            void *next_local = (void *)(uintptr_t)rows[3 * (i + 1)], *next_there = (void *)(uintptr_t)heres[i + 1];
-            prefetch_range(write ? next_there : next_local, write ? next_local : next_there, rows[3 * (i + 1) + 2], stream);
-        }
-        if (write)
-            copy_bytes(there, local, rows[3 * i + 2], stream);
-        else
-            copy_bytes(local, there, rows[3 * i + 2], stream);
-    }
-    if (released != NULL)
-        PyEval_RestoreThread(released);
     PyBuffer_Release(&pv);
     PyBuffer_Release(&hv);
     Py_RETURN_NONE;
