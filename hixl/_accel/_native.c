@@ -226,67 +226,6 @@ check_small(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLongLong(total);
 }
 
-PyDoc_STRVAR(mapped_copy_doc,
-"mapped_copy(descs, write, starts, ends, heres, writable) -> int\n\n"
-"Copy a small list of (local, remote, len) descriptors through the peer's memory mapped here:\n"
-"mapping i covers the peer's [starts[i], ends[i]) at address heres[i], writable if writable[i] is\n"
-"True. 1: all were mapped (writably, for a write) and are copied; 0: none was, nothing copied;\n"
-"-1: some were, or descs is not such a list, nothing copied.");
-
-static PyObject *
-mapped_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "mapped_copy takes 6 arguments");
-        return NULL;
-    }
-    int write = PyObject_IsTrue(args[1]);
-    if (write < 0 || !lists(args, 2, 4))
-        return NULL;
-    PyObject *starts = args[2], *ends = args[3], *heres = args[4], *writable = args[5];
-    desc_t descs[SMALL_MAX];
-    void *dst[SMALL_MAX];
-    const void *src[SMALL_MAX];
-    Py_ssize_t count = parse_descs(args[0], descs);
-    if (count < 0)
-        return PyLong_FromLong(-1);
-    Py_ssize_t mapped = 0;
-    uint64_t total = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        Py_ssize_t m = find_interval(starts, ends, descs[i].remote, descs[i].len);
-        if (m == -2)
-            return NULL;
-        if (m >= 0 && write && (m >= PyList_GET_SIZE(writable) || PyList_GET_ITEM(writable, m) != Py_True))
-            m = -1;
-        if (m < 0)
-            continue;
-        uint64_t here, start;
-        if (m >= PyList_GET_SIZE(heres) || !exact_u64(PyList_GET_ITEM(heres, m), &here) ||
-            !exact_u64(PyList_GET_ITEM(starts, m), &start)) {
-            PyErr_SetString(PyExc_ValueError, "heres must list an int address per mapping");
-            return NULL;
-        }
-        uint64_t there = here + (descs[i].remote - start);
-        dst[i] = (void *)(uintptr_t)(write ? there : descs[i].local);
-        src[i] = (const void *)(uintptr_t)(write ? descs[i].local : there);
-        total += descs[i].len;
-        mapped++;
-    }
-    if (mapped != count)
-        return PyLong_FromLong(mapped == 0 ? 0 : -1);
-    if (total >= GIL_FREE_FROM) {
-        int stream = total >= STREAM_FROM;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++)
-            copy_bytes(dst[i], src[i], descs[i].len, stream);
-        Py_END_ALLOW_THREADS
-    } else {
-        for (Py_ssize_t i = 0; i < count; i++)
-            memcpy(dst[i], src[i], descs[i].len);
-    }
-    return PyLong_FromLong(1);
-}
-
 PyDoc_STRVAR(cma_copy_doc,
 "cma_copy(pid, pidfd, write, descs, generation_page, generation) -> int\n\n"
 "One process_vm_writev (write) or process_vm_readv of a small list of (local, remote, len)\n"
@@ -795,6 +734,70 @@ u64_buffer(PyObject *obj, Py_buffer *view, int ndim, Py_ssize_t columns, const c
         return 0;
     }
     return 1;
+}
+
+PyDoc_STRVAR(mapped_copy_doc,
+"mapped_copy(descs, write, starts, ends, heres, writable, lanes=1) -> int\n\n"
+"Copy a small list of (local, remote, len) descriptors through the peer's memory mapped here:\n"
+"mapping i covers the peer's [starts[i], ends[i]) at address heres[i], writable if writable[i] is\n"
+"True. 1: all were mapped (writably, for a write) and are copied (from LANE_FROM bytes, split over\n"
+"up to ``lanes`` threads); 0: none was, nothing copied; -1: some were, or descs is not such a list,\n"
+"nothing copied.");
+
+static PyObject *
+mapped_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "mapped_copy takes 6 or 7 arguments");
+        return NULL;
+    }
+    int write = PyObject_IsTrue(args[1]);
+    long lanes = nargs == 7 ? PyLong_AsLong(args[6]) : 1;
+    if (write < 0 || (lanes == -1 && PyErr_Occurred()) || !lists(args, 2, 4))
+        return NULL;
+    PyObject *starts = args[2], *ends = args[3], *heres = args[4], *writable = args[5];
+    desc_t descs[SMALL_MAX];
+    uint64_t rows[3 * SMALL_MAX], theres[SMALL_MAX]; /* as copy_pieces takes them: local, remote, len; where mapped */
+    Py_ssize_t count = parse_descs(args[0], descs);
+    if (count < 0)
+        return PyLong_FromLong(-1);
+    Py_ssize_t mapped = 0;
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t m = find_interval(starts, ends, descs[i].remote, descs[i].len);
+        if (m == -2)
+            return NULL;
+        if (m >= 0 && write && (m >= PyList_GET_SIZE(writable) || PyList_GET_ITEM(writable, m) != Py_True))
+            m = -1;
+        if (m < 0)
+            continue;
+        uint64_t here, start;
+        if (m >= PyList_GET_SIZE(heres) || !exact_u64(PyList_GET_ITEM(heres, m), &here) ||
+            !exact_u64(PyList_GET_ITEM(starts, m), &start)) {
+            PyErr_SetString(PyExc_ValueError, "heres must list an int address per mapping");
+            return NULL;
+        }
+        rows[3 * i] = descs[i].local;
+        rows[3 * i + 1] = descs[i].remote;
+        rows[3 * i + 2] = descs[i].len;
+        theres[i] = here + (descs[i].remote - start);
+        total += descs[i].len;
+        mapped++;
+    }
+    if (mapped != count)
+        return PyLong_FromLong(mapped == 0 ? 0 : -1);
+    if (total >= GIL_FREE_FROM) {
+        lane_work_t w = {LANE_MEMCPY, write, total >= STREAM_FROM, 0, NULL, NULL, rows, theres, count};
+        Py_BEGIN_ALLOW_THREADS
+        lanes_copy(&w, 0, 0, total, (int)lanes);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            void *local = (void *)(uintptr_t)rows[3 * i], *there = (void *)(uintptr_t)theres[i];
+            memcpy(write ? there : local, write ? local : there, descs[i].len);
+        }
+    }
+    return PyLong_FromLong(1);
 }
 
 PyDoc_STRVAR(copy_pieces_doc,

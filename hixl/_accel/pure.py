@@ -203,25 +203,31 @@ def _inside(
 
 
 def mapped_copy(
-    descs: object, write: bool, starts: list[int], ends: list[int], heres: list[int], writable: list[bool]
+    descs: object, write: bool, starts: list[int], ends: list[int], heres: list[int], writable: list[bool], lanes: int = 1
 ) -> int:
     """Copy a small list of (local, remote, len) descriptors through the peer's memory mapped here
     (mapping ``i`` covers the peer's ``[starts[i], ends[i])`` at ``heres[i]``, writable if
-    ``writable[i]``). 1: all were mapped (writably, for a write) and are copied; 0: none was,
-    nothing copied; -1: some were, or ``descs`` is not such a list, nothing copied."""
+    ``writable[i]``). 1: all were mapped (writably, for a write) and are copied (from
+    :data:`LANE_FROM` bytes, split over up to ``lanes`` threads); 0: none was, nothing copied; -1:
+    some were, or ``descs`` is not such a list, nothing copied."""
     triples = _triples(descs)
     if triples is None:
         return -1
-    plan = []
+    theres = []  # where each remote range is mapped here
     for local, remote, nbytes in triples:
         m = _interval(starts, ends, remote, nbytes)
         if m >= 0 and (not write or writable[m] is True):
-            there = heres[m] + (remote - starts[m])
-            plan.append((there, local, nbytes) if write else (local, there, nbytes))
-    if len(plan) != len(triples):
-        return 0 if not plan else -1
-    for dst, src, nbytes in plan:
-        copy(dst, src, nbytes)
+            theres.append(heres[m] + (remote - starts[m]))
+    if len(theres) != len(triples):
+        return 0 if not theres else -1
+    if lanes > 1 and sum(nbytes for _, _, nbytes in triples) >= LANE_FROM:
+        copy_pieces(np.array(triples, dtype=np.uint64), np.array(theres, dtype=np.uint64), write, lanes)
+        return 1
+    for (local, _, nbytes), there in zip(triples, theres):
+        if write:
+            copy(there, local, nbytes)
+        else:
+            copy(local, there, nbytes)
     return 1
 
 

@@ -194,6 +194,30 @@ def test_a_small_list_large_enough_to_stream_lands_exactly(impl: ModuleType) -> 
     assert local[5 : 5 + n].tobytes() == here[3 : 3 + n].tobytes() and (local[5 + n :] == 0xEE).all()
 
 
+@pytest.mark.parametrize("lanes", [2, 3])
+@pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
+def test_a_small_list_split_over_lanes_lands_exactly(impl: ModuleType, write: bool, lanes: int) -> None:
+    """mapped_copy from LANE_FROM bytes, over lanes: three ranges of odd lengths at odd offsets, each
+    byte where it belongs and none past them (below and above STREAM_FROM in all)."""
+    for total in (_accel.LANE_FROM + 4096 * 3 + 11, _accel.STREAM_FROM + 4096 + 7):
+        lens = [total // 2 + 1, total // 3 - 5, total - (total // 2 + 1) - (total // 3 - 5)]
+        local, here = hixl.empty(total + 8192), hixl.empty(total + 8192)
+        rng = np.random.default_rng(total + lanes)
+        src, dst = (local, here) if write else (here, local)
+        src[:] = rng.integers(0, 256, src.size, dtype=np.uint8)
+        dst.fill(0xEE)
+        index = ([1 << 30], [(1 << 30) + here.size], [int(here.ctypes.data)], [True])
+        at, descs, want = int(local.ctypes.data), [], np.full(dst.size, 0xEE, np.uint8)
+        local_at, remote_at = 1, 4093  # each range a little further on, on both sides
+        for n in lens:
+            descs.append((at + local_at, (1 << 30) + remote_at, n))
+            s_at, d_at = (local_at, remote_at) if write else (remote_at, local_at)
+            want[d_at : d_at + n] = src[s_at : s_at + n]
+            local_at, remote_at = local_at + n + 64, remote_at + n + 1
+        assert impl.mapped_copy(descs, write, *index, lanes) == 1
+        assert np.array_equal(dst, want)
+
+
 def test_the_extension_refuses_arrays_it_cannot_read_as_rows() -> None:
     native = _native()
     if native is None:

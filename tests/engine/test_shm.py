@@ -209,10 +209,11 @@ def test_deregistration_unmaps_before_it_returns_and_nothing_lands_after(make_ta
     """A thread keeps WRITEing into a pool buffer while the target deregisters it and writes its
     own pattern there (reuse): from then on the buffer is not mapped here, transfers to it are
     refused, and not one byte of ours lands in it. Also with WRITEs large enough to be copied with
-    streaming stores (hixl._accel.STREAM_FROM), which must be visible before the copy lets go."""
+    streaming stores (hixl._accel.STREAM_FROM), which must be visible before the copy lets go, and
+    split over two lanes inside one call of the latency path (each lane's bytes under its hold)."""
     target = make_target([MiB], {"deregister_timeout": 2.0})
     target.add_buffer(size, shared=True)
-    with Engine("127.0.0.1", {"transport": "shm"}) as eng:
+    with Engine("127.0.0.1", {"transport": "shm", "copy_lanes": 2}) as eng:
         src = hixl.empty(size)
         src.fill(0xAA)
         eng.register_mem(src)
