@@ -23,7 +23,8 @@ found (docs/tools.md, "How the baselines are built", has the figures):
   with TCP_NODELAY, the plainest loop Python can write (the latency baseline).
 * :func:`memcpy_copier` — a memoryview slice assignment (one ``memcpy``) in one
   process: the ceiling (and shm's baseline: it copies in one process too,
-  through mapped memory).
+  through mapped memory; from 16 MiB, the faster of it and the same copy with
+  streaming stores, :mod:`hixl.bench.streaming_memcpy`).
 * :func:`gather_copier` — ``numpy.take`` of the same blocks between the same
   kinds of buffers in one process: shm's baseline for a scattered batch.
 """

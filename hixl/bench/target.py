@@ -48,6 +48,7 @@ __all__ = [
     "BenchTarget",
     "RemoteBuffer",
     "await_bytes",
+    "map_memfd",
     "readable",
     "recv_exact",
     "sample_bytes",
@@ -254,6 +255,18 @@ def _serve(conn: Connection) -> None:
         engine.finalize()
 
 
+def map_memfd(path: str, nbytes: int) -> np.ndarray:
+    """The first ``nbytes`` of the memfd at ``path`` (a ``/proc/<pid>/fd/<n>`` of a process of ours),
+    mapped shared, every page populated up front."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
+
+
 # -- the parent's handle ---------------------------------------------------------------------
 class BenchTarget:
     """Start the bench's target process; a context manager. See the module docstring.
@@ -293,16 +306,14 @@ class BenchTarget:
         """Deregister and release ``buf``."""
         self._do("free", buf.id)
 
+    def memfd_path(self, buf: RemoteBuffer) -> str:
+        """Where this process (or another of ours) opens the memfd behind the target's pool buffer ``buf``."""
+        return f"/proc/{self.pid}/fd/{self._do('memfd', buf.id)}"
+
     def mapped(self, buf: RemoteBuffer) -> np.ndarray:
         """The target's pool buffer ``buf`` mapped into this process, through its memfd (opened in
         ``/proc``: the child is ours): the very memory an shm transfer copies, for its baselines."""
-        fd = os.open(f"/proc/{self.pid}/fd/{self._do('memfd', buf.id)}", os.O_RDWR | os.O_CLOEXEC)
-        try:
-            size = -(-buf.size // mmap.PAGESIZE) * mmap.PAGESIZE
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        finally:
-            os.close(fd)
-        return np.frombuffer(mapping, dtype=np.uint8, count=buf.size)
+        return map_memfd(self.memfd_path(buf), buf.size)
 
     def read(self, buf: RemoteBuffer, offset: int, nbytes: int) -> bytes:
         """Bytes of ``buf`` as the target sees them."""

@@ -4,8 +4,10 @@ Contenders (hixl and its raw baseline) are measured *interleaved* — one
 repetition of each in turn, alternating who goes first — rather than one
 block after the other, so a burst of noise or a frequency change lands on
 both instead of skewing their ratio. Warm-up repetitions run the same way
-and are thrown away. Single-call latencies alternate in short bursts rather
-than call by call (see :func:`interleaved_latency`). All clocks are
+and are thrown away. A contender in another process (:class:`SelfTimed`)
+times its own repetition there, so the message that starts it is not
+counted. Single-call latencies alternate in short bursts rather than call
+by call (see :func:`interleaved_latency`). All clocks are
 ``time.perf_counter_ns``.
 """
 
@@ -13,12 +15,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-__all__ = ["interleaved_latency", "interleaved_reps"]
+__all__ = ["SelfTimed", "interleaved_latency", "interleaved_reps"]
+
+
+@dataclass(frozen=True)
+class SelfTimed:
+    """A contender that runs a repetition where it lives (another process) and times it there."""
+
+    run: Callable[[int], int]
+    """Make this many calls; return the nanoseconds they took, by the clock where they ran."""
 
 
 def interleaved_reps(
-    contenders: Mapping[str, Callable[[], None]], iterations: int, repeat: int, warmup: int
+    contenders: Mapping[str, Callable[[], None] | SelfTimed], iterations: int, repeat: int, warmup: int
 ) -> dict[str, list[int]]:
     """Nanoseconds per repetition (``iterations`` calls each) for every contender, warm-up excluded."""
     names = list(contenders)
@@ -26,14 +37,19 @@ def interleaved_reps(
     for rep in range(warmup + repeat):
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
-            fn = contenders[name]
-            start = time.perf_counter_ns()
-            for _ in range(iterations):
-                fn()
-            elapsed = time.perf_counter_ns() - start
+            elapsed = _repetition(contenders[name], iterations)
             if rep >= warmup:
                 times[name].append(elapsed)
     return times
+
+
+def _repetition(contender: Callable[[], None] | SelfTimed, iterations: int) -> int:
+    if isinstance(contender, SelfTimed):
+        return contender.run(iterations)
+    start = time.perf_counter_ns()
+    for _ in range(iterations):
+        contender()
+    return time.perf_counter_ns() - start
 
 
 def interleaved_latency(

@@ -11,8 +11,10 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,12 @@ import pytest
 from hixl import _accel
 from hixl.bench.cli import main
 from hixl.bench.config import BenchConfig
-from hixl.bench.engine_bench import VETH
+from hixl.bench import engine_bench
+from hixl.bench.engine_bench import STREAMING_MEMCPY, VETH
+from hixl.bench.progress import Progress
 from hixl.bench.results import Row, ScenarioResult, Target
 from hixl.bench.scenarios import SCENARIOS
+from hixl.bench.streaming_memcpy import NON_TEMPORAL_FROM, streaming_stores_here
 from hixl.testing.hosts import skip_unless_hosts
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -103,6 +108,25 @@ def test_cma_is_held_to_the_call_it_makes_at_each_size(quick_run: tuple[dict[str
             assert row["baseline_name"] == f"process_vm_{call}", row
         if row["name"] == "process_vm latency median":
             assert f"process_vm_{call} (1 call)" in row["note"] and row["target"] is None, row
+
+
+def test_shm_is_held_to_the_faster_of_two_plain_copies() -> None:
+    """From NON_TEMPORAL_FROM, shm's baseline is the faster of memcpy and glibc's memcpy with
+    streaming stores (both figures in the note); below, memcpy alone."""
+    config = replace(BenchConfig.quick_run(), transports=("shm",), sizes=(1 << 20, NON_TEMPORAL_FROM))
+    result = engine_bench.run(config, Progress(enabled=False))
+    rows = [r for r in result.rows if (r.name, r.transport) == ("bandwidth", "shm")]
+    assert sorted({r.size for r in rows}) == [1 << 20, NON_TEMPORAL_FROM]
+    for row in rows:
+        if row.size < NON_TEMPORAL_FROM or not streaming_stores_here():
+            assert (row.baseline_name, row.note) == ("memcpy, same bytes", ""), row
+            continue
+        found = re.fullmatch(r"memcpy (\S+) GiB/s, with streaming stores (\S+) GiB/s", row.note)
+        assert found, row
+        plain, streaming = (float(figure) for figure in found.groups())
+        assert row.baseline == pytest.approx(max(plain, streaming), rel=0.005), row  # the note has 3 digits
+        if abs(plain - streaming) > 0.01 * max(plain, streaming):
+            assert row.baseline_name == (STREAMING_MEMCPY if streaming > plain else "memcpy, same bytes"), row
 
 
 def test_figures_and_ratios_are_positive(quick_run: tuple[dict[str, Any], str]) -> None:
