@@ -81,6 +81,7 @@ _WINDOW = 1024
 """Most descriptors one lease hold copies."""
 # (For the latency path: a module global is read ten times faster than an Enum member.)
 _WRITE, _CONNECTED = Op.WRITE, LinkState.CONNECTED
+_LANE_FROM = _accel.LANE_FROM
 _YIELD = 50e-6
 """Seconds the latency path sleeps per look when its copies hold the GIL (see ShmChannel.run_small)."""
 _LOOK_EVERY = min(RECHECK, INPUT_CHECK)
@@ -332,6 +333,7 @@ class ShmChannel(Channel):
     def __init__(self, memory: PeerMemory, tcp: TcpChannel, lanes: int = 1) -> None:
         self.link = memory.link
         self._lanes = lanes
+        self._small_max = CHUNK * lanes  # the most run_small takes: one window of the general path
         self._memory = memory
         self._tcp = tcp
         self._over_tcp: list[TransferReq] = []  # started over TCP and maybe unfinished
@@ -438,8 +440,8 @@ class ShmChannel(Channel):
         It takes as much as one window of the general path (``CHUNK`` bytes a lane), split over
         the lanes inside that call: the general path's Python, ~80 us, was half of a 4 MiB copy.
         """
-        memory, lanes = self._memory, self._lanes
-        if nbytes > CHUNK * lanes or (self._over_tcp and self._tcp_unfinished()):
+        memory = self._memory
+        if nbytes > self._small_max or (self._over_tcp and self._tcp_unfinished()):
             return False  # the general path cuts it into windows / waits for those first
         link = self.link
         now = time.monotonic()
@@ -461,8 +463,12 @@ class ShmChannel(Channel):
         try:
             if regions.table is not memory.synced or link.state is not _CONNECTED:
                 return False  # the general path catches up first (or reports what happened)
-            # As one window of the general path: up to CHUNK bytes a lane under one hold.
-            copied = _accel.mapped_copy(descs, op is _WRITE, *memory.maps.index, lanes)
+            # From LANE_FROM, over the lanes, as one window of the general path; below, one lane
+            # without saying so (one more argument after the * costs a small copy ~15 ns).
+            if nbytes < _LANE_FROM:
+                copied = _accel.mapped_copy(descs, op is _WRITE, *memory.maps.index)
+            else:
+                copied = _accel.mapped_copy(descs, op is _WRITE, *memory.maps.index, self._lanes)
         finally:
             regions.lease.leave(token)
         if copied == 0:
