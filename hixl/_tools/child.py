@@ -107,6 +107,14 @@ class ChildProcess:
         self.send(message)
         return self.receive(timeout)
 
+    def command(self, command: str, *args: Any, who: str) -> Any:
+        """Ask a child that runs :func:`serve_commands` for ``command(*args)``; its value, or
+        ``RuntimeError("{who} could not {command}: ...")`` with what the child reported."""
+        status, value = self.request((command, args))
+        if status == "error":
+            raise RuntimeError(f"{who} could not {command}: {value}")
+        return value
+
     def signal(self, signum: int) -> None:
         """Send a signal (e.g. SIGSTOP / SIGCONT to simulate a hung process)."""
         self.process.send_signal(signum)

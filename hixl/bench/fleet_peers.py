@@ -106,10 +106,7 @@ class PeerGroup:
         self._reading = 0.0
 
     def _do(self, command: str, *args: Any) -> Any:
-        status, value = self._child.request((command, args))
-        if status == "error":
-            raise RuntimeError(f"fleet peer process: {value}")
-        return value
+        return self._child.command(command, *args, who="fleet peer process")
 
     def open(self, count: int) -> int:
         """Open ``count`` more connected engines; how many the group has now."""

@@ -75,10 +75,7 @@ class StreamingMemcpy:
             raise
 
     def _do(self, command: str, *args: Any) -> Any:
-        status, value = self._child.request((command, args))
-        if status == "error":
-            raise RuntimeError(f"streaming memcpy helper could not {command}: {value}")
-        return value
+        return self._child.command(command, *args, who="streaming memcpy helper")
 
     def copier(self, op: Op, nbytes: int) -> SelfTimed:
         """The first ``nbytes`` copied: the pool buffer into private memory (READ) or back (WRITE)."""

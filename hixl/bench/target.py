@@ -291,10 +291,7 @@ class BenchTarget:
         self.raw_address = (ip, port)
 
     def _do(self, command: str, *args: Any) -> Any:
-        status, value = self._child.request((command, args))
-        if status == "error":
-            raise RuntimeError(f"bench target could not {command}: {value}")
-        return value
+        return self._child.command(command, *args, who="bench target")
 
     def alloc(self, size: int, seed: int = 0, fill: int = 0x5A, shared: bool = False) -> RemoteBuffer:
         """A new registered buffer of ``size`` bytes: ``fill`` everywhere, then :func:`sample_bytes` in front;
