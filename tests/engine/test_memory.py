@@ -287,6 +287,24 @@ def test_region_table_scalar_and_vector_checks_agree() -> None:
         assert table.contains(a, n) == (i not in outside)
 
 
+def test_region_table_a_large_batch_mostly_in_one_region() -> None:
+    # A KV pull's shape: thousands of blocks in one registration, a few ranges elsewhere — in
+    # another region, in none, or running past the end of the bulk's. Tested against the scalar check.
+    regions = [(1 << 30, 1 << 30), (4 << 30, 4096), (8 << 30, 1 << 20)]
+    table = RegionTable(regions)
+    rng = np.random.default_rng(1)
+    addrs = ((1 << 30) + rng.integers(0, (1 << 15) - 1, 4096).astype(np.uint64) * np.uint64(32768)).astype(np.uint64)
+    lens = np.full(4096, 32768, dtype=np.uint64)
+    odd = {0: (4 << 30, 8), 7: (4 << 30, 4097), 100: (3 << 30, 1), 2000: ((2 << 30) - 8, 16), 4095: (8 << 30, 1 << 20)}
+    for i, (a, n) in odd.items():
+        addrs[i], lens[i] = a, n
+    assert table.outside(addrs, lens).tolist() == [7, 100, 2000]
+    # ... and when the middle range lies in no region at all, the others are still judged one by one.
+    addrs[2048] = 0
+    expected = [i for i, (a, n) in enumerate(zip(addrs.tolist(), lens.tolist())) if not table.contains(a, n)]
+    assert table.outside(addrs, lens).tolist() == expected == [7, 100, 2000, 2048]
+
+
 # -- merge_adjacent ----------------------------------------------------------------------
 def _descs(rows: list[tuple[int, int, int]]) -> np.ndarray:
     return np.array(rows, dtype=np.uint64).reshape(-1, 3)
