@@ -16,9 +16,9 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["ChildProcess", "child_connection", "serve_commands"]
+__all__ = ["ChildProcess", "CommandChild", "child_connection", "serve_commands"]
 
 
 def _package_root() -> str:
@@ -108,9 +108,14 @@ class ChildProcess:
         return self.receive(timeout)
 
     def command(self, command: str, *args: Any, who: str) -> Any:
-        """Ask a child that runs :func:`serve_commands` for ``command(*args)``; its value, or
+        """Ask a child that runs :func:`serve_commands` for ``command(*args)``; see :meth:`answer`."""
+        self.send((command, args))
+        return self.answer(command, who)
+
+    def answer(self, command: str, who: str, timeout: float | None = None) -> Any:
+        """The reply to ``command``, sent to a child that runs :func:`serve_commands`: its value, or
         ``RuntimeError("{who} could not {command}: ...")`` with what the child reported."""
-        status, value = self.request((command, args))
+        status, value = self.receive(timeout)
         if status == "error":
             raise RuntimeError(f"{who} could not {command}: {value}")
         return value
@@ -139,3 +144,28 @@ class ChildProcess:
         if self.process.poll() is None:
             self.kill()
         self.conn.close()
+
+
+_Handle = TypeVar("_Handle", bound="CommandChild")
+
+
+class CommandChild:
+    """The parent's handle on a child that runs :func:`serve_commands` and leaves on ``("exit", ())``:
+    ``_do(command, *args)`` asks it, :meth:`close` ends it; a context manager. A subclass starts
+    ``_child`` and names itself in ``who`` (its errors read "{who} could not {command}: ...")."""
+
+    who = "child process"
+    _child: ChildProcess
+
+    def _do(self, command: str, *args: Any) -> Any:
+        return self._child.command(command, *args, who=self.who)
+
+    def close(self) -> None:
+        """Ask the child to finish and exit; kill it if it does not."""
+        self._child.close(goodbye=("exit", ()))
+
+    def __enter__(self: _Handle) -> _Handle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -15,7 +15,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._tools.child import ChildProcess, serve_commands
+from .._tools.child import ChildProcess, CommandChild, serve_commands
 
 __all__ = ["PeerGroup"]
 
@@ -96,17 +96,16 @@ def _serve(conn: Connection) -> None:
         peers.close()
 
 
-class PeerGroup:
+class PeerGroup(CommandChild):
     """A child process of initiator engines connected to ``target`` (see the module docstring)."""
+
+    who = "fleet peer process"
 
     def __init__(self, target: str, options: dict[str, Any], timeout: float = 300.0) -> None:
         self._child = ChildProcess("hixl.bench._fleet_peers_main", timeout)
         self._child.request((target, options))
         self.pid = self._child.pid
         self._reading = 0.0
-
-    def _do(self, command: str, *args: Any) -> Any:
-        return self._child.command(command, *args, who="fleet peer process")
 
     def open(self, count: int) -> int:
         """Open ``count`` more connected engines; how many the group has now."""
@@ -124,17 +123,4 @@ class PeerGroup:
 
     def bytes_read(self) -> list[int]:
         """What each engine of the last :meth:`start_reading` moved (waits for it to end)."""
-        status, value = self._child.receive(self._reading + 120)
-        if status == "error":
-            raise RuntimeError(f"fleet peer process: {value}")
-        return list(value)
-
-    def close(self) -> None:
-        """Finalize every engine and end the child."""
-        self._child.close(goodbye=("exit", ()))
-
-    def __enter__(self) -> PeerGroup:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        return list(self._child.answer("read_for", self.who, self._reading + 120))

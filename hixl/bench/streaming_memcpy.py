@@ -29,11 +29,10 @@ import os
 import platform
 import time
 from multiprocessing.connection import Connection
-from typing import Any
 
 import numpy as np
 
-from .._tools.child import ChildProcess, serve_commands
+from .._tools.child import ChildProcess, CommandChild, serve_commands
 from .._types import Op
 from .target import map_memfd
 from .timing import SelfTimed
@@ -59,12 +58,14 @@ def _tunables() -> str:
     return f"{inherited}:{ours}" if inherited else ours
 
 
-class StreamingMemcpy:
+class StreamingMemcpy(CommandChild):
     """A helper process copying between the target's pool buffer at ``memfd_path`` and private memory.
 
     ``nbytes`` is the buffer's size; its private twin is as large, filled with ``fill``.
     A context manager; :meth:`close` stops the helper.
     """
+
+    who = "streaming memcpy helper"
 
     def __init__(self, memfd_path: str, nbytes: int, fill: int = 0x11, timeout: float = 60.0) -> None:
         self._child = ChildProcess("hixl.bench._streaming_memcpy_main", timeout, env={"GLIBC_TUNABLES": _tunables()})
@@ -74,9 +75,6 @@ class StreamingMemcpy:
             self._child.kill()
             raise
 
-    def _do(self, command: str, *args: Any) -> Any:
-        return self._child.command(command, *args, who="streaming memcpy helper")
-
     def copier(self, op: Op, nbytes: int) -> SelfTimed:
         """The first ``nbytes`` copied: the pool buffer into private memory (READ) or back (WRITE)."""
         return SelfTimed(lambda iterations: int(self._do("copy", op.name, nbytes, iterations)))
@@ -84,16 +82,6 @@ class StreamingMemcpy:
     def private(self, offset: int, nbytes: int) -> bytes:
         """Bytes of the helper's private buffer (what a READ copied there)."""
         return self._do("private", offset, nbytes)  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        """Stop the helper (killed if it does not exit)."""
-        self._child.close(goodbye=("exit", ()))
-
-    def __enter__(self) -> StreamingMemcpy:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def serve(conn: Connection) -> None:

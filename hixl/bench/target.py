@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._tools.child import ChildProcess, serve_commands
+from .._tools.child import ChildProcess, CommandChild, serve_commands
 
 if TYPE_CHECKING:
     from ..testing.hosts import Host
@@ -268,7 +268,7 @@ def map_memfd(path: str, nbytes: int) -> np.ndarray:
 
 
 # -- the parent's handle ---------------------------------------------------------------------
-class BenchTarget:
+class BenchTarget(CommandChild):
     """Start the bench's target process; a context manager. See the module docstring.
 
     Attributes: ``engine`` (its ``"ip:port"``), ``raw_address`` (the raw
@@ -276,6 +276,8 @@ class BenchTarget:
     without a PID namespace of its own, so that ``pid`` means the same process here), the
     child runs on it and both servers listen on its address; else on 127.0.0.1.
     """
+
+    who = "bench target"
 
     def __init__(self, options: dict[str, Any] | None = None, timeout: float = 60.0, host: Host | None = None) -> None:
         if host is not None and host.pid_namespace:
@@ -289,9 +291,6 @@ class BenchTarget:
             self._child.kill()
             raise
         self.raw_address = (ip, port)
-
-    def _do(self, command: str, *args: Any) -> Any:
-        return self._child.command(command, *args, who="bench target")
 
     def alloc(self, size: int, seed: int = 0, fill: int = 0x5A, shared: bool = False) -> RemoteBuffer:
         """A new registered buffer of ``size`` bytes: ``fill`` everywhere, then :func:`sample_bytes` in front;
@@ -315,13 +314,3 @@ class BenchTarget:
     def read(self, buf: RemoteBuffer, offset: int, nbytes: int) -> bytes:
         """Bytes of ``buf`` as the target sees them."""
         return self._do("read", buf.id, offset, nbytes)  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        """Ask the child to finalize and exit; kill it if it doesn't."""
-        self._child.close(goodbye=("exit", ()))
-
-    def __enter__(self) -> BenchTarget:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
