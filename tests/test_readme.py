@@ -22,11 +22,13 @@ def test_first_block_is_the_two_commands_and_the_second_is_ci() -> None:
     first = README.split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [line.split("#", 1)[0].strip() for line in first.splitlines()]
     # The CPU index: from PyPI alone, torch==2.13.0 is the CUDA build (gigabytes a CPU machine does not use).
-    assert commands[0] == "pip install '.[demo]' --extra-index-url https://download.pytorch.org/whl/cpu && hixl demo"
+    venv, demo, tests = commands
+    assert venv == "python3 -m venv .venv && . .venv/bin/activate"  # what a newcomer on Debian needs first
+    assert demo == "pip install '.[demo]' --extra-index-url https://download.pytorch.org/whl/cpu && hixl demo"
     tools = (ROOT / "docs" / "tools.md").read_text().split("```bash\n", 1)[1].splitlines()[0]
-    assert tools.split("#", 1)[0].strip() == commands[0]  # the same first command in docs/tools.md
-    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("pip install")]
-    assert commands[1:] == ci
+    assert tools.split("#", 1)[0].strip() == demo  # the same first command in docs/tools.md
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith(("python3 -m venv", "pip install"))]
+    assert ci == [venv, tests]  # CI runs the tests as a newcomer does: in a fresh virtualenv
 
 
 def _free_port() -> int:

@@ -21,7 +21,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -36,7 +35,8 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402  (comes with vLLM)
 
 from instances import ROOT  # noqa: E402
-from tiny_model import build, words  # noqa: E402
+from readme_serving import free_ports, readme_blocks, readme_model, shims  # noqa: E402
+from tiny_model import words  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -44,25 +44,6 @@ STARTUP_TIMEOUT = 700.0  # more than the README's own wait (600 s), so that its 
 DONE = "@@block-done"
 PULLED = "hixl: pulled request"
 RELEASED = "was pulled by decode; its blocks are released"
-
-
-def readme_blocks() -> tuple[str, str]:
-    """The README's serving block (the second of its section) and its stop block (the third)."""
-    section = (ROOT / "README.md").read_text().split("## Serving with vLLM", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    assert len(blocks) == 3, "the section has the install, serving and stop blocks"
-    return blocks[1], blocks[2]
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free now: each stays bound until all are chosen. Chosen one at a
-    time, the kernel handed out one just released twice: a prefill and a decode listened on it
-    together (vLLM binds with SO_REUSEPORT), and the decode's requests reached the prefill."""
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(count)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
 
 
 def healthy(url: str) -> bool:
@@ -77,15 +58,6 @@ def healthy(url: str) -> bool:
 def listening(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
-def shims(folder: Path) -> Path:
-    """``python3`` and ``hixl`` for the README's lines: this interpreter, and hixl from this checkout."""
-    folder.mkdir()
-    (folder / "python3").symlink_to(sys.executable)
-    (folder / "hixl").write_text(f'#!/bin/sh\nexec {sys.executable} -m hixl.cli "$@"\n')
-    (folder / "hixl").chmod(0o755)
-    return folder
 
 
 class Servers:
@@ -177,7 +149,7 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    model = build(tmp_path_factory.mktemp("model"))
+    model = readme_model(tmp_path_factory.mktemp("model"))
     started = time.monotonic()
     running = Servers(model, tmp_path_factory.mktemp("serve-logs"))
     try:
@@ -215,7 +187,7 @@ def wait_released(servers: Servers, before: int) -> None:
 
 def test_readme_block_waits_then_answers_its_example_request(servers: Servers) -> None:
     output = servers.example
-    assert "not ready" not in output, output
+    assert "not ready" not in output and "exited" not in output, output
     answer = json.loads(output.strip().splitlines()[-1])  # curl's answer, after the wait's (silent) loop
     assert answer["object"] == "text_completion" and answer["model"] == str(servers.model)
     assert answer["choices"][0]["text"] and 1 <= answer["usage"]["completion_tokens"] <= 16
