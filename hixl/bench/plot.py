@@ -1,8 +1,8 @@
 """``hixl bench --plot FILE``: bandwidth against transfer size, and the latency distribution.
 
-Left: every ``bandwidth`` row of the engine scenario, hixl (solid) next to the
+Above: every ``bandwidth`` row of the engine scenario, hixl (solid) next to the
 raw baseline timed interleaved with it (dashed), per transport and direction.
-Right: the distribution of single ``transfer_sync`` latencies (one curve per
+Below: the distribution of single ``transfer_sync`` latencies (one curve per
 contender: the share of calls at or under each latency), from the samples
 behind the table's median and p99.
 """
@@ -16,7 +16,7 @@ from .._tools.plot import new_figure, save
 from .config import format_size
 from .results import Row
 
-__all__ = ["plot_engine"]
+__all__ = ["engine_figure", "plot_engine"]
 
 _CURVE_POINTS = 250
 
@@ -38,13 +38,23 @@ def plot_engine(
     smoke: bool,
 ) -> None:
     """Draw the engine scenario's bandwidth and latency figures into ``path``."""
-    figure = new_figure(10, 4.2)
-    bandwidth, latency = figure.subplots(1, 2)
+    save(engine_figure(rows, latency_samples, smoke=smoke), path)
+
+
+def engine_figure(
+    rows: Sequence[Row],
+    latency_samples: dict[tuple[str, str, int, str], list[float]],
+    *,
+    smoke: bool,
+) -> Any:
+    """The engine scenario's bandwidth and latency panels, as a matplotlib ``Figure``."""
+    figure = new_figure(10, 8.4)  # one panel above the other, each with its legend on its right
+    bandwidth, latency = figure.subplots(2, 1)
     _bandwidth(bandwidth, [r for r in rows if r.name == "bandwidth"])
     _latency(latency, latency_samples)
     title = "hixl bench: the engine against the raw calls it is built on"
     figure.suptitle(title + (" (--quick: smoke sizes, not measurements)" if smoke else ""))
-    save(figure, path)
+    return figure
 
 
 def _bandwidth(ax: Any, rows: Sequence[Row]) -> None:
@@ -56,7 +66,12 @@ def _bandwidth(ax: Any, rows: Sequence[Row]) -> None:
         sizes = [r.size for r in points]
         colour = _COLOURS.get((transport, op), "grey")
         ax.plot(sizes, [r.value for r in points], "o-", color=colour, label=f"{transport} {op} hixl")
-        baseline = f"{transport} {op} {points[0].baseline_name}"
+        # A curve's baseline may change call with the size (cma: pread on /proc/<pid>/mem for one
+        # page, process_vm_* above): name each, with the sizes it was timed at.
+        names: dict[str, list[int]] = {}
+        for r in points:
+            names.setdefault(r.baseline_name, []).append(r.size or 0)
+        baseline = f"{transport} {op} " + ", ".join(_named_span(name, spans) for name, spans in names.items())
         ax.plot(sizes, [r.baseline for r in points], "x--", color=colour, label=baseline)
     ticks = sorted({r.size for r in rows if r.size})
     ax.set_xscale("log", base=2)
@@ -92,6 +107,12 @@ def _latency(ax: Any, samples: dict[tuple[str, str, int, str], list[float]]) -> 
     _legend(ax)
 
 
+def _named_span(name: str, sizes: list[int]) -> str:
+    low, high = format_size(min(sizes)), format_size(max(sizes))
+    return f"{name} ({low})" if low == high else f"{name} ({low}-{high})"
+
+
 def _legend(ax: Any) -> None:
+    # Beside the panel, not on it: a dozen entries inside the axes hid the curves they name.
     if ax.get_legend_handles_labels()[0]:  # a run with every transport skipped has no curves
-        ax.legend(fontsize="x-small")
+        ax.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.01, 0.5))

@@ -29,6 +29,9 @@ from .._tools.child import ChildProcess
 from ..testing.hosts import Host, Hosts, hosts_unavailable
 from .report import format_report
 
+_IMPORTED = time.monotonic()  # see _command_start
+_PYTHON_START_MAX = 5.0  # seconds from exec to this import: the interpreter and numpy, on a busy slow machine
+
 PREFILL_CLUSTER, DECODE_CLUSTER = 1, 2
 
 
@@ -279,21 +282,27 @@ def _progress(message: str) -> None:
     print(f"hixl demo: {message} ...", file=sys.stderr, flush=True)
 
 
-def _process_age() -> float:
-    """Seconds since this process started, by the kernel's record of its start.
+def _command_start() -> float:
+    """When the command started, on the monotonic clock the phases use.
 
-    Not by a clock read in this module: the interpreter's start and the imports before hixl's
-    first line ran belong to what the user waited for.
+    By the kernel's record of this process's start, not by a clock read in this module: the
+    interpreter's start and the imports before hixl's first line ran belong to what the user
+    waited for. But a shell that ran ``hixl demo`` as its last command (``bash -c "...; hixl
+    demo"``) exec'd it in its own process, whose start is the shell's: when the process is older
+    than this module's import by more than Python ever takes to get here, it was something else
+    first, and the command starts at the import.
     """
     with open("/proc/self/stat") as stat:
         # Field 22, starttime, in clock ticks after boot. Fields are counted after the command
         # name's closing parenthesis: the name itself may hold spaces and parentheses.
         start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
-    return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    process_start = time.monotonic() - age
+    return process_start if _IMPORTED - process_start <= _PYTHON_START_MAX else _IMPORTED
 
 
 def _main(args: argparse.Namespace) -> int:
-    started = time.monotonic() - _process_age()  # the process's start, on the clock the phases use
+    started = _command_start()
     # Every check that needs no torch comes first: a mistake is reported at once, not after seconds of imports.
     for name in ("tokens", "prompt_len", "layers", "block_size"):
         if getattr(args, name) < 1:

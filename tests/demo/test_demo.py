@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -71,16 +72,21 @@ def _labels(text: str) -> list[str]:
     return [line.split("  ")[0].strip() for line in text.splitlines()]
 
 
+SHELL_FIRST = 8  # seconds: more than hixl.demo.run's _PYTHON_START_MAX
+
+
 @pytest.mark.timeout(180)
 def test_cli_runs_and_exits_zero(tmp_path: Path, docs_sample: Any) -> None:
     plot = tmp_path / "timeline.png"
+    command = [sys.executable, "-m", "hixl", "demo", "--tokens", "3", "--prompt-len", "17", "--layers", "1",
+               *(["--plot", str(plot)] if HAVE_MATPLOTLIB else [])]
+    # Run as a shell's last command: the shell execs it in its own process, which started with the
+    # shell, SHELL_FIRST seconds earlier; the demo's time must not count them.
     began = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "hixl", "demo", "--tokens", "3", "--prompt-len", "17", "--layers", "1",
-         *(["--plot", str(plot)] if HAVE_MATPLOTLIB else [])],
-        capture_output=True, text=True, timeout=170,
+        ["bash", "-c", f"sleep {SHELL_FIRST}; exec {shlex.join(command)}"], capture_output=True, text=True, timeout=170
     )
-    waited = time.monotonic() - began
+    waited = time.monotonic() - began - SHELL_FIRST
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "YES (3/3)" in proc.stdout
     # Progress, as it goes, on stderr: one line per stage, the table stays alone on stdout.
@@ -92,7 +98,8 @@ def test_cli_runs_and_exits_zero(tmp_path: Path, docs_sample: Any) -> None:
     # and the workers' exit included: what the caller waited for, but for the interpreter's exit.
     total, *phases = map(float, re.findall(r"(\d+\.\d) s", progress[-1]))
     assert progress[-1].startswith(f"hixl demo: {total} s in all, from the command's start to its end: ")
-    assert waited - 2.0 < total <= waited + 0.1, (total, waited)
+    # Exec'd by a shell, the interpreter's start before hixl's import is not seen: up to _PYTHON_START_MAX.
+    assert waited - 5.0 < total <= waited + 0.1, (total, waited)
     assert len(phases) == 3 and phases[0] > 0, progress[-1]  # the imports are counted
     plotting = re.findall(r"^plot written to .* \((\d+\.\d) s\)$", proc.stdout, re.MULTILINE)
     assert abs(sum(phases) + sum(map(float, plotting)) - total) < 0.3, progress[-1]  # they account for all of it
