@@ -73,7 +73,10 @@ DEFAULT_OPTIONS: dict[str, Any] = {
   address; more are refused at once with RESOURCE_EXHAUSTED.
 - ``max_connections`` / ``max_connections_per_peer`` (target): authenticated connections served at
   once, in all and from one peer address (handshakes do not count); a peer that would exceed them
-  is refused with RESOURCE_EXHAUSTED once its handshake passed. A listening engine makes sure the
+  is refused with RESOURCE_EXHAUSTED once its handshake passed — unless all ``max_connections`` are
+  taken and an address holding two more than the peer's has an idle connection: the one of those
+  idle longest, of the address holding the most, is closed to make room (its engine's next transfer
+  fails with PeerDisconnected; ``connect`` again reconnects). A listening engine makes sure the
   process may open that many files (raising its soft limit up to the hard one), or refuses to
   start with ResourceExhausted, saying what to raise.
 - ``serve_threads`` (target): threads that serve requests moving data (READ replies, WRITE data),

@@ -8,7 +8,9 @@ anything else; a refusal is one ERROR frame, then close. The handshake (see
 ``hello_timeout`` and finish within ``handshake_timeout``, both counted from
 ``accept``; a peer that fails the shared-secret proof is refused and logged,
 and learns nothing about this engine. One that passes takes an authenticated
-slot just before its WELCOME, or is refused if there is none. Then each
+slot just before its WELCOME — when all are taken, an idle connection of an
+address holding more is closed to make room (see the admission module) — or is
+refused if there is none. Then each
 :class:`_ServedConnection` serves frames in arrival order: the data frames
 (READ, WRITE) go to the transport that declares it serves them, on a worker;
 NOTIFY, QUERY_REGIONS, QUERY_META and PING are answered on the loop. Because a
@@ -102,6 +104,8 @@ _FLUSHES_PER_ROUND = 128
 _BUFFERED = 1 << 8
 """An ``on_ready`` mask bit besides the selector's: frames are buffered, the socket was not polled."""
 """Most frames of one connection served before the loop turns to the others."""
+_HEARTBEATS = frozenset({proto.FrameType.PING, proto.FrameType.PONG})
+"""Frames that are no request: they do not make a connection recently used (see ``last_request``)."""
 
 
 @dataclass(frozen=True)
@@ -240,7 +244,11 @@ class TargetServer:
         self._connections: set[_ServedConnection] = set()
         """Every connection not yet ended (the loop's and the workers'); guarded by ``_lock``."""
         self._admission: Admission[_ServedConnection] = Admission(
-            limits.max_handshakes, limits.max_handshakes_per_source, limits.max_connections, limits.max_connections_per_peer
+            limits.max_handshakes,
+            limits.max_handshakes_per_source,
+            limits.max_connections,
+            limits.max_connections_per_peer,
+            _ServedConnection.idle_since,
         )
         self._closed = False
         self.holds = _Holds()
@@ -375,9 +383,21 @@ class TargetServer:
         return None
 
     def promote(self, conn: _ServedConnection) -> str | None:
-        """Give ``conn``, whose peer just proved itself, an authenticated slot; why not, if there is none."""
+        """Give ``conn``, whose peer just proved itself, an authenticated slot — closing an idle one
+        to make room if they are all taken (see :class:`Admission`); why not, if there is none.
+        On the loop (the connections' idleness is the loop's to read, and a victim's to end)."""
         with self._lock:
-            return self._admission.promote(conn)
+            refusal, victim = self._admission.promote(conn)
+            evictions = self._admission.idle_evictions
+        if victim is not None:
+            log.info(
+                "hixl: %s closed %s, idle %.1f s, to make room for %s (max_connections is full); %d so far",
+                self.address, victim.wire.peer, time.monotonic() - victim.last_request, conn.wire.peer, evictions,
+            )
+            reason = "closed to make room for another peer: max_connections is full and this connection was idle"
+            victim.say_bye(reason)
+            victim.end(reason)
+        return refusal
 
     def forget(self, conn: _ServedConnection) -> None:
         """Called when a connection ended."""
@@ -723,6 +743,8 @@ class _ServedConnection:
         """This connection's identity once open: the peer's engine id and a serial."""
         self.acked = 0
         """The newest registration generation the peer confirmed (REVOKED)."""
+        self.last_request = self.accepted_at
+        """When the peer's last frame other than a heartbeat came (``time.monotonic()``; at first, its accept)."""
         self.phase = _Phase.HELLO
         self.busy = False
         """A worker serves one of its requests now (see the class docstring)."""
@@ -803,6 +825,27 @@ class _ServedConnection:
     def is_open(self) -> bool:
         """Whether the connection is open and not cut off (its wire not marked dead)."""
         return self.conn.state is proto.ConnState.OPEN and not self.wire.dead_reason
+
+    def idle_since(self) -> float | None:
+        """:attr:`last_request` if the connection has nothing in hand — no request arriving (in
+        our buffer or unread in the socket), being served or answered, no deregistration it has
+        not confirmed — else None: then it may not be closed to make room (see :class:`Admission`).
+        On the loop. Unread notifications it sent do not count: they stay queued when it closes,
+        and counting them would let a peer that never has them read keep its slots for good."""
+        if (
+            self.phase is not _Phase.OPEN
+            or self.busy
+            or self._landing is not None
+            or self._pending_job is not None
+            or self._close_after_flush
+            or self._outbox
+            or self.conn.data_left
+            or self.conn.buffered
+            or self._revoke_wanted > self.acked
+            or self._socket_holds()
+        ):
+            return None
+        return self.last_request
 
     # What a transport that serves on the loop (``serve_blocks`` False) answers with: nothing here
     # blocks; each call queues, and the loop moves the bytes as the socket allows.
@@ -1186,6 +1229,7 @@ class _ServedConnection:
         if have:
             wire.last_alive = time.monotonic()
         if unsent is not None:  # served: accounted for as any other, what the socket did not take queued
+            self.last_request = wire.last_alive
             with wire.conn_lock:
                 conn.took_frame(proto.FRAME_TYPES[kind], req_id, data_len)
                 conn.data_moved(data_len)  # (a WRITE's, copied in from the scratch)
@@ -1211,6 +1255,7 @@ class _ServedConnection:
                 conn.receive_data(b"")
         if not straight:
             return False
+        self.last_request = wire.last_alive
         assert transport is not None and pairs is not None
         if inline:
             self._inline = (end, have)
@@ -1300,6 +1345,8 @@ class _ServedConnection:
         if kind is None or kind is proto.FrameType.BYE:
             self.end("closed by the peer")
             return
+        if kind not in _HEARTBEATS:
+            self.last_request = time.monotonic()
         transport = self.server.servers_of.get(kind)
         if transport is not None:
             if transport.capabilities.serve_blocks:
