@@ -229,8 +229,17 @@ class RegionTable:
             i = int(bad[0])
             raise MemoryRangeError(
                 f"{what} range [{int(addrs[i]):#x}, +{int(lens[i])}) of descriptor {i} is "
-                f"outside registered memory ({len(bad)} descriptor(s) affected)" + (f": {hint}" if hint else "")
+                f"outside registered memory ({len(bad)} descriptor(s) affected); {self._nearest(int(addrs[i]))}"
+                + (f": {hint}" if hint else "")
             )
+
+    def _nearest(self, addr: int) -> str:
+        """What is registered near ``addr``: the merged region at or below it (else the first)."""
+        if not len(self._starts):
+            return "nothing is registered there"
+        slot = max(int(np.searchsorted(self._starts, np.uint64(addr), side="right")) - 1, 0)
+        start, end = int(self._starts[slot]), int(self._ends[slot])
+        return f"{len(self._starts)} range(s) registered there, the nearest [{start:#x}, +{end - start})"
 
 
 class RemoteRegions:

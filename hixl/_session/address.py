@@ -13,6 +13,8 @@ def _instead(host: str, name: str) -> str:
     """What to write instead of a host name (no lookup: a resolver may stall for seconds)."""
     if host == "localhost":
         return f"engines take addresses, not host names: write {name.replace(host, '127.0.0.1', 1)!r}"
+    if host.replace(".", "").isdigit():  # a resolver would take "1.2.3" for 1.2.0.3: say what is wrong
+        return "an IPv4 address is four numbers from 0 to 255 joined by dots, e.g. '10.0.0.7:5000'"
     return f"engines take addresses, not host names: resolve {host!r} first (socket.gethostbyname) and pass 'ip:port'"
 
 

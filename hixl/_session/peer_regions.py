@@ -153,7 +153,7 @@ class PeerRegions:
 
     def check(self, addrs: np.ndarray, lens: np.ndarray, write: bool) -> None:
         """Raise for a range outside the peer's regions (or, for ``write``, its writable ones)."""
-        self.table.check(addrs, lens, write)
+        self.table.check(addrs, lens, write, hint="remote_mems(peer) lists what the peer registered")
 
     def misses(self, addrs: np.ndarray, lens: np.ndarray, write: bool) -> bool:
         """Whether any range lies outside the peer's regions (or, for ``write``, its writable ones)."""

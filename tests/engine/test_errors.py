@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -447,3 +448,26 @@ def test_a_host_name_is_refused_with_what_to_write_instead() -> None:
         Engine("localhost:5001")
     with hixl.Engine("127.0.0.1") as eng, pytest.raises(ParamInvalid, match=r"resolve 'prefill-0' first .* 'ip:port'"):
         eng.connect("prefill-0:5000")
+
+
+@pytest.mark.parametrize("name", ["1.2.3:99", "10.0.0.256:5000", "1.2.3.4.5"])
+def test_a_malformed_ipv4_address_is_called_that_not_a_host_name(name: str) -> None:
+    with pytest.raises(ParamInvalid, match=r"IPv4 address is four numbers from 0 to 255") as info:
+        Engine(name)
+    assert "host name" not in str(info.value) and "resolve" not in str(info.value)
+
+
+def test_a_remote_range_outside_the_peer_s_memory_says_what_the_peer_registered(
+    engine: Engine, shared_target: TargetProcess
+) -> None:
+    peer = shared_target.engine
+    regions = engine.remote_mems(peer)
+    last = max(regions, key=lambda m: m.addr)
+    outside = hixl.TransferOpDesc(_addr(engine.buf), last.addr + last.len + (1 << 30), 64)  # type: ignore[attr-defined]
+    with pytest.raises(MemoryRangeError) as info:
+        engine.transfer_sync(peer, hixl.Op.READ, [outside])
+    message = str(info.value)
+    assert "range(s) registered there, the nearest [" in message and "remote_mems(peer)" in message, message
+    # The peer's last region (its neighbours merged with it, when they touch) is the one named.
+    start, length = (int(x, 0) for x in re.search(r"the nearest \[(0x[0-9a-f]+), \+(\d+)\)", message).groups())  # type: ignore[union-attr]
+    assert start <= last.addr and start + length == last.addr + last.len, message
