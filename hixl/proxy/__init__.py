@@ -6,7 +6,9 @@ the ``kv_transfer_params`` that comes back is sent with the original request
 to a decode instance, whose answer (streamed or not) is the client's answer.
 Several of each are load-balanced (fewest outstanding requests), health-checked
 and retried around (see ``app``); ``GET /metrics`` reports it in Prometheus's
-text format.
+text format. Clients are not trusted: each is held to deadlines for sending
+and for reading (``server``), and its body checked before any upstream is
+asked (``body``).
 Needs ``aiohttp`` (installed with vLLM, or ``pip install 'hixl[vllm]'``).
 """
 

@@ -29,6 +29,13 @@ How a request is routed, and what happens when an upstream fails:
 - A 4xx is the request's fault: passed through as is, not retried. After the
   last attempt a 5xx is passed through as is; an unreachable upstream gives a
   502. Every hop has a timeout, so the client never waits without end.
+- A body that is not a JSON object the proxy can forward is a 400 saying why
+  (``body``), before any upstream is asked. Error messages to clients name an
+  upstream by its role, index and host:port only (``Upstream.name``); an
+  upstream's credentials go to it alone.
+
+The deadlines a *client* is held to (its headers, its body, taking what it is
+sent) are the server's, around this app: see ``server``.
 """
 
 from __future__ import annotations
@@ -42,8 +49,9 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, TCPConnector, hdrs, web
 
+from .body import BadBody, parse
 from .health import watch
 from .metrics import CONTENT_TYPE, Outcome, ProxyMetrics
 from .options import ProxyOptions
@@ -55,11 +63,12 @@ log = logging.getLogger("hixl.proxy")
 
 #: What prefill is asked to do with a request: compute the prompt's KV, keep it for decode.
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
-_FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+_FORWARDED_HEADERS = (hdrs.AUTHORIZATION, "X-Request-Id")
 
 
 def create_app(prefill: Sequence[str], decode: Sequence[str], options: ProxyOptions | None = None) -> web.Application:
-    """The proxy for these prefill and decode base URLs (e.g. ``http://127.0.0.1:8100``)."""
+    """The proxy for these prefill and decode base URLs (e.g. ``http://127.0.0.1:8100``); ``server.serve``
+    serves it, holding its clients to their deadlines."""
     proxy = _Proxy(Pool(Role.PREFILL, prefill), Pool(Role.DECODE, decode), options or ProxyOptions())
     app = web.Application()
     app.cleanup_ctx.append(proxy.lifetime)
@@ -75,10 +84,15 @@ class _Failed(Exception):
     """A hop failed in a way another upstream may not: unreachable, too slow, a 5xx, a broken answer."""
 
     def __init__(self, upstream: Upstream, reason: str, answer: web.Response | None = None, answered: bool = False) -> None:
-        super().__init__(f"{upstream.role.value} {upstream.url}: {reason}")
+        super().__init__(f"{upstream.role.value} {upstream.url}: {reason}")  # for the log
         self.upstream, self.reason, self.answer = upstream, reason, answer  # answer: the 5xx, to pass on
         self.answered = answered
         """It answered (so it is alive): not marked down for other requests."""
+
+    @property
+    def public(self) -> str:
+        """What failed, as a client is told it: the upstream by its name only."""
+        return f"{self.upstream.name}: {self.reason}"
 
 
 class _NoneUp(Exception):
@@ -128,11 +142,9 @@ class _Proxy:
     async def disaggregated(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/completions`` and ``/v1/chat/completions``: prefill, then decode, retried as the module says."""
         try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            return _error(400, "the request body is not JSON")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
+            body = parse(await request.read())
+        except BadBody as exc:
+            return _error(400, str(exc))
         failed: set[Upstream] = set()
         last: _Failed | None = None
         attempts = self.options.retries + 1
@@ -151,12 +163,12 @@ class _Proxy:
                 if last is not None and last.answer is not None:
                     return last.answer  # no other instance to try: the failing one's own answer
                 self.metrics.unavailable.inc(exc.role.value)
-                after = f"; this request failed on {last}" if last else ""
+                after = f"; this request failed on {last.public}" if last else ""
                 return _error(503, f"no {exc.role.value} instance is up{after}")
         assert last is not None  # the loop returns unless an attempt failed
         if last.answer is not None:
             return last.answer
-        return _error(502, f"{last} (attempt {attempts} of {attempts})")
+        return _error(502, f"{last.public} (attempt {attempts} of {attempts})")
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/models``: a decode instance's answer."""
@@ -165,12 +177,13 @@ class _Proxy:
             self.metrics.unavailable.inc(Role.DECODE.value)
             return _error(503, "no decode instance is up")
         try:
-            async with self._session.get(up.url + "/v1/models", headers=_forwarded(request), timeout=self._bounded) as resp:
+            headers = _forwarded(request, up)
+            async with self._session.get(up.url + "/v1/models", headers=headers, auth=up.auth, timeout=self._bounded) as resp:
                 return _relay(resp, await resp.read())
         except (ClientError, asyncio.TimeoutError) as exc:
             reason = describe(exc, self.options.timeout)
             up.request_failed(reason)
-            return _error(502, f"decode {up.url}: {reason}")
+            return _error(502, f"{up.name}: {reason}")
 
     async def health(self, request: web.Request) -> web.StreamResponse:
         """``GET /health``: 200 while some prefill and some decode are up, 503 (saying which is not) otherwise."""
@@ -184,16 +197,15 @@ class _Proxy:
         return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _attempt(self, request: web.Request, body: dict[str, Any], failed: set[Upstream]) -> web.StreamResponse:
-        headers = _forwarded(request)
         with self._hop(self._pick(self.prefills, failed)) as hop:
-            answer = await self._prefill(hop, request.path, body, headers)
+            answer = await self._prefill(hop, request, body)
         if isinstance(answer, web.Response):
             return answer
         kv_params = answer.get("kv_transfer_params")
         if kv_params is None:
             log.warning("prefill returned no kv_transfer_params: decode computes the prompt itself")
         with self._hop(self._pick(self.decodes, failed)) as hop:
-            return await self._decode(hop, request, {**body, "kv_transfer_params": kv_params}, headers)
+            return await self._decode(hop, request, {**body, "kv_transfer_params": kv_params})
 
     @staticmethod
     def _pick(pool: Pool, failed: set[Upstream]) -> Upstream:
@@ -220,11 +232,12 @@ class _Proxy:
             finally:
                 self.metrics.hop(up, hop.outcome, time.monotonic() - started)
 
-    async def _prefill(self, hop: _Hop, path: str, body: dict[str, Any], headers: dict[str, str]) -> web.Response | dict[str, Any]:
+    async def _prefill(self, hop: _Hop, request: web.Request, body: dict[str, Any]) -> web.Response | dict[str, Any]:
         """Prefill's JSON answer, or a non-200 answer to give the client; raises :class:`_Failed`."""
         up = hop.upstream
         try:
-            async with self._session.post(up.url + path, json=_prefill_body(body), headers=headers, timeout=self._bounded) as resp:
+            headers, sent = _forwarded(request, up), _prefill_body(body)
+            async with self._session.post(up.url + request.path, json=sent, headers=headers, auth=up.auth, timeout=self._bounded) as resp:
                 payload = await resp.read()
         except (ClientError, asyncio.TimeoutError) as exc:
             raise _Failed(up, describe(exc, self.options.timeout)) from exc
@@ -243,11 +256,11 @@ class _Proxy:
         hop.outcome = Outcome.OK
         return parsed
 
-    async def _decode(self, hop: _Hop, request: web.Request, body: dict[str, Any], headers: dict[str, str]) -> web.StreamResponse:
+    async def _decode(self, hop: _Hop, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """Decode's answer for the client; raises :class:`_Failed` while nothing was sent yet."""
         up = hop.upstream
         try:
-            async with self._session.post(up.url + request.path, json=body, headers=headers) as resp:
+            async with self._session.post(up.url + request.path, json=body, headers=_forwarded(request, up), auth=up.auth) as resp:
                 if resp.status >= 500:
                     raise _Failed(up, f"answered {resp.status}", _relay(resp, await resp.read()), answered=True)
                 if resp.status != 200 or not body.get("stream"):
@@ -311,8 +324,12 @@ def _outcome(status: int) -> Outcome:
     return Outcome.CLIENT_ERROR if 400 <= status < 500 else Outcome.OK
 
 
-def _forwarded(request: web.Request) -> dict[str, str]:
-    return {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+def _forwarded(request: web.Request, up: Upstream) -> dict[str, str]:
+    """The client's headers that go on to ``up``."""
+    # A request has one Authorization header: where the operator gave credentials for this upstream
+    # (sent as ``auth=up.auth``), theirs go, not the client's.
+    names = [h for h in _FORWARDED_HEADERS if not (up.auth and h == hdrs.AUTHORIZATION)]
+    return {h: request.headers[h] for h in names if h in request.headers}
 
 
 def _relay(resp: ClientResponse, payload: bytes) -> web.Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from dataclasses import fields
 from typing import Any
@@ -16,6 +17,14 @@ An OpenAI-compatible front door for prefill/decode-disaggregated vLLM (the hixl 
 completion or chat request goes to a prefill instance, then to a decode instance. With several of
 each, every request goes to the one serving the fewest requests; instances are health-checked,
 one that fails is skipped and the request retried, and GET /metrics reports it all."""
+
+
+#: The deadlines a client is held to (``server``): option -> what it bounds.
+_CLIENT_DEADLINES = {
+    "header_timeout": "seconds a client has to send a request's headers, from its connection's opening or its next request's first byte",
+    "body_timeout": "seconds a client has to send a request's body, from the end of its headers",
+    "write_timeout": "seconds a client may take none of what the proxy has for it before it is dropped, and its upstream request with it",
+}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -45,16 +54,18 @@ def add_parser(subparsers: Any) -> None:
         "--down-after", type=int, default=d.down_after, metavar="N",
         help="consecutive failed health checks that mark an upstream down (default %(default)s)",
     )
+    for name, meaning in _CLIENT_DEADLINES.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name), metavar="S", help=f"{meaning} (default %(default)s)")
     parser.set_defaults(run=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
     try:
-        from aiohttp import web
+        import aiohttp  # noqa: F401  (the proxy's one dependency)
     except ImportError:
         print("hixl proxy needs aiohttp: pip install 'hixl[vllm]'")
         return 2
-    from .app import create_app
+    from .server import run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -63,14 +74,5 @@ def _main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hixl proxy: {exc}")
         return 2
-    app = create_app(args.prefill, args.decode, options)
-    web.run_app(
-        app,
-        host=args.host,
-        port=args.port,
-        # A client that goes away cancels its request at once, so that its upstream hop ends
-        # (vLLM aborts a request whose connection closes) instead of running on for nobody.
-        handler_cancellation=True,
-        print=lambda _: print(f"hixl proxy on http://{args.host}:{args.port}", flush=True),
-    )
+    asyncio.run(run(args.prefill, args.decode, options, args.host, args.port))
     return 0

@@ -32,7 +32,7 @@ async def watch(
 
 async def _check(session: ClientSession, up: Upstream, limit: ClientTimeout, down_after: int) -> None:
     try:
-        async with session.get(up.url + "/health", timeout=limit) as resp:
+        async with session.get(up.url + "/health", auth=up.auth, timeout=limit) as resp:
             await resp.read()  # so that the connection goes back to the pool
             status = resp.status
     except (ClientError, asyncio.TimeoutError) as exc:

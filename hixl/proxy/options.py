@@ -9,7 +9,7 @@ __all__ = ["ProxyOptions"]
 
 @dataclass(frozen=True)
 class ProxyOptions:
-    """How long the proxy waits, how often it retries and checks (``hixl proxy``'s options of these names)."""
+    """How long the proxy waits on upstreams and clients, how often it retries and checks (``hixl proxy``'s options of these names)."""
 
     #: The longest an upstream may keep the proxy waiting, seconds: a whole prefill, decode's
     #: first byte, and each gap between decode's chunks (a whole generation may take longer).
@@ -24,9 +24,17 @@ class ProxyOptions:
     health_timeout: float = 1.0
     #: Consecutive failed health checks that mark an upstream down.
     down_after: int = 3
+    #: Seconds a client has for a request's headers: from its connection's opening, or from the first
+    #: byte of its next request on a kept-alive connection (a slowloris is dropped after this long).
+    header_timeout: float = 30.0
+    #: Seconds a client has for a request's body, from the end of its headers.
+    body_timeout: float = 60.0
+    #: Seconds a client may take no data while the proxy has some for it: then its connection is
+    #: dropped, and with it the upstream request it was holding (decode's blocks are released).
+    write_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "connect_timeout", "health_interval", "health_timeout"):
+        for name in ("timeout", "connect_timeout", "health_interval", "health_timeout", "header_timeout", "body_timeout", "write_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)!r}")
         if self.retries < 0 or self.down_after < 1:

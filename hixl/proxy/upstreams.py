@@ -11,6 +11,12 @@ both roles is two upstreams, each with its own state. It is UP or DOWN:
   should not have to find that out again;
 - DOWN -> UP on the first health check that passes.
 
+An upstream's URL may carry credentials (``http://user:password@host:port``):
+they go to it as HTTP Basic authentication and nowhere else. What the proxy
+shows of an upstream is :attr:`Upstream.url` (the URL less them: metrics
+labels, logs) or, to clients, :attr:`Upstream.name` (its role, index and
+host:port only: no scheme, path or credentials).
+
 A :class:`Pool` picks, among a role's UP upstreams, the one serving the fewest
 requests right now (ties: round robin). Everything here runs on the proxy's
 event loop thread, so nothing is locked: a pick and the lease that counts it
@@ -24,6 +30,9 @@ import enum
 import logging
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from aiohttp import BasicAuth
 
 __all__ = ["Pool", "Role", "Upstream", "UpstreamState", "describe"]
 
@@ -45,10 +54,21 @@ class UpstreamState(enum.Enum):
 
 
 class Upstream:
-    """One vLLM instance in one role: its state and how many requests it is serving now."""
+    """One vLLM instance in one role: its state and how many requests it is serving now.
 
-    def __init__(self, url: str, role: Role) -> None:
-        self.url = url.rstrip("/")
+    ``url``: its base URL as given, credentials and all; ``index``: its place among its role's."""
+
+    def __init__(self, url: str, role: Role, index: int = 0) -> None:
+        parts = urlsplit(url.rstrip("/"))
+        address = parts.netloc.rpartition("@")[2]
+        self.url = urlunsplit(parts._replace(netloc=address))
+        """The base URL requests go to, less any ``user:password@``: safe to show an operator."""
+        user, password = parts.username, parts.password or ""
+        # UTF-8 (RFC 7617's charset): aiohttp's default, Latin-1, cannot encode every password.
+        self.auth = None if user is None else BasicAuth(unquote(user), unquote(password), encoding="utf-8")
+        """The URL's credentials, sent as HTTP Basic authentication (in place of a client's ``Authorization``)."""
+        self.name = f"{role.value}[{index}] {address}"
+        """How clients' error messages name it: ``decode[1] 10.0.0.4:8200``."""
         self.role = role
         self.state = UpstreamState.DOWN
         self.outstanding = 0
@@ -99,7 +119,7 @@ class Pool:
         if not urls:
             raise ValueError(f"the proxy needs at least one {role.value} URL")
         self.role = role
-        self.upstreams = tuple(Upstream(url, role) for url in urls)
+        self.upstreams = tuple(Upstream(url, role, i) for i, url in enumerate(urls))
         self._next = 0  # where the round robin among equally busy upstreams resumes
 
     def pick(self, exclude: Collection[Upstream] = ()) -> Upstream | None:

@@ -4,15 +4,19 @@ Each fake (:class:`FakeVllm`) is a real aiohttp server on 127.0.0.1 speaking
 just enough of vLLM's OpenAI API: prefill answers with ``kv_transfer_params``
 naming a fresh transfer id, decode answers whole or as an SSE stream,
 ``GET /health`` says whether it is healthy. It can be told to answer 500,
-hang, drop the connection mid-stream, hold requests until released, or be
-stopped. The proxy runs in the same event loop (aiohttp's test server), and
-once as the real ``hixl proxy`` command. Nothing sleeps a fixed time: waits
-poll a condition until a deadline.
+hang, drop the connection mid-stream, stream without end, hold requests until
+released, or be stopped. The proxy runs in the same event loop, served as the
+command serves it (``server.serve``), and as the real ``hixl proxy`` command.
+Clients that misbehave (too slow to send, never reading) are raw sockets.
+Nothing sleeps a fixed time but a slow client between its bytes: waits poll
+a condition until a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import functools
 import itertools
 import json
@@ -33,8 +37,9 @@ aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import ClientSession, web  # noqa: E402
 from aiohttp.test_utils import TestServer  # noqa: E402
 
-from hixl.proxy.app import create_app  # noqa: E402
+from hixl.proxy.body import MAX_DEPTH  # noqa: E402
 from hixl.proxy.options import ProxyOptions  # noqa: E402
+from hixl.proxy.server import serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,9 +78,13 @@ class FakeVllm:
     next completion answers 500, then the fault clears), ``"hang"`` (no
     answer until stopped), ``"break"`` (decode: one chunk of the stream, then
     the connection drops), ``"stall"`` (decode: one chunk, then nothing until
-    stopped), ``"linger"`` (decode: the whole stream, then 0.3 s before it ends). ``gate``: when
+    stopped), ``"linger"`` (decode: the whole stream, then 0.3 s before it ends), ``"flood"``
+    (decode: 64 KiB events without end, as fast as they are taken). ``gate``: when
     an Event, completions wait for it.
-    ``bodies``: the completion request bodies received, in order.
+    ``bodies``: the completion request bodies received, in order; ``authorizations``: every
+    request's Authorization header (None: none), health checks' too; ``required``: when set, the
+    Authorization every request must carry, else 401; ``disconnects``: completions that ended
+    because the proxy went away first.
     """
 
     def __init__(self, role: str) -> None:
@@ -84,6 +93,9 @@ class FakeVllm:
         self.healthy = True
         self.gate: asyncio.Event | None = None
         self.bodies: list[dict[str, Any]] = []
+        self.authorizations: list[str | None] = []
+        self.required: str | None = None
+        self.disconnects = 0
         self._transfer_ids = itertools.count(1)
         self._stopping = asyncio.Event()
         app = web.Application()
@@ -106,12 +118,27 @@ class FakeVllm:
         await self.server.close()
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
+        if not self._authorized(request):
+            return web.json_response({}, status=401)
         return web.json_response({}, status=200 if self.healthy else 503)
+
+    def _authorized(self, request: web.Request) -> bool:
+        self.authorizations.append(request.headers.get("Authorization"))
+        return self.required is None or self.authorizations[-1] == self.required
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._complete(request)
+        except (asyncio.CancelledError, ConnectionError):  # (the test server cancels a handler whose client left)
+            self.disconnects += 1
+            raise
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        if not self._authorized(request):
+            return web.json_response({"error": {"message": "who are you?", "code": 401}}, status=401)
         body = await request.json()
         self.bodies.append(body)
         if self.gate is not None:
@@ -131,6 +158,8 @@ class FakeVllm:
             return web.json_response({"choices": [{"text": " ".join(WORDS)}]})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
+        while self.fault == "flood":
+            await out.write(b"data: " + json.dumps({"choices": [{"text": "w" * 65536}]}).encode() + b"\n\n")
         for word in WORDS:
             await out.write(b"data: " + json.dumps({"choices": [{"text": word}]}).encode() + b"\n\n")
             if self.fault == "break":
@@ -152,12 +181,12 @@ class Fleet:
 
     prefills: list[FakeVllm]
     decodes: list[FakeVllm]
-    proxy: TestServer
+    port: int  # the proxy's
     client: ClientSession
 
     def url(self, path: str) -> str:
         """The proxy's URL for ``path``."""
-        return str(self.proxy.make_url(path))
+        return f"http://127.0.0.1:{self.port}{path}"
 
     async def ask(self, stream: bool = False, chat: bool = False, model: str = "fake") -> tuple[int, Any]:
         """One request through the proxy: its status and its JSON body, or (streamed) its SSE events' data."""
@@ -191,19 +220,18 @@ async def fleet(prefills: int = 1, decodes: int = 1, loading: int = 0, **options
     for fake in fakes[0][:loading]:
         fake.healthy = False
     options = {"health_interval": 60.0, **options}
-    app = create_app([f.url for f in fakes[0]], [f.url for f in fakes[1]], ProxyOptions(**options))
-    proxy = TestServer(app, host="127.0.0.1")
-    await proxy.start_server()
-    client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     try:
-        running = Fleet(fakes[0], fakes[1], proxy, client)
-        await until(lambda: _is(running.value("hixl_proxy_upstream_up"), prefills + decodes - loading), "the first checks")
-        yield running
+        async with serve([f.url for f in fakes[0]], [f.url for f in fakes[1]], ProxyOptions(**options)) as port:
+            client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+            try:
+                running = Fleet(fakes[0], fakes[1], port, client)
+                await until(lambda: _is(running.value("hixl_proxy_upstream_up"), prefills + decodes - loading), "the first checks")
+                yield running
+            finally:
+                await client.close()
+                for fake in itertools.chain(*fakes):
+                    fake._stopping.set()  # let hung handlers end before the proxy waits for its own
     finally:
-        await client.close()
-        for fake in itertools.chain(*fakes):
-            fake._stopping.set()  # let hung handlers end before the proxy waits for its own
-        await proxy.close()
         for fake in itertools.chain(*fakes):
             await fake.stop()
 
@@ -494,33 +522,236 @@ async def test_a_client_leaving_after_the_last_event_counts_as_served() -> None:
         assert await f.value("hixl_proxy_requests_total", upstream=decode.url, outcome="ok") == 1
 
 
+@dataclass
+class Command:
+    """A running ``hixl proxy`` command."""
+
+    base: str  # its base URL
+    proc: asyncio.subprocess.Process
+
+    async def stop(self) -> str:
+        """Stop it as a service manager would (SIGTERM); everything it printed."""
+        if self.proc.returncode is None:
+            self.proc.terminate()
+        out, _ = await asyncio.wait_for(self.proc.communicate(), 20)
+        return out.decode(errors="replace")
+
+
+@asynccontextmanager
+async def proxy_command(client: ClientSession, *args: str) -> AsyncIterator[Command]:
+    """``hixl proxy *args`` on a free port, once its /health answers 200; stopped when the block ends."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hixl", "proxy", *args, "--port", str(port), cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    command = Command(f"http://127.0.0.1:{port}", proc)
+    try:
+
+        async def healthy() -> bool:
+            try:
+                async with client.get(command.base + "/health") as resp:
+                    return resp.status == 200
+            except aiohttp.ClientConnectionError:
+                return False
+
+        await until(healthy, "hixl proxy answers /health", timeout=20)
+        yield command
+    finally:
+        await command.stop()
+
+
 @async_test
 async def test_the_hixl_proxy_command_routes_and_reports() -> None:
     async with fleet() as f:  # its fakes; the proxy under test is the command's
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        args = ["--prefill", f.prefills[0].url, "--decode", f.decodes[0].url, "--port", str(port), "--health-interval", "0.1"]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hixl", "proxy", *args, cwd=ROOT,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )
-        base = f"http://127.0.0.1:{port}"
-        try:
-
-            async def healthy() -> bool:
-                try:
-                    async with f.client.get(base + "/health") as resp:
-                        return resp.status == 200
-                except aiohttp.ClientConnectionError:
-                    return False
-
-            await until(healthy, "hixl proxy answers /health", timeout=20)
-            async with f.client.post(base + "/v1/completions", json={"model": "fake", "prompt": "hi"}) as resp:
+        args = ["--prefill", f.prefills[0].url, "--decode", f.decodes[0].url, "--health-interval", "0.1"]
+        async with proxy_command(f.client, *args) as command:
+            async with f.client.post(command.base + "/v1/completions", json={"model": "fake", "prompt": "hi"}) as resp:
                 assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == "w1 w2 w3"
-            async with f.client.get(base + "/metrics") as resp:
+            async with f.client.get(command.base + "/metrics") as resp:
                 samples = parse_metrics(await resp.text())
             assert total(samples, "hixl_proxy_requests_total", outcome="ok") == 2  # its prefill and its decode
-        finally:
-            proc.terminate()
-            await proc.wait()
+
+
+@async_test
+async def test_upstream_credentials_go_to_their_upstream_and_nowhere_else() -> None:
+    """An upstream URL's user-info is that upstream's HTTP Basic authentication: sent with every
+    request to it, health checks included, in place of the client's own Authorization — and found
+    in no /metrics label, no log line and no client's error body, which names the upstream by role,
+    index and host:port."""
+    async with fleet() as f:  # its fakes; the proxy under test is the command's
+        user, password = "ops-user", "s3cr@t"
+        basic = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        secret = f"http://{user}:{password.replace('@', '%40')}@"
+        prefill, decode = f.prefills[0], f.decodes[0]
+        for fake in (prefill, decode):
+            fake.required = basic
+        args = ["--prefill", prefill.url.replace("http://", secret), "--decode", decode.url.replace("http://", secret)]
+        async with proxy_command(f.client, *args, "--health-interval", "0.1", "--retries", "0") as command:  # (healthy: checks authenticated)
+
+            async def ask() -> tuple[int, str]:
+                headers = {"Authorization": "Bearer the-clients-own"}
+                async with f.client.post(command.base + "/v1/completions", json={"model": "fake", "prompt": "hi"}, headers=headers) as resp:
+                    return resp.status, await resp.text()
+
+            assert (await ask())[0] == 200
+            assert prefill.authorizations[-1] == decode.authorizations[-1] == basic
+            await decode.stop()
+            status, failure = await ask()
+            assert status == 502
+            assert f"decode[0] {decode.url.removeprefix('http://')}: " in failure
+            async with f.client.get(command.base + "/metrics") as resp:
+                metrics = await resp.text()
+            assert f'upstream="{decode.url}"' in metrics  # the URL less its credentials
+            logs = await command.stop()
+        assert f"decode {decode.url} is down" in logs  # the operator is told which, as in the metrics
+        for said in (failure, metrics, logs):
+            assert user not in said and "s3cr" not in said and basic.split()[1] not in said
+
+
+def http_request(body: bytes, path: str = "/v1/completions") -> bytes:
+    """A POST of the JSON ``body`` to ``path``, as raw bytes (HTTP/1.1: the connection is kept alive)."""
+    return f"POST {path} HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, bytes]:
+    """Send ``request`` and read its answer (one with a Content-Length): its status and body."""
+    writer.write(request)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+    assert length, head
+    return int(head.split()[1]), await asyncio.wait_for(reader.readexactly(int(length.group(1))), 5)
+
+
+@asynccontextmanager
+async def sending_slowly(writer: asyncio.StreamWriter, data: bytes, interval: float = 0.2) -> AsyncIterator[asyncio.Task[int]]:
+    """Send ``data`` a byte every ``interval`` s, until all went or the connection failed, in a task
+    whose result is how many went; the connection is closed when the block ends."""
+
+    async def send() -> int:
+        for sent in range(len(data)):
+            try:
+                writer.write(data[sent : sent + 1])
+                await writer.drain()
+            except ConnectionError:
+                return sent
+            await asyncio.sleep(interval)
+        return len(data)
+
+    task = asyncio.create_task(send())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        writer.close()
+
+
+async def dropped(reader: asyncio.StreamReader, within: float) -> bool:
+    """Whether the proxy closes this connection within ``within`` seconds, having sent nothing on it."""
+    try:
+        return await asyncio.wait_for(reader.read(), within) == b""
+    except ConnectionResetError:
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
+@async_test
+async def test_a_client_too_slow_with_its_headers_is_dropped_while_others_are_served() -> None:
+    """A slowloris (a byte of headers at a time) is dropped ``header_timeout`` after it connected,
+    long before its headers are whole; other clients are served meanwhile; and a kept-alive
+    connection idle for longer than that between two requests is not slow, so not dropped."""
+    async with fleet(header_timeout=1.0) as f:
+        kept = await asyncio.open_connection("127.0.0.1", f.port)
+        assert (await exchange(*kept, b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n"))[0] == 200
+        idle_since = started = time.monotonic()  # (before the slow client connects: its deadline starts after)
+        reader, writer = await asyncio.open_connection("127.0.0.1", f.port)
+        head = http_request(b"{}").removesuffix(b"{}")
+        async with sending_slowly(writer, head) as trickle:
+            assert (await f.ask())[0] == 200  # while it trickles
+            assert await dropped(reader, within=5), "the slow client is still connected"
+            assert 1.0 <= time.monotonic() - started < 3
+            assert await trickle < len(head)
+        await asyncio.sleep(idle_since + 1.5 - time.monotonic())  # idle half as long again as a slow client may be
+        assert (await exchange(*kept, http_request(b'{"model": "fake", "prompt": "hi"}')))[0] == 200
+        assert len(f.prefills[0].bodies) == 2  # f.ask's and the kept-alive connection's
+        kept[1].close()
+
+
+@async_test
+async def test_a_client_too_slow_with_its_body_is_dropped_while_others_are_served() -> None:
+    async with fleet(body_timeout=1.0) as f:
+        body = json.dumps({"model": "fake", "prompt": "a prompt that takes its time to arrive"}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", f.port)
+        writer.write(http_request(body).removesuffix(body))  # the headers, whole
+        started = time.monotonic()
+        async with sending_slowly(writer, body) as trickle:
+            assert (await f.ask())[0] == 200  # while it trickles
+            assert await dropped(reader, within=5), "the slow client is still connected"
+            assert 1.0 <= time.monotonic() - started < 3
+            assert await trickle < len(body)
+        assert len(f.prefills[0].bodies) == 1  # f.ask's alone
+
+
+@async_test
+async def test_a_client_that_stops_reading_is_dropped_and_its_decode_request_cancelled() -> None:
+    """A client that asks for a stream and never reads holds decode's request (and its KV blocks)
+    only until the proxy has had data for it ``write_timeout`` long with none taken: then the proxy
+    drops it and closes decode's request — as when a client leaves: vLLM aborts it, the KV is
+    released — counted as cancelled, with the decode not blamed."""
+    async with fleet(write_timeout=0.5) as f:
+        decode = f.decodes[0]
+        decode.fault = "flood"
+        loop = asyncio.get_running_loop()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (full the sooner)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", f.port))
+            await loop.sock_sendall(sock, http_request(b'{"model": "fake", "prompt": "hi", "stream": true}'))
+            await until(lambda: decode.disconnects == 1, "decode's request is cancelled", timeout=10)
+            assert await f.value("hixl_proxy_requests_total", upstream=decode.url, outcome="cancelled") == 1
+            assert await f.value("hixl_proxy_upstream_outstanding", upstream=decode.url) == 0
+            assert await f.value("hixl_proxy_upstream_up", upstream=decode.url) == 1
+            # The client was dropped: what was on its way still arrives, then the connection ends.
+            deadline, received = time.monotonic() + 10, b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), max(0.0, deadline - time.monotonic())):
+                    received = received[-16:] + chunk
+            assert b"[DONE]" not in received
+
+
+@pytest.mark.parametrize(
+    ("payload", "refusal", "path"),
+    [
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, "deeper than", "/v1/completions", id="arrays-nested-past-the-parser"),
+        pytest.param(
+            b'{"prompt": ' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b"}", "deeper than", "/v1/completions", id="arrays-nested-past-the-limit"
+        ),
+        pytest.param(b'["hi"]', "must be a JSON object, not an array", "/v1/completions", id="an-array"),
+        pytest.param(b'"hi"', "must be a JSON object, not a string", "/v1/completions", id="a-string"),
+        pytest.param(b"null", "must be a JSON object, not null", "/v1/completions", id="null"),
+        pytest.param(b'{"prompt": "hi"', "is not JSON", "/v1/completions", id="cut-short"),
+        pytest.param(b'{"prompt": "hi \xff\xfe"}', "is not UTF-8", "/v1/completions", id="invalid-utf-8"),
+        pytest.param(b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", "an integer with more digits", "/v1/completions", id="a-huge-integer"),
+        pytest.param(b'{"prompt": "hi", "temperature": 1e999}', "beyond a double's range", "/v1/completions", id="a-huge-number"),
+        pytest.param(b'{"prompt": "hi", "temperature": NaN}', "NaN, which is not JSON", "/v1/completions", id="nan"),
+        pytest.param(b'{"prompt": "hi", "stream": "yes"}', '"stream" must be a boolean, not a string', "/v1/completions", id="stream"),
+        pytest.param(b'{"prompt": "hi", "max_tokens": "3"}', '"max_tokens" must be an integer, not a string', "/v1/completions", id="max-tokens"),
+        pytest.param(b'{"prompt": "hi", "max_tokens": true}', '"max_tokens" must be an integer, not a boolean', "/v1/completions", id="max-tokens-bool"),
+        pytest.param(b'{"model": 7, "prompt": "hi"}', '"model" must be a string, not an integer', "/v1/completions", id="model"),
+        pytest.param(b'{"prompt": {"text": "hi"}}', '"prompt" must be a string or an array, not an object', "/v1/completions", id="prompt"),
+        pytest.param(b'{"messages": "hi"}', '"messages" must be an array, not a string', "/v1/chat/completions", id="messages"),
+    ],
+)
+@async_test
+async def test_a_malformed_body_is_a_400_that_says_why(payload: bytes, refusal: str, path: str) -> None:
+    async with fleet() as f:
+        async with f.client.post(f.url(path), data=payload, headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 400, await resp.text()
+            error = (await resp.json())["error"]
+        assert error["code"] == 400 and refusal in error["message"], error
+        assert len(f.prefills[0].bodies) == 0  # refused at the door
+        assert (await f.ask())[0] == 200
