@@ -1723,8 +1723,10 @@ tcp_land_words(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             n = (uint64_t)ready;
         if (n > piece)
             n = piece;
-        if (moved + n < left) /* not the data's last bytes: whole words only */
-            n -= (done + moved + n) % 8;
+        if (moved + n < left) { /* not the data's last bytes: whole words only (none, if no word ends in them) */
+            uint64_t part = (done + moved + n) % 8;
+            n = part < n ? n - part : 0;
+        }
         if (n == 0) {
             if (ready == 0 && (spin_until == 0.0 || monotonic_now() >= spin_until)) {
                 char peek; /* dry, or at its end? (FIONREAD says 0 for both) */
@@ -1756,7 +1758,10 @@ tcp_land_words(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             planned += len;
             count++;
         }
-        if (planned < n && moved + planned < left) { /* more rows than one readv takes: cut to a word */
+        if (planned < n && moved + planned < left) {
+            /* More rows than one readv takes: cut back to a word. The batch fell short of n only
+             * because it is full (the rows hold all of want, and n is no more), so it holds
+             * IOV_BATCH rows of a byte or more: a cut of under a word leaves some of them. */
             uint64_t cut = (done + moved + planned) % 8;
             while (cut > 0) {
                 uint64_t off = cut < iov[count - 1].iov_len ? cut : iov[count - 1].iov_len;
@@ -1766,8 +1771,6 @@ tcp_land_words(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 if (iov[count - 1].iov_len == 0)
                     count--;
             }
-            if (count == 0)
-                break; /* (eight rows of a byte or so each: the caller's buffer path takes them) */
         }
         if (monotonic_now() >= until)
             break;
