@@ -26,6 +26,12 @@ completion (:data:`DONE_NOTIFY`) is accepted only from the connection bound to
 the cluster it names, and while that cluster has fewer than
 :attr:`LLMConfig.max_pending_done` completions not yet taken; anything else is refused
 (the sender is told, this side logs it) and never reaches ``take_done``.
+
+With a metadata store, the store arbitrates cluster ids: every instance claims
+its id there at init (:class:`ClusterRecord`), announces its engine's
+incarnation with its cluster id, and an announcement is refused unless the
+store's live record of that id names that incarnation — before any of the
+rules above. Without a store the first announcement wins, as above.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from .._memory import empty
 from .._types import MemDesc, MemHandle, NotifyDesc, Op, TransferOpDesc
 from ..engine import Engine
 from ._catalog import CATALOG_KEY, Catalog, encode_catalog
-from ._discovery import ClusterRecord
+from ._discovery import ClusterRecord, lookup_cluster
 from ._errors import LLMException, LLMStatusCode, translate_errors
 from ._types import Cache, CacheDesc, LLMConfig, LLMRole, TransferDone
 
@@ -106,11 +112,13 @@ class DataDistState:
         self._links: dict[int, Link] = {}
         with self._lock:
             self._publish_locked()
-        # Last: peers that find this instance in the store can link to it at once.
+        # Last: peers that find this instance in the store can link to it at once. One that only
+        # links out claims its id too: its announcements are checked against the claim.
         self._record: ClusterRecord | None = None
         store = engine.metadata_store
-        if store is not None and config.listen_ip_info:
-            self._record = ClusterRecord(store, cluster_id, engine.local_engine, engine.incarnation, role.name)
+        if store is not None:
+            address = engine.local_engine if config.listen_ip_info else None
+            self._record = ClusterRecord(store, cluster_id, address, engine.incarnation, role.name)
 
     def __del__(self) -> None:
         # The engine's threads may still be landing data in memory this state keeps alive
@@ -314,8 +322,10 @@ class DataDistState:
 
     # -- notifications, bound to the connection they came on -----------------------------------
     def announce(self, name: str, timeout: float) -> None:
-        """Tell the peer at ``name`` which cluster this connection speaks for (first thing on a link)."""
-        self.engine.send_notify(name, NotifyDesc(HELLO_NOTIFY, json.dumps({"cluster_id": self.cluster_id})), timeout)
+        """Tell the peer at ``name`` which cluster this connection speaks for (first thing on a link),
+        and which engine incarnation claims it (checked against the peer's metadata store, if any)."""
+        hello = {"cluster_id": self.cluster_id, "incarnation": self.engine.incarnation}
+        self.engine.send_notify(name, NotifyDesc(HELLO_NOTIFY, json.dumps(hello)), timeout)
 
     def send_done(self, name: str, req_id: int, op: str) -> None:
         """Tell the peer at ``name`` that request ``req_id`` finished (``op``: "pull" or "push")."""
@@ -336,7 +346,8 @@ class DataDistState:
 
     def _on_hello(self, notify: NotifyDesc) -> None:
         """Bind the announced cluster to the connection it came on, or refuse (see the module docstring)."""
-        cluster = _parsed(notify, lambda doc: int(doc["cluster_id"]))
+        cluster, incarnation = _parsed(notify, lambda doc: (int(doc["cluster_id"]), doc.get("incarnation")))
+        self._check_claim(cluster, incarnation, notify.sender)  # a read of the store: outside the lock
         with self._lock:
             # Read under the lock: a connection bound by an announcement just before is in it.
             served = self.engine.served_connections()
@@ -352,6 +363,22 @@ class DataDistState:
                 log.warning("refusing %s's claim to be cluster %d: it speaks for cluster %d", who, cluster, other)
                 raise AlreadyConnected(f"this connection speaks for cluster {other}, not {cluster}")
             self._senders[cluster] = notify.sender
+
+    def _check_claim(self, cluster: int, incarnation: object, sender: str) -> None:
+        """With a metadata store, refuse a claim to be ``cluster`` unless the store's record of it
+        names the claimant's ``incarnation``; without one, every claim goes on to the binding rules.
+
+        A store that cannot be read refuses too (with its error): a claim that cannot be checked
+        is not taken.
+        """
+        store = self.engine.metadata_store
+        if store is None:
+            return
+        entry = lookup_cluster(store, cluster)
+        if entry is None or entry.incarnation != incarnation:
+            holder = "held by nobody" if entry is None else f"incarnation {entry.incarnation} at {entry.address or '(links out only)'}"
+            log.warning("refusing connection %s's claim to be cluster %d: in %s it is %s", sender, cluster, store.url, holder)
+            raise AlreadyConnected(f"the metadata store says cluster {cluster} is {holder}, not this connection's engine")
 
     def _on_done(self, notify: NotifyDesc) -> None:
         """Accept a completion from the connection bound to its cluster, within its bound; else refuse."""
@@ -374,7 +401,7 @@ def _parsed(notify: NotifyDesc, read: Callable[[Any], T]) -> T:
     which refuses the notification, if the message is malformed."""
     try:
         return read(json.loads(notify.msg))
-    except (KeyError, TypeError, ValueError, RecursionError):
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError):
         log.warning("refusing malformed %s notification %r", notify.name, notify.msg)
         raise ParamInvalid(f"malformed {notify.name} notification") from None
 

@@ -106,15 +106,18 @@ class ClusterEventKind(enum.Enum):
     """What :meth:`LLMDataDist.watch_clusters` reports about a cluster in the metadata store."""
 
     ADDED = "ADDED"
+    """It has a record now (it started, or its record came back under the same incarnation)."""
     RESTARTED = "RESTARTED"
     """Its id is held by a new incarnation: links to the old one are dead."""
     REMOVED = "REMOVED"
-    """Its record is gone: it finalized, or died and its lease ran out."""
+    """Its record is gone: it finalized, or died and its lease ran out (or the record was
+    replaced by one that is no live instance's)."""
 
 
 @dataclass(frozen=True)
 class ClusterEvent:
-    """A change to a cluster's record: its id, address (None when removed) and incarnation."""
+    """A change to a cluster's record: its id, address (None when removed, or for an instance
+    that only links out) and incarnation."""
 
     kind: ClusterEventKind
     cluster_id: int

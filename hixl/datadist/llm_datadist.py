@@ -16,7 +16,9 @@ address or a new one — replaces it, and nothing of the old link is used again.
 The same holds the other way round: a peer that still serves another live
 connection speaking for *our* cluster id refuses our announcement; we retry
 until the link timeout (our own old connection, unlinked a moment ago, is
-closing), then answer CLUSTER_ID_CONFLICT.
+closing), then answer CLUSTER_ID_CONFLICT. With a metadata store the peer also
+refuses an announcement the store disagrees with (see :mod:`._state`): the same
+CLUSTER_ID_CONFLICT.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from .._exceptions import AlreadyConnected, HixlError, ParamInvalid
+from .._exceptions import AlreadyConnected, HixlError, HixlTimeout, ParamInvalid
 from .._session.address import format_address, parse_address
 from .._types import NotifyDesc
 from ..engine import Engine
 from ._catalog import CATALOG_KEY, Catalog
-from ._discovery import ClusterWatch, resolve_cluster
+from ._discovery import ClusterWatch, lookup_cluster
 from ._errors import LLMException, LLMStatusCode, status_of, translate_errors
 from ._state import DataDistState, Link
 from ._types import ClusterEvent, LLMClusterInfo, LLMConfig, LLMRole
@@ -206,25 +208,31 @@ class LLMDataDist:
 
         A refusal means the peer still serves another connection that speaks for our
         cluster id: our own old one, if we unlinked a moment ago (or restarted) and it
-        has not seen that close yet — or another instance that claims our id.
+        has not seen that close yet — or another instance that claims our id; or the
+        peer's metadata store says the id is another incarnation's.
         """
         pause = 0.01
+        refused: AlreadyConnected | None = None
         while True:
             try:
                 self._live_state().announce(target.address, max(0.001, deadline - time.monotonic()))
                 return LLMStatusCode.SUCCESS
             except AlreadyConnected as exc:
+                refused = exc
                 if time.monotonic() + pause >= deadline:
-                    log.warning(
-                        "link: cluster %d at %s refuses us (cluster %d at %s): %s",
-                        target.cluster_id, target.address, self.cluster_id, self.engine.local_engine, exc,
-                    )
-                    return LLMStatusCode.CLUSTER_ID_CONFLICT
+                    break
             except HixlError as exc:
+                if refused is not None and isinstance(exc, HixlTimeout):
+                    break  # the time ran out on a retry: the refusals before it are the answer
                 log.warning("link to cluster %d: announcing ourselves to %s failed: %s", target.cluster_id, target.address, exc)
                 return LLMStatusCode.LINK_FAILED
             time.sleep(pause)
             pause = min(0.2, pause * 2)
+        log.warning(
+            "link: cluster %d at %s refuses us (cluster %d at %s): %s",
+            target.cluster_id, target.address, self.cluster_id, self.engine.local_engine, refused,
+        )
+        return LLMStatusCode.CLUSTER_ID_CONFLICT
 
     def _target_of(self, info: LLMClusterInfo) -> _Target | LLMStatusCode:
         """Where to link for ``info``: its address, or (none given) the one the metadata store names."""
@@ -235,15 +243,18 @@ class LLMDataDist:
             log.warning("link to cluster %d: no address given, and no metadata_server to look it up in", info.remote_cluster_id)
             return LLMStatusCode.PARAM_INVALID
         try:
-            found = resolve_cluster(store, info.remote_cluster_id)
+            found = lookup_cluster(store, info.remote_cluster_id)
         except LLMException as exc:
             log.warning("link to cluster %d: %s", info.remote_cluster_id, exc)
             return LLMStatusCode.LINK_FAILED
         if found is None:
-            # Not a connect timeout: the store says at once that nobody holds the id.
-            log.warning("link to cluster %d: it is not in %s (never started, finalized, or dead)", info.remote_cluster_id, store.url)
+            # Not a connect timeout: the store says at once that nobody (usable) holds the id.
+            log.warning("link to cluster %d: it has no record in %s (never started, finalized, or dead)", info.remote_cluster_id, store.url)
             return LLMStatusCode.LINK_FAILED
-        return _Target(info.remote_cluster_id, found[0], found[1])
+        if found.address is None:
+            log.warning("link to cluster %d: it only links out (it does not listen)", info.remote_cluster_id)
+            return LLMStatusCode.LINK_FAILED
+        return _Target(info.remote_cluster_id, found.address, found.incarnation)
 
     def _drop(self, cluster_id: int, link: Link) -> None:
         if self._live_state().drop_link(cluster_id, link) is not None:

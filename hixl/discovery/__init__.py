@@ -7,7 +7,9 @@ publishes a small record of itself under a *lease* that it refreshes while it
 lives: a process that dies (even SIGKILL) stops refreshing, and its records
 vanish within ``lease_ttl``. Others read and watch those records to resolve a
 cluster id to an address and incarnation, and to hear when a peer appears,
-restarts or goes away.
+restarts or goes away. A record is someone's only while a live lease holds it:
+readers pass over keys written without one, and a claim is never taken from a
+live lease (:class:`MetadataStore` has the rules).
 
 :class:`MetadataStore` is what the rest of hixl uses; :func:`open_store` picks
 the implementation from the URL's scheme (``etcd://``: :mod:`.etcd`, through

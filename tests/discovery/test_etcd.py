@@ -4,13 +4,11 @@ record vanishes with its lease — while without a store everything works peer t
 
 from __future__ import annotations
 
-import itertools
 import json
 import queue
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -19,10 +17,8 @@ import hixl
 from hixl import Engine, ParamInvalid
 from hixl.datadist import (
     BlocksCacheKey,
-    CacheDesc,
     ClusterEvent,
     ClusterEventKind,
-    DataType,
     LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
@@ -30,40 +26,21 @@ from hixl.datadist import (
     LLMRole,
     LLMStatusCode,
 )
-from hixl.discovery import MetadataStore, StoreUnavailable, open_store
+from hixl.discovery import MetadataStore, StoreUnavailable
 from hixl.engine import ENGINES_PREFIX
-from hixl.testing.datadist_peer import DataDistProcess
 from hixl.testing.etcd import EtcdServer
 
+from .helpers import (
+    SMALL,
+    TTL,
+    decode_instance,
+    eventually,
+    fresh_id,
+    next_event,
+    prefill_process,
+)
+
 pytestmark = pytest.mark.timeout(120)
-
-TTL = 2.0  # etcd's shortest lease: a dead instance's record is gone within ~2 s
-SMALL = CacheDesc(4, (8, 4, 2, 8), DataType.DT_FLOAT)
-_ids = itertools.count(int(time.time()) % 100_000 * 100)
-
-
-def fresh_id() -> int:
-    """A cluster id or model id no other test (nor an earlier run against the same etcd) uses."""
-    return next(_ids)
-
-
-@pytest.fixture
-def store(etcd: EtcdServer) -> Iterator[MetadataStore]:
-    """A client of the test's etcd, to look at what instances published."""
-    client = open_store(etcd.url)
-    yield client
-    client.close()
-
-
-def _prefill(etcd: EtcdServer, cluster_id: int) -> DataDistProcess:
-    return DataDistProcess(LLMRole.PROMPT, cluster_id, LLMConfig(listen_ip_info="127.0.0.1:0", metadata_server=etcd.url, lease_ttl=TTL))
-
-
-def _decode(etcd: EtcdServer) -> LLMDataDist:
-    dd = LLMDataDist(LLMRole.DECODER, fresh_id())
-    dd.init(LLMConfig(metadata_server=etcd.url, lease_ttl=TTL))
-    return dd
-
 
 def _closed_port() -> int:
     with socket.socket() as s:
@@ -116,10 +93,10 @@ def test_a_malformed_store_url_is_refused(url: object) -> None:
 def test_a_cluster_is_linked_by_id_alone_and_pulled_from(etcd: EtcdServer) -> None:
     cluster_id = fresh_id()
     key = BlocksCacheKey(cluster_id, fresh_id())
-    with _prefill(etcd, cluster_id) as prefill:
+    with prefill_process(etcd, cluster_id) as prefill:
         name = "kv"
         prefill.register_blocks_cache(name, SMALL, key, seed=7)
-        decode = _decode(etcd)
+        decode = decode_instance(etcd)
         try:
             assert decode.link_clusters([LLMClusterInfo(cluster_id)]) == [LLMStatusCode.SUCCESS]
             assert decode.linked_clusters() == {cluster_id: prefill.ip_info}
@@ -134,7 +111,7 @@ def test_a_cluster_is_linked_by_id_alone_and_pulled_from(etcd: EtcdServer) -> No
 
 def test_the_record_names_role_and_caches(etcd: EtcdServer, store: MetadataStore) -> None:
     cluster_id = fresh_id()
-    with _prefill(etcd, cluster_id) as prefill:
+    with prefill_process(etcd, cluster_id) as prefill:
         prefill.register_blocks_cache("kv", SMALL, BlocksCacheKey(0, fresh_id()))
         record = json.loads(store.get(f"/hixl/clusters/{cluster_id}") or b"{}")
         assert record["address"] == prefill.ip_info and record["role"] == "PROMPT"
@@ -143,7 +120,7 @@ def test_the_record_names_role_and_caches(etcd: EtcdServer, store: MetadataStore
 
 def test_a_second_live_instance_cannot_take_a_cluster_id(etcd: EtcdServer) -> None:
     cluster_id = fresh_id()
-    with _prefill(etcd, cluster_id):
+    with prefill_process(etcd, cluster_id):
         impostor = LLMDataDist(LLMRole.PROMPT, cluster_id)
         started = time.monotonic()
         with pytest.raises(LLMException) as info:
@@ -157,17 +134,17 @@ def test_a_killed_instance_vanishes_within_its_lease_and_comes_back_as_a_new_inc
     at once (the store says nobody holds the id); restarted, it is found under its new incarnation."""
     cluster_id = fresh_id()
     events: queue.Queue[ClusterEvent] = queue.Queue()
-    decode = _decode(etcd)
+    decode = decode_instance(etcd)
     try:
         watch = decode.watch_clusters(events.put)
-        first = _prefill(etcd, cluster_id)
-        added = _next_event(events, cluster_id)
+        first = prefill_process(etcd, cluster_id)
+        added = next_event(events, cluster_id)
         assert added.kind is ClusterEventKind.ADDED and added.address == first.ip_info
         assert decode.link_clusters([LLMClusterInfo(cluster_id)]) == [LLMStatusCode.SUCCESS]
 
         killed_at = time.monotonic()
         first.kill()
-        removed = _next_event(events, cluster_id, timeout=TTL + 5)
+        removed = next_event(events, cluster_id, timeout=TTL + 5)
         assert removed.kind is ClusterEventKind.REMOVED and removed.incarnation == added.incarnation
         assert time.monotonic() - killed_at < TTL + 3
         decode.unlink_clusters([LLMClusterInfo(cluster_id)], force=True)
@@ -175,12 +152,12 @@ def test_a_killed_instance_vanishes_within_its_lease_and_comes_back_as_a_new_inc
         assert decode.link_clusters([LLMClusterInfo(cluster_id)], timeout=5.0) == [LLMStatusCode.LINK_FAILED]
         assert time.monotonic() - started < 0.5  # not a connect timeout
 
-        with _prefill(etcd, cluster_id) as second:
-            back = _next_event(events, cluster_id)
+        with prefill_process(etcd, cluster_id) as second:
+            back = next_event(events, cluster_id)
             assert back.kind is ClusterEventKind.RESTARTED and back.address == second.ip_info
             assert back.incarnation != added.incarnation
             assert decode.link_clusters([LLMClusterInfo(cluster_id)]) == [LLMStatusCode.SUCCESS]
-        assert _next_event(events, cluster_id).kind is ClusterEventKind.REMOVED  # finalized: at once
+        assert next_event(events, cluster_id).kind is ClusterEventKind.REMOVED  # finalized: at once
         watch.cancel()
     finally:
         decode.finalize()
@@ -189,11 +166,11 @@ def test_a_killed_instance_vanishes_within_its_lease_and_comes_back_as_a_new_inc
 def test_a_frozen_instance_past_its_lease_publishes_again_when_it_resumes(etcd: EtcdServer, store: MetadataStore) -> None:
     cluster_id = fresh_id()
     key = f"/hixl/clusters/{cluster_id}"
-    with _prefill(etcd, cluster_id) as prefill:
+    with prefill_process(etcd, cluster_id) as prefill:
         prefill.stop(signal.SIGSTOP)
-        assert _eventually(lambda: store.get(key) is None)
+        assert eventually(lambda: store.get(key) is None)
         prefill.stop(signal.SIGCONT)
-        assert _eventually(lambda: store.get(key) is not None)
+        assert eventually(lambda: store.get(key) is not None)
         assert json.loads(store.get(key) or b"{}")["address"] == prefill.ip_info
 
 
@@ -206,20 +183,3 @@ def test_linking_by_id_needs_a_store() -> None:
             dd.watch_clusters(lambda event: None)
     finally:
         dd.finalize()
-
-
-def _eventually(condition: Callable[[], bool], timeout: float = TTL + 5) -> bool:
-    """Whether ``condition()`` holds within ``timeout`` (polled every 0.1 s)."""
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return condition()
-
-
-def _next_event(events: queue.Queue[ClusterEvent], cluster_id: int, timeout: float = 15.0) -> ClusterEvent:
-    """The next event about ``cluster_id`` (others' events are skipped)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        event = events.get(timeout=max(0.01, deadline - time.monotonic()))
-        if event.cluster_id == cluster_id:
-            return event
