@@ -16,6 +16,7 @@ and runs the blocks one after another in one namespace.
 from __future__ import annotations
 
 import ast
+import codeop
 import json
 import os
 import re
@@ -126,6 +127,35 @@ def test_every_block_is_run_or_says_why_not() -> None:
                 assert block.name in ran
     assert programs == [("README.md", "target.py"), ("README.md", "initiator.py")]  # what test_readme.py runs
     assert len(not_run) <= MAX_NOT_RUN, not_run
+
+
+def repl_error(code: str) -> str | None:
+    """Why ``code`` pasted into Python's interactive prompt would fail to compile, or None.
+
+    The prompt compiles a statement at a time and ends a compound statement only at a blank line,
+    so a ``for`` loop followed at once by a statement at the left margin is a SyntaxError there,
+    while it runs as a file. Fed line by line to the compiler the prompt uses (:mod:`codeop`)."""
+    compiler, pending = codeop.CommandCompiler(), []
+    for number, line in enumerate(code.splitlines(), 1):
+        pending.append(line)
+        try:
+            if compiler("\n".join(pending), "<stdin>", "single") is not None:
+                pending = []
+        except (SyntaxError, ValueError, OverflowError) as exc:
+            return f"line {number}: {line!r}: {exc}"
+    return None
+
+
+@pytest.mark.parametrize(
+    "block", [block for page in PAGES for block in blocks(page) if not PROGRAM.match(block.first_line)], ids=lambda b: b.name
+)
+def test_block_pastes_into_the_interactive_prompt(block: Block) -> None:
+    assert repl_error(block.code) is None, f"{block.name}: {repl_error(block.code)}"
+
+
+def test_a_statement_right_after_a_loop_does_not_paste() -> None:
+    assert repl_error("for i in range(2):\n    x = i\nprint(x)\n") is not None
+    assert repl_error("for i in range(2):\n    x = i\n\nprint(x)\n") is None
 
 
 def test_an_undefined_name_fails_the_block() -> None:

@@ -59,6 +59,7 @@ class LLMDataDist:
         self._state: DataDistState | None = None
         self._cache_manager: CacheManager | None = None
         self._watches: list[ClusterWatch] = []
+        self._link_errors: dict[int, str] = {}
 
     # -- life cycle ------------------------------------------------------------------------
     def init(self, config: LLMConfig) -> None:
@@ -140,7 +141,23 @@ class LLMDataDist:
         our cluster id there.
         """
         timeout = self.config.link_timeout if timeout is None else float(timeout)
-        return [self._link_one(info, timeout) for info in _cluster_infos(clusters)]
+        statuses = []
+        for info in _cluster_infos(clusters):
+            self._link_errors.pop(info.remote_cluster_id, None)
+            statuses.append(self._link_one(info, timeout))
+        return statuses
+
+    def link_error(self, cluster_id: int) -> str | None:
+        """Why the last :meth:`link_clusters` to ``cluster_id`` did not succeed (what the status
+        alone cannot say: refused, nobody listening, not a DataDist peer, ...); None if it did, or
+        if it was never tried."""
+        return self._link_errors.get(cluster_id)
+
+    def _failed(self, cluster_id: int, status: LLMStatusCode, reason: str) -> LLMStatusCode:
+        """Log and keep (for :meth:`link_error`) why linking ``cluster_id`` ended in ``status``."""
+        log.warning("link to cluster %d: %s: %s", cluster_id, status.value, reason)
+        self._link_errors[cluster_id] = reason
+        return status
 
     def _link_one(self, info: LLMClusterInfo, timeout: float) -> LLMStatusCode:
         target = self._target_of(info)
@@ -152,15 +169,15 @@ class LLMDataDist:
             if state.reachable(old, timeout):
                 if _canonical(old.name) == _canonical(target.address):
                     return LLMStatusCode.ALREADY_LINK
-                log.warning(
-                    "link: cluster %d is linked at %s, and %s claims it too; refusing",
-                    target.cluster_id, old.name, target.address,
+                return self._failed(
+                    target.cluster_id, LLMStatusCode.CLUSTER_ID_CONFLICT,
+                    f"it is linked at {old.name}, and {target.address} claims it too",
                 )
-                return LLMStatusCode.CLUSTER_ID_CONFLICT
             # The old link is dead: forget it (and its catalog) before linking anew.
             self._drop(target.cluster_id, old)
         deadline = time.monotonic() + timeout
         attempts = max(1, self.config.link_retry_count + 1)
+        last = f"no attempt fitted in the timeout ({timeout} s)"
         for attempt in range(attempts):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -168,14 +185,17 @@ class LLMDataDist:
             try:
                 engine.connect(target.address, timeout=left)
             except ParamInvalid as exc:
-                log.warning("link to cluster %d: %s", target.cluster_id, exc)
-                return LLMStatusCode.PARAM_INVALID
+                return self._failed(target.cluster_id, LLMStatusCode.PARAM_INVALID, str(exc))
             except HixlError as exc:
                 log.info("link to cluster %d, attempt %d: %s", target.cluster_id, attempt + 1, exc)
+                last = f"{type(exc).__name__}: {exc}"
                 time.sleep(min(0.05 * 2**attempt, max(0.0, deadline - time.monotonic()) / 2))
                 continue
             return self._verify_link(target, max(0.001, deadline - time.monotonic()))
-        return LLMStatusCode.LINK_FAILED
+        return self._failed(
+            target.cluster_id, LLMStatusCode.LINK_FAILED,
+            f"could not connect to {target.address} in {attempt + 1} attempt(s) within {timeout} s; the last: {last}",
+        )
 
     def _verify_link(self, target: _Target, timeout: float) -> LLMStatusCode:
         engine, state = self.engine, self._live_state()
@@ -183,19 +203,19 @@ class LLMDataDist:
             catalog = Catalog.decode(engine.get_remote_metadata(target.address, CATALOG_KEY, timeout))
             incarnation = engine.peer_incarnation(target.address)
         except (HixlError, ValueError) as exc:
-            log.warning("link to cluster %d: %s is not a DataDist peer: %s", target.cluster_id, target.address, exc)
             engine.disconnect(target.address)
-            return LLMStatusCode.LINK_FAILED
+            return self._failed(target.cluster_id, LLMStatusCode.LINK_FAILED, f"{target.address} is not a DataDist peer: {exc}")
         if target.incarnation is not None and incarnation != target.incarnation:
             # The store's record is of another incarnation (it restarted, or another process took
             # the address): not the instance the record describes.
-            log.warning("link: %s is not the incarnation of cluster %d the metadata store names", target.address, target.cluster_id)
             engine.disconnect(target.address)
-            return LLMStatusCode.LINK_FAILED
+            return self._failed(
+                target.cluster_id, LLMStatusCode.LINK_FAILED,
+                f"{target.address} is not the incarnation of the cluster the metadata store names",
+            )
         if catalog.cluster_id != target.cluster_id:
-            log.warning("link: %s is cluster %d, not %d", target.address, catalog.cluster_id, target.cluster_id)
             engine.disconnect(target.address)
-            return LLMStatusCode.LINK_FAILED
+            return self._failed(target.cluster_id, LLMStatusCode.LINK_FAILED, f"{target.address} is cluster {catalog.cluster_id}")
         status = self._announce(target, time.monotonic() + timeout)
         if status is not LLMStatusCode.SUCCESS:
             engine.disconnect(target.address)
@@ -224,36 +244,31 @@ class LLMDataDist:
             except HixlError as exc:
                 if refused is not None and isinstance(exc, HixlTimeout):
                     break  # the time ran out on a retry: the refusals before it are the answer
-                log.warning("link to cluster %d: announcing ourselves to %s failed: %s", target.cluster_id, target.address, exc)
-                return LLMStatusCode.LINK_FAILED
+                return self._failed(target.cluster_id, LLMStatusCode.LINK_FAILED, f"announcing ourselves to {target.address} failed: {exc}")
             time.sleep(pause)
             pause = min(0.2, pause * 2)
-        log.warning(
-            "link: cluster %d at %s refuses us (cluster %d at %s): %s",
-            target.cluster_id, target.address, self.cluster_id, self.engine.local_engine, refused,
+        return self._failed(
+            target.cluster_id, LLMStatusCode.CLUSTER_ID_CONFLICT,
+            f"{target.address} refuses us (cluster {self.cluster_id} at {self.engine.local_engine}): {refused}",
         )
-        return LLMStatusCode.CLUSTER_ID_CONFLICT
 
     def _target_of(self, info: LLMClusterInfo) -> _Target | LLMStatusCode:
         """Where to link for ``info``: its address, or (none given) the one the metadata store names."""
         if info.remote_ip_info is not None:
             return _Target(info.remote_cluster_id, info.remote_ip_info, None)
         store = self.engine.metadata_store
+        cluster_id = info.remote_cluster_id
         if store is None:
-            log.warning("link to cluster %d: no address given, and no metadata_server to look it up in", info.remote_cluster_id)
-            return LLMStatusCode.PARAM_INVALID
+            return self._failed(cluster_id, LLMStatusCode.PARAM_INVALID, "no address given, and no metadata_server to look it up in")
         try:
-            found = lookup_cluster(store, info.remote_cluster_id)
+            found = lookup_cluster(store, cluster_id)
         except LLMException as exc:
-            log.warning("link to cluster %d: %s", info.remote_cluster_id, exc)
-            return LLMStatusCode.LINK_FAILED
+            return self._failed(cluster_id, LLMStatusCode.LINK_FAILED, str(exc))
         if found is None:
             # Not a connect timeout: the store says at once that nobody (usable) holds the id.
-            log.warning("link to cluster %d: it has no record in %s (never started, finalized, or dead)", info.remote_cluster_id, store.url)
-            return LLMStatusCode.LINK_FAILED
+            return self._failed(cluster_id, LLMStatusCode.LINK_FAILED, f"it has no record in {store.url} (never started, finalized, or dead)")
         if found.address is None:
-            log.warning("link to cluster %d: it only links out (it does not listen)", info.remote_cluster_id)
-            return LLMStatusCode.LINK_FAILED
+            return self._failed(cluster_id, LLMStatusCode.LINK_FAILED, "it only links out (it does not listen)")
         return _Target(info.remote_cluster_id, found.address, found.incarnation)
 
     def _drop(self, cluster_id: int, link: Link) -> None:

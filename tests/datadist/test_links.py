@@ -51,17 +51,24 @@ def test_link_twice_is_already_link(remote, local, make_remote):
 def test_nobody_listening_is_link_failed(transport, new_local):
     dd = new_local(config=LLMConfig(transport=transport, link_retry_count=2))
     started = time.monotonic()
-    assert dd.link_clusters([LLMClusterInfo(5, f"127.0.0.1:{free_port()}")], timeout=2.0) == [LINK_FAILED]
+    port = free_port()
+    assert dd.link_clusters([LLMClusterInfo(5, f"127.0.0.1:{port}")], timeout=2.0) == [LINK_FAILED]
     assert time.monotonic() - started < 2.5
     assert dd.linked_clusters() == {} and dd.engine.connected_engines() == []
+    # The status alone cannot say why; link_error does, without a look at the log.
+    reason = dd.link_error(5)
+    assert reason is not None and f"could not connect to 127.0.0.1:{port} in 3 attempt(s)" in reason, reason
+    assert "NotConnected" in reason and "refused" in reason, reason
 
 
 def test_wrong_cluster_id_behind_the_address(remote, make_remote, new_local):
     dd = new_local()
     assert dd.link_clusters([LLMClusterInfo(REMOTE_ID + 50, remote.ip_info)]) == [LINK_FAILED]
+    assert dd.link_error(REMOTE_ID + 50) == f"{remote.ip_info} is cluster {REMOTE_ID}"
     assert dd.linked_clusters() == {} and dd.engine.connected_engines() == []
     # The refused link was torn down, so the right id links at once.
     assert dd.link_clusters([remote.cluster_info()]) == [SUCCESS]
+    assert dd.link_error(REMOTE_ID) is None
     key = new_blocks_key()
     pull_all(dd, key, remote, make_remote(DESC, key, seed=2))
 
