@@ -19,6 +19,7 @@ extra ``hixl[etcd]``).
 
 from __future__ import annotations
 
-from .store import MetadataStore, StoreEvent, StoreEventKind, StoreUnavailable, open_store
+from .backends import open_store
+from .store import MetadataStore, StoreEvent, StoreEventKind, StoreUnavailable
 
 __all__ = ["MetadataStore", "StoreEvent", "StoreEventKind", "StoreUnavailable", "open_store"]

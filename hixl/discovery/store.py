@@ -6,11 +6,10 @@ import abc
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from .._exceptions import ParamInvalid, StoreUnavailable
 
-__all__ = ["MetadataStore", "StoreEvent", "StoreEventKind", "StoreUnavailable", "checked_lease_ttl", "open_store"]
+__all__ = ["MetadataStore", "StoreEvent", "StoreEventKind", "StoreUnavailable", "checked_lease_ttl"]
 
 
 class StoreEventKind(enum.Enum):
@@ -94,24 +93,6 @@ class MetadataStore(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop refreshing, revoke the lease (this process's keys vanish) and stop every watch; idempotent."""
-
-
-def open_store(url: str, lease_ttl: float = 10.0, timeout: float = 5.0) -> MetadataStore:
-    """Connect to the store at ``url`` (``"etcd://host:port"``) and take a lease of ``lease_ttl`` s.
-
-    Raises :class:`ParamInvalid` for a URL it does not understand and
-    :class:`StoreUnavailable` if the store does not answer within ``timeout`` —
-    at once, never a hang.
-    """
-    if not isinstance(url, str):
-        raise ParamInvalid(f"metadata_server must be a URL string, not {url!r}")
-    parts = urlsplit(url)
-    if parts.scheme != "etcd" or not parts.hostname or parts.port is None:
-        raise ParamInvalid(f"metadata_server {url!r}: expected etcd://host:port")
-    lease_ttl = checked_lease_ttl(lease_ttl)
-    from .etcd import EtcdStore  # the optional dependency, only when asked for
-
-    return EtcdStore(url, parts.hostname, parts.port, lease_ttl, float(timeout))
 
 
 def checked_lease_ttl(value: object) -> float:
