@@ -5,7 +5,7 @@ bytes once, with every argument (iovec arrays, pointers, views) prepared in
 advance so that timing it measures the syscalls, not the set-up. They bind
 their own ctypes functions instead of reusing hixl's, so a change to hixl
 can never make its own yardstick slower. Each is the fastest plain loop we
-found (docs/tools.md, "How the baselines are built", has the figures):
+found (docs/tools.md, "How the baselines are built", says why; docs/measurements.md has the figures):
 
 * :func:`cma_copier` / :func:`cma_batch_copier` — bare ``process_vm_readv`` /
   ``process_vm_writev``, one call per transfer (the batch one: per IOV_MAX

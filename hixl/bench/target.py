@@ -70,7 +70,7 @@ STREAM_LOWAT = 256 << 10
 STREAM_LOWAT_FROM = 4 << 20
 """The smallest message read at :data:`STREAM_LOWAT`: a 1 MiB READ ran at 0.6-0.9x of the plain
 read with the mark raised (it waits for a window the sender has not filled yet), 4 MiB alike,
-16-512 MiB mostly faster (docs/tools.md, "How the baselines are built")."""
+16-512 MiB mostly faster (docs/measurements.md, "The engine scenario's baselines")."""
 #: Bytes at the start of every target buffer that hold a seeded random pattern (for self-checks).
 SAMPLE = 64 << 10
 
