@@ -18,6 +18,10 @@ mapping or ``write`` fail, while this process keeps writing through the mapping
 it already has. That seal is permanent: memory once shared read-only is never
 shared writable again (a peer then writes it over TCP).
 
+Each memfd is named after the process that made it (:func:`identity`; a memfd
+cannot be renamed): a peer handed one can tell whether it comes from the process
+it authenticated, or was passed on by it from a third one (:func:`creator`).
+
 A process-wide table maps address ranges to their memfd, so a transport can
 tell which registered regions are pool memory. An allocation leaves the table,
 and its memfd is closed, when its mapping is garbage-collected (the last array
@@ -31,13 +35,19 @@ import ctypes
 import fcntl
 import mmap
 import os
+import re
 import threading
 import weakref
 from dataclasses import dataclass
 
-__all__ = ["PoolMapping", "allocate", "open_for_peer", "overlapping"]
+__all__ = ["PoolMapping", "allocate", "creator", "identity", "memfd_name", "open_for_peer", "overlapping"]
 
 _NAME = "hixl-pool"
+_NAMED = re.compile(r"/memfd:hixl-pool:([ip][0-9.]+) \(deleted\)")
+"""What ``/proc/self/fd/N`` reads for a pool memfd (a memfd's file is always "deleted")."""
+_PIDFS_MAGIC = 0x50494446
+_STATFS = ctypes.c_long * 32  # room for a struct statfs (120 bytes on 64-bit Linux); f_type comes first
+_libc = ctypes.CDLL(None, use_errno=True)
 F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; not in Python's fcntl module
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
@@ -68,7 +78,7 @@ def allocate(nbytes: int) -> mmap.mmap:
     memory-cgroup limits), :class:`OSError` if memfds are unavailable.
     """
     size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    fd = os.memfd_create(_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = os.memfd_create(memfd_name(), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
         try:
@@ -87,6 +97,53 @@ def allocate(nbytes: int) -> mmap.mmap:
         _by_start[addr] = entry
     weakref.finalize(mapping, _release, entry)
     return mapping
+
+
+def identity(pidfd: int, pid: int) -> str | None:
+    """How the process that ``pidfd`` pins (``pid`` in this PID namespace, 0 if outside it) names
+    the memfds it makes; None if that cannot be told from here.
+
+    Where pidfds live in pidfs (Linux 6.9), its inode number: one per process for as long as the
+    kernel runs, never reused, the same seen from any PID namespace. Elsewhere its pid and start
+    time, which match only within one PID namespace (a process outside ours, or in a namespace
+    below it, numbers itself otherwise: its memfds are then refused, and its peers use TCP).
+    Raises :class:`OSError` if its ``/proc`` entry cannot be read; as a pid may have been given to
+    another process meanwhile, the caller checks through ``pidfd`` that it is still alive.
+    """
+    statfs = _STATFS()
+    if _libc.fstatfs(pidfd, ctypes.byref(statfs)) == 0 and statfs[0] == _PIDFS_MAGIC:
+        return f"i{os.fstat(pidfd).st_ino}"
+    if pid <= 0:
+        return None
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        start = f.read().rsplit(b")", 1)[1].split()[19]  # field 22, starttime; the name before may hold anything
+    return f"p{pid}.{int(start)}"
+
+
+_own: tuple[int, str] = (0, "")  # (pid, the name): a forked child names its memfds anew
+
+
+def memfd_name() -> str:
+    """The name this process gives its pool memfds: ``hixl-pool:`` and its :func:`identity`."""
+    global _own
+    pid = os.getpid()
+    if _own[0] != pid:
+        pidfd = os.pidfd_open(pid)
+        try:
+            _own = (pid, f"{_NAME}:{identity(pidfd, pid)}")
+        finally:
+            os.close(pidfd)
+    return _own[1]
+
+
+def creator(fd: int) -> str | None:
+    """The identity (see :func:`identity`) of the process that made the pool memfd open as ``fd``
+    here; None if ``fd`` is not a pool memfd."""
+    try:
+        named = _NAMED.fullmatch(os.readlink(f"/proc/self/fd/{int(fd)}"))
+    except OSError:
+        return None
+    return named.group(1) if named else None
 
 
 def _address_of(mapping: mmap.mmap) -> int:

@@ -394,7 +394,7 @@ class Engine:
         except BaseException:
             wire.close()
             raise
-        link = PeerLink(name, wire)
+        link = PeerLink(name, wire, deadline)
         try:
             transport = self._choose_transport(link)
             channel = transport.open(link)

@@ -134,9 +134,11 @@ class _Call(Pending):
 class PeerLink:
     """A live, authenticated connection to one remote engine (see the module docstring)."""
 
-    def __init__(self, remote_engine: str, wire: Wire) -> None:
+    def __init__(self, remote_engine: str, wire: Wire, connect_deadline: float | None = None) -> None:
         self.remote_engine = remote_engine
         self.wire = wire
+        self.connect_deadline = connect_deadline
+        """When the ``connect`` that made this link gives up: transports' probes end by then."""
         self.welcome = wire.conn.peer_info
         self.state = LinkState.CONNECTED
         self.regions = PeerRegions(self.welcome.get("regions", []), wire.conn.regions_generation)

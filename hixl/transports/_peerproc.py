@@ -2,11 +2,22 @@
 
 A same-host transport copies straight into another process's memory, so before
 it does, it must know *which* process that is — not which one the peer says it
-is. :func:`far_end_owner_error` proves it from the kernel's own tables: the
-process named must hold, among its open files, the very socket at the far end
-of our authenticated TCP connection (found in ``/proc/<pid>/net/tcp*``, which
-shows that process's network namespace). A peer that knows the shared secret
-can name any process it likes; it cannot make another process hold its socket.
+is, and not one that merely holds a descriptor the peer handed it: descriptors
+can be passed on (``SCM_RIGHTS``, inheritance, ``pidfd_getfd``), so "this
+process holds that socket" proves nothing about who the peer is.
+:func:`listener` asks the kernel instead: on a connected Unix socket,
+``SO_PEERCRED`` / ``SO_PEERPIDFD`` report the process that called ``listen()``
+on the other end, fixed at that moment; passing any descriptor anywhere
+afterwards does not change it. A same-host transport's side channel is such a
+socket, and its first exchange proves the binding of the authenticated TCP
+connection (see :mod:`._shm_socket`): the process the kernel names there is the
+one that runs the peer engine. (Only the holder of the listening socket answers
+there: the process that made it, which never hands it on, or one allowed to
+ptrace that process and take it with ``pidfd_getfd`` — which may write that
+process's memory anyway.) :func:`far_end_owner_error` checks besides that
+this process also holds the far end of our TCP connection (found in
+``/proc/<pid>/net/tcp*``, which shows that process's network namespace): no
+relay or proxy sits between.
 
 :class:`PeerProcess` then pins that process with a pidfd for the life of the
 link, so a pid that the kernel hands to a new process after the peer died is
@@ -18,6 +29,7 @@ open, which is non-blocking, and again with ``fstat`` after.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import mmap
 import os
@@ -25,11 +37,14 @@ import select
 import signal
 import socket
 import stat
+import struct
 import sys
 
-__all__ = ["PeerProcess", "Watched", "far_end_owner_error", "map_peer_file"]
+__all__ = ["PeerProcess", "Watched", "far_end_owner_error", "listener", "map_peer_file"]
 
 _ESTABLISHED = "01"
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5; Python names it from 3.13 on
 _Endpoint = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
 
 
@@ -102,6 +117,28 @@ def far_end_owner_error(pid: int, sock: socket.socket) -> str | None:
     return f"pid {pid} does not hold this connection's socket"
 
 
+def listener(sock: socket.socket) -> tuple[int, int]:
+    """The process that listens at the other end of the connected Unix socket ``sock``, as the
+    kernel recorded it when that process called ``listen()``: its pid in our PID namespace (0 if
+    outside it) and a pidfd pinning it (the caller's to close).
+
+    The pidfd comes from ``SO_PEERPIDFD`` (Linux 6.5), which names the very process, never one
+    given its pid later; older kernels give only the pid, which is opened at once (a process that
+    exited and whose pid was reused within that instant would be taken for it). Raises
+    :class:`OSError` if neither names a process here.
+    """
+    pid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[0]
+    try:
+        pidfd = struct.unpack("i", sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD, 4))[0]
+    except OSError as exc:
+        if exc.errno != errno.ENOPROTOOPT:  # (EINVAL, ESRCH: it has exited; its pid may be another's)
+            raise OSError(exc.errno, f"no process listens there any more ({exc.strerror})") from None
+        if pid <= 0:
+            raise OSError(errno.ESRCH, "the process listening there is outside our PID namespace") from None
+        pidfd = os.pidfd_open(pid)
+    return pid, pidfd
+
+
 class Watched:
     """A descriptor that turns ready (readable, or hung up) once what it stands for is gone: a
     pidfd once its process exited, a pipe's read end once every write end is closed.
@@ -143,11 +180,13 @@ class PeerProcess(Watched):
     """A process pinned by a pidfd: :meth:`alive` is false once *it* has gone, even if its pid
     has since been given to another process."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, pidfd: int | None = None) -> None:
+        """Pin process ``pid`` (``ProcessLookupError`` if there is none), or take ownership of
+        ``pidfd``, a pidfd of it already open."""
         self.pid = pid
         self.memory_fd = -1
         """Its ``/proc/<pid>/mem`` once :meth:`open_memory` proved it, else -1."""
-        super().__init__(os.pidfd_open(pid))  # ProcessLookupError if there is no such process
+        super().__init__(os.pidfd_open(pid) if pidfd is None else pidfd)
 
     def open_memory(self, addr: int, expected: bytes) -> bool:
         """Open ``/proc/<pid>/mem`` for reading and writing, and keep it (:attr:`memory_fd`) if it

@@ -40,7 +40,7 @@ from .._exceptions import ProtocolError
 from .._memory import RemoteRegions
 from .._protocol import shm as shm_proto
 from ._peerproc import Watched
-from ._shm_maps import SharedMappings
+from ._shm_maps import GrantLimits, SharedMappings
 from ._shm_socket import Received, fetch
 
 if TYPE_CHECKING:
@@ -88,11 +88,13 @@ class Liveness(Watched):
 class PeerMemory:
     """One peer's shared memory, mapped here (see the module docstring)."""
 
-    def __init__(self, link: LinkSession, path: str, timeout: float) -> None:
+    def __init__(self, link: LinkSession, path: str, timeout: float, limits: GrantLimits) -> None:
         self.link = link
         self.path = path
         self.timeout = timeout
-        """Longest one exchange with the peer's socket may take."""
+        """Longest one exchange with the peer's socket (and mapping what it granted) may take."""
+        self.limits = limits
+        """The most this maps of the peer."""
         self.maps = SharedMappings()
         """The mappings; read under a shared hold of the link's lease, changed under it alone."""
         self.synced: RemoteRegions | None = None
@@ -129,9 +131,11 @@ class PeerMemory:
             problem = None
             binding, proof = link.binding("shm"), link.binding("shm-target")
             received: list[Received] = []
+            refused: list[str] = []
             liveness: Liveness | None = None
+            deadline = min(deadline, time.monotonic() + self.timeout)
             try:
-                fetched = fetch(self.path, binding, proof, min(timeout, self.timeout))
+                fetched = fetch(self.path, binding, proof, deadline - time.monotonic(), self.limits.grants)
                 try:
                     liveness = Liveness(fetched.liveness)
                 except ProtocolError:
@@ -142,9 +146,10 @@ class PeerMemory:
                 problem = f"cannot get the peer's shared memory from {self.path}: {exc}"
                 log.warning("hixl: %s: %s; its regions go over TCP", link.remote_engine, problem)
             else:
-                received = fetched.received
-            prepared = self.maps.prepare(received)
-            for why in prepared.refused:
+                received, refused = fetched.received, fetched.refused
+            prepared = self.maps.prepare(received, table, self.limits, deadline)
+            refused += prepared.refused
+            for why in refused:
                 log.warning("hixl: %s: a shared region was refused (it goes over TCP): %s", link.remote_engine, why)
             # (Copies look at the liveness pipe under the lease too: none sees the old one closed.)
             with regions.lease.exclusive(time.monotonic() + self.timeout):  # (installed whatever the time left)
@@ -158,7 +163,7 @@ class PeerMemory:
                     self.synced = table
             if liveness is not None:
                 liveness.close()  # the one it replaced
-            return problem or ("; ".join(prepared.refused) if prepared.refused and not self.maps.items else None)
+            return problem or ("; ".join(refused) if refused and not self.maps.items else None)
 
     def on_revoke(self, table: RemoteRegions) -> None:
         """The link's REVOKE hook (under the exclusive lease): unmap what ``table`` withdrew, at once."""

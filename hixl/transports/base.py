@@ -53,6 +53,9 @@ class LinkSession(Protocol):
     """The peer's registrations, their generation, and the lease same-host copies hold."""
     state: LinkState
     """CONNECTED until the link is CLOSED or BROKEN."""
+    connect_deadline: float | None
+    """When the ``connect`` that made this link gives up (``time.monotonic()``): a probe ends by
+    then. None: no such deadline."""
     on_event: Callable[[Any], None] | None
     """Fault injection (:class:`hixl.testing.faults.FaultyTransport`): called with each event read."""
     on_send_failed: Callable[[int], None] | None

@@ -6,23 +6,31 @@ part — this is as one-sided as a host can be. Descriptors become two iovec
 arrays by slicing numpy columns, IOV_MAX at a time.
 
 Reachability is *proven*, not assumed, and nothing the peer says is taken on
-trust. Its WELCOME names a pid; the initiator copies into that process only if
-(1) the kernel's own tables show that it holds the far end of this very
-authenticated TCP connection (see :mod:`._peerproc`) — a peer that knows the
-secret can name any process, but cannot make another process hold its socket;
-(2) it holds, where it says, 16 bytes only the two ends of this connection can
-compute (derived from the session key), read through ``process_vm_readv``; and
-(3) it has its generation page open where it says (opened without ever
-blocking). The process is then pinned with a pidfd, and every copy checks that
-it is still alive, so a pid reused after the peer died is never copied into.
+trust. Which process to copy into is the kernel's word, not the peer's: the
+target listens on a Unix socket of its own (a path in ``socket_dir``, named in
+its WELCOME), and the initiator connects to it — through ``/proc/<pid>/root``, so
+that a peer in another mount namespace is reached as well — and has it prove the
+binding of this very authenticated TCP connection (only its two ends can compute
+it). The kernel reports which process called ``listen()`` on that socket
+(``SO_PEERCRED``, and ``SO_PEERPIDFD`` for a pidfd with no pid-reuse race): a fact
+fixed when it listened, which no descriptor passed on afterwards changes. (Proving
+"this process holds the far end of our socket" would not do: a peer can hand its
+socket to a third process, see :mod:`._peerproc`.) The initiator copies into that
+process only if (1) it is the pid the WELCOME names; (2) the kernel's own tables show that
+it holds the far end of this TCP connection too (no relay sits between); (3) it holds, where it
+says, 16 bytes only the two ends of this connection can compute (derived from the session key),
+read through ``process_vm_readv``; and (4) it has its generation page open where it says (opened
+without ever blocking). The process stays pinned with its pidfd, and every copy checks that it is
+still alive, so a pid reused after the peer died is never copied into.
 A copy of one descriptor of up to a page (``transfer_sync``'s latency case) goes
 through the process's ``/proc/<pid>/mem`` instead, where that opens and holds the
 same 16 bytes: that file is bound to the process's memory, not its pid, so it
 needs no liveness check — one system call where ``process_vm_*`` needs two.
 Before any of that, the peer must run under this kernel (its boot id) and in this
-PID namespace (the pid it names means that process only there); network namespaces
+PID namespace (the pid it names means that process only there); network and mount namespaces
 do not matter — two containers that share a kernel and a PID namespace but not a
-network still use cma, as the socket's far end is looked up in the peer's own.
+network still use cma, as the socket's far end is looked up in the peer's own, and its
+Unix socket reached through its own root.
 The probe fails (and the engine falls back to TCP, logging why) across hosts,
 across pid namespaces, behind a proxy or NAT, and where ptrace permission is
 withheld (Yama, seccomp, containers without CAP_SYS_PTRACE, other users).
@@ -46,12 +54,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _accel
-from .._exceptions import HixlError, PeerDisconnected, TransferError
+from .._exceptions import HixlError, PeerDisconnected, ProtocolError, TransferError
 from .._iov import iovecs, process_vm_readv
+from .._protocol import shm as shm_proto
 from .._session.address import boot_id as _boot_id
 from .._session.initiator import LinkState
 from .._types import MemType, Op
 from ._peerproc import PeerProcess, far_end_owner_error, map_peer_file
+from ._shm_socket import (
+    Credentials,
+    Message,
+    SessionSocket,
+    default_socket_dir,
+    probe_timeout,
+    prove,
+    usable_path,
+)
 from .base import Capabilities, Channel, Transport
 
 if TYPE_CHECKING:
@@ -220,10 +238,16 @@ class CmaTransport(Transport):
         mem_types=frozenset({MemType.HOST}),
     )
 
-    def __init__(self, copy_lanes: int = 1) -> None:
+    def __init__(
+        self, copy_lanes: int = 1, socket_dir: str | os.PathLike[str] | None = None, timeout: float = 2.0
+    ) -> None:
         """``copy_lanes``: threads a large copy is split over (the caller's included; see
-        :func:`hixl._accel.cma_window`)."""
+        :func:`hixl._accel.cma_window`). ``socket_dir``: where the target's Unix socket goes
+        (as :class:`~hixl.transports.ShmTransport`'s: default ``$HIXL_SHM_DIR``, else ``/tmp``).
+        ``timeout``: the longest the exchange on it may take, for both halves."""
         self._lanes = max(1, min(int(copy_lanes), _accel.MAX_LANES))
+        self.timeout = float(timeout)
+        self._socket = SessionSocket("cma", default_socket_dir(socket_dir), "cma-socket", self._prove_to, self.timeout)
         # Registration generation, in a memfd that initiators map (see CmaChannel.check_remote).
         # Without one (memfd refused), initiators' probes fail and they use another transport.
         self._generation_fd = -1
@@ -239,16 +263,23 @@ class CmaTransport(Transport):
             self.close()
 
     def advertise(self, session: ServedSession) -> dict[str, Any]:
-        """Pid, boot id and where this connection's probe bytes live; the generation fd."""
+        """Pid, boot id, the socket that proves which process this is, where this connection's
+        probe bytes live; the generation fd."""
         probe = ctypes.create_string_buffer(session.binding("cma"), _NONCE_BYTES)
         session.keepalive.append(probe)  # for as long as the connection lasts
         return {
             "pid": os.getpid(),
             "boot_id": _boot_id(),
             "pid_namespace": _pid_namespace(),
+            "socket": self._socket.offer(session),
             "probe_addr": ctypes.addressof(probe),
             "generation_fd": self._generation_fd if self._generation_map is not None else None,
         }
+
+    @staticmethod
+    def _prove_to(session: ServedSession, cred: Credentials) -> list[Message]:
+        """A client that proved ``session``'s binding on our socket: the proof that we serve it."""
+        return [(session.binding("cma-socket-target"), [])]
 
     def regions_changed(self, generation: int) -> None:
         """Publish the generation that initiators compare before trusting their copy of our regions."""
@@ -256,7 +287,8 @@ class CmaTransport(Transport):
             _GENERATION.pack_into(self._generation_map, 0, generation)
 
     def close(self) -> None:
-        """Release the generation page; idempotent."""
+        """Stop listening, release the generation page; idempotent."""
+        self._socket.close()
         if self._generation_map is not None:
             self._generation_map.close()
             self._generation_map = None
@@ -267,10 +299,12 @@ class CmaTransport(Transport):
     def probe(self, link: LinkSession) -> str | None:
         """Prove which process the peer is and that we may copy into it; ``None`` if all holds.
 
-        Nothing the peer says is taken on trust: the pid it names must hold the far end
-        of this very connection's socket (the kernel's tables say so, see
-        :mod:`._peerproc`), must hold this connection's probe bytes where it says, and
-        must have its generation page open where it says.
+        Nothing the peer says is taken on trust: the process is the one the kernel names as the
+        listener of the peer's socket, once that proved this connection's binding (see the
+        module docstring); it must be the pid the peer names, must hold the far end of this very
+        connection's socket (the kernel's tables say so, see :mod:`._peerproc`), must hold this
+        connection's probe bytes where it says, and must have its generation page open where it
+        says. All within ``connect``'s deadline.
         """
         info = link.welcome.get("transports", {}).get("cma")
         if not isinstance(info, dict):
@@ -280,7 +314,7 @@ class CmaTransport(Transport):
         theirs, ours = info.get("pid_namespace"), _pid_namespace()
         if theirs is not None and theirs != ours:
             # Its pid names another process here, or none: nothing to attach to. (A peer that
-            # does not say is left to the socket proof below, which no wrong pid passes.)
+            # does not say is left to the kernel's word below, which no wrong pid passes.)
             return f"the peer runs in another PID namespace ({theirs}, ours is {ours})"
         try:
             pid, addr, generation_fd = int(info["pid"]), int(info["probe_addr"]), int(info["generation_fd"])
@@ -288,13 +322,29 @@ class CmaTransport(Transport):
             return "the peer's cma advertisement is malformed"
         if pid <= 0 or not 0 <= generation_fd < 1 << 31 or not 0 < addr < 1 << 64:
             return "the peer's cma advertisement is out of range"
+        path = info.get("socket")
+        if path is None:
+            return "the peer has no socket to prove which process it is (an older hixl, or it could not make one)"
+        if not usable_path(path):
+            return "the peer's cma socket path is malformed"
+        timeout = probe_timeout(link, self.timeout)
+        if timeout <= 0:
+            return "no time left before connect's deadline"
         try:
-            process = PeerProcess(pid)  # pinned first: whatever is proven below is about this process
-        except OSError as exc:
-            return f"no process {pid} here ({exc.strerror})"
+            # Through its root, which is ours unless it runs in another mount namespace. Whatever
+            # listens there, the kernel says which process that is.
+            binding, proof = link.binding("cma-socket"), link.binding("cma-socket-target")
+            process = prove(path, binding, proof, timeout, root=f"/proc/{pid}/root")
+        except (OSError, ProtocolError, shm_proto.Refused) as exc:
+            return f"the peer's cma socket did not prove which process it is: {exc}"
+        generation = None
         try:
-            reason = far_end_owner_error(pid, link.socket) or self._probe_bytes_error(link, pid, addr)
-            generation = None
+            if process.pid != pid:
+                reason: str | None = f"the peer names pid {pid}, but pid {process.pid} listens on its socket"
+            elif not process.alive():
+                reason = f"pid {pid} exited during the probe"
+            else:
+                reason = far_end_owner_error(pid, link.socket) or self._probe_bytes_error(link, pid, addr)
             if reason is None:
                 try:
                     generation = map_peer_file(pid, generation_fd, _GENERATION_NAME, _GENERATION.size)

@@ -19,7 +19,11 @@ Everything else — READ and WRITE frames for memory outside the pool — is
 served as TCP serves it. See :mod:`hixl.transports._shm_socket`.
 
 *Initiator half.* :meth:`ShmTransport.probe` checks the boot id, fetches and
-verifies the grants and maps them (:mod:`._shm_maps`); it fails, and the
+verifies the grants and maps them (:mod:`._shm_maps`), all within ``connect``'s
+deadline: only memfds that the process listening on the socket made itself (the
+kernel names that process, and every pool memfd is named after its maker: see
+:mod:`._shm_socket`), within what the peer registered and within
+``max_grants`` / ``max_grant_bytes``; it fails, and the
 engine moves on to TCP, when the peer is on another host, its socket cannot
 be reached (another mount namespace), it refuses us, or it has no pool memory
 registered (then TCP moves the same bytes; a connection made before the pool
@@ -39,8 +43,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
-import stat
 import threading
 import time
 import weakref
@@ -50,14 +52,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _accel, _shm_pool
-from .._exceptions import HixlError, PeerDisconnected, ProtocolError
+from .._exceptions import HixlError, PeerDisconnected
 from .._memory import RemoteRegions
 from .._protocol import shm as shm_proto
 from .._session.address import boot_id as _boot_id
 from .._session.initiator import INPUT_CHECK, LinkState
 from .._types import MemType, Op
+from ._shm_maps import GrantLimits
 from ._shm_peer import RECHECK, PeerMemory
-from ._shm_socket import Credentials, GrantServer, Message
+from ._shm_socket import (
+    Credentials,
+    Message,
+    SessionSocket,
+    default_socket_dir,
+    probe_timeout,
+    usable_path,
+)
 from .base import Capabilities, Channel, Transport
 from .tcp import TcpChannel, TcpTransport
 
@@ -69,10 +79,6 @@ __all__ = ["ShmChannel", "ShmTransport"]
 
 log = logging.getLogger("hixl")
 
-DIR_ENV = "HIXL_SHM_DIR"
-"""Environment variable naming the default socket directory."""
-DEFAULT_DIR = "/tmp"
-_SUN_PATH = 108  # sizeof(sockaddr_un.sun_path), the terminating NUL included
 CHUNK = 16 << 20
 """Most bytes one lease hold copies: a REVOKE or a cancel waits for at most one such chunk (a
 millisecond or two). Smaller chunks cost a batch of 16 KiB blocks a few percent (each chunk is one
@@ -89,15 +95,6 @@ _LOOK_EVERY = min(RECHECK, INPUT_CHECK)
 as either would look anyway."""
 
 
-class _Session:
-    """A served connection that may fetch grants; lives (in its keepalive) as long as the connection."""
-
-    __slots__ = ("__weakref__", "session")
-
-    def __init__(self, session: ServedSession) -> None:
-        self.session = weakref.ref(session)
-
-
 def _shareable(table: RemoteRegions) -> list[tuple[_shm_pool.PoolMapping, bool]]:
     """The pool allocations ``table`` registers in full, and whether also in full writably."""
     found: dict[int, tuple[_shm_pool.PoolMapping, bool]] = {}
@@ -108,19 +105,9 @@ def _shareable(table: RemoteRegions) -> list[tuple[_shm_pool.PoolMapping, bool]]
     return [found[a] for a in sorted(found)]
 
 
-def _directory_problem(path: str) -> str | None:
-    """Why sockets in ``path`` could be swapped by someone else (None: they cannot)."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        return f"cannot use {path}: {exc.strerror}"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{path} is not a directory"
-    if st.st_uid not in (0, os.geteuid()):
-        return f"{path} belongs to uid {st.st_uid}, who could replace the sockets in it"
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        return f"{path} is writable by others and not sticky: they could replace the sockets in it"
-    return None
+def _memory_size() -> int:
+    """This machine's memory, in bytes: more than a peer can have allocated to grant."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class ShmTransport(Transport):
@@ -135,6 +122,9 @@ class ShmTransport(Transport):
     authenticated connection. ``timeout``: the longest one exchange on the
     socket may take, for both halves. ``copy_lanes``: threads (the caller's
     included) a large copy is split over (see :func:`hixl._accel.copy_pieces`).
+    ``max_grants`` / ``max_grant_bytes``: initiator side, the most allocations of one peer it
+    maps, and the most bytes in all (default: this machine's memory); a peer that grants more
+    is refused all of them (see :mod:`._shm_maps`).
     """
 
     capabilities = Capabilities(
@@ -151,74 +141,36 @@ class ShmTransport(Transport):
         allowed_uids: Iterable[int] | None = None,
         timeout: float = 2.0,
         copy_lanes: int = 1,
+        max_grants: int = 1024,
+        max_grant_bytes: int | None = None,
     ) -> None:
         self._lanes = max(1, min(int(copy_lanes), _accel.MAX_LANES))
-        self.socket_dir = os.fspath(socket_dir or os.environ.get(DIR_ENV) or DEFAULT_DIR)
+        self.socket_dir = default_socket_dir(socket_dir)
         self.allowed_uids = None if allowed_uids is None else frozenset(int(u) for u in allowed_uids)
         self.timeout = float(timeout)
+        self.limits = GrantLimits(int(max_grants), _memory_size() if max_grant_bytes is None else int(max_grant_bytes))
+        if self.limits.grants < 1 or self.limits.nbytes < 1:
+            raise ValueError(f"max_grants and max_grant_bytes must be positive, not {max_grants!r}, {max_grant_bytes!r}")
         self._tcp = TcpTransport()
+        self._socket = SessionSocket("shm", self.socket_dir, "shm", self._grants, self.timeout, self.allowed_uids)
         self._lock = threading.Lock()
-        self._server: GrantServer | None = None
         self._liveness: tuple[int, int] | None = None  # the pipe initiators watch: (read, write)
-        self._unavailable: str | None = None
-        self._sessions: weakref.WeakValueDictionary[bytes, _Session] = weakref.WeakValueDictionary()
         self._proven: weakref.WeakKeyDictionary[LinkSession, PeerMemory] = weakref.WeakKeyDictionary()
 
     # -- target half ----------------------------------------------------------------------------
     def advertise(self, session: ServedSession) -> dict[str, Any]:
         """The boot id, and the socket path if some registered memory is pool memory."""
         info: dict[str, Any] = {"boot_id": _boot_id()}
-        if not _shareable(session.regions()):
-            return info
-        path = self._listening()
-        if path is not None:
-            token = _Session(session)
-            session.keepalive.append(token)  # the binding is good as long as the connection
-            with self._lock:
-                self._sessions[session.binding("shm")] = token
-            info["socket"] = path
+        if _shareable(session.regions()):
+            path = self._socket.offer(session)
+            if path is not None:
+                info["socket"] = path
         return info
 
-    def _listening(self) -> str | None:
-        """The socket's path, listening from the first call on; None if it cannot be (logged once)."""
-        with self._lock:
-            if self._server is None and self._unavailable is None:
-                try:
-                    self._liveness = os.pipe2(os.O_CLOEXEC)  # the write end is never written: held till close()
-                    self._server = GrantServer(self._new_path(), self._answer, self.timeout)
-                except (OSError, ValueError) as exc:
-                    self._close_liveness()
-                    self._unavailable = str(exc)
-                    log.warning("hixl: shm: peers cannot map this engine's memory: %s", exc)
-            return self._server.path if self._server is not None else None
-
-    def _new_path(self) -> str:
-        if not os.path.isdir(self.socket_dir):
-            os.makedirs(self.socket_dir, exist_ok=True)
-            os.chmod(self.socket_dir, 0o1777)  # peers of other users put their sockets here too
-        problem = _directory_problem(self.socket_dir)
-        if problem is not None:
-            raise ValueError(problem)
-        path = os.path.join(self.socket_dir, f"hixl-shm-{os.getpid()}-{secrets.token_hex(6)}.sock")
-        if len(os.fsencode(path)) >= _SUN_PATH:
-            raise ValueError(f"socket path {path!r} is longer than a Unix socket address allows")
-        return path
-
-    def _answer(self, request: bytes, cred: Credentials) -> list[Message]:
-        """One client's request, on the socket's thread: its grants, or why not."""
-        who = f"pid {cred.pid} (uid {cred.uid}, gid {cred.gid})"
-        try:
-            binding = shm_proto.decode_request(request)
-        except ProtocolError as exc:
-            return self._refuse(who, f"malformed request: {exc}")
-        if self.allowed_uids is not None and cred.uid not in self.allowed_uids:
-            return self._refuse(who, f"uid {cred.uid} is not among the allowed_uids")
-        with self._lock:
-            token = self._sessions.get(binding)
-        session = token.session() if token is not None else None
-        if session is None or not session.is_open():
-            return self._refuse(who, "no open authenticated connection has this binding")
+    def _grants(self, session: ServedSession, cred: Credentials) -> list[Message]:
+        """A client that proved ``session``'s binding, on the socket's thread: its grants."""
         session.mark_one_sided()  # whatever it said at the handshake: from now on it maps our memory
+        liveness = self._liveness_end()
         grants: list[shm_proto.Grant] = []
         fds: list[int] = []
         try:
@@ -228,21 +180,24 @@ class ShmTransport(Transport):
                     fds.append(opened[0])
                     grants.append(shm_proto.Grant(entry.addr, entry.length, opened[1]))
             messages = shm_proto.encode_grants(session.binding("shm-target"), grants)
+            alive = os.dup(liveness)
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        log.info("hixl: shm: %d region(s) shared with %s, for the connection from %s", len(grants), who, session.peer)
+        log.info("hixl: shm: %d region(s) shared with %s, for the connection from %s", len(grants), cred, session.peer)
         per = shm_proto.MAX_PER_MESSAGE
         answer = [(m, fds[i * per : (i + 1) * per]) for i, m in enumerate(messages)]
-        assert self._liveness is not None  # (made before the server that calls this)
-        answer[-1][1].append(os.dup(self._liveness[0]))
+        answer[-1][1].append(alive)
         return answer
 
-    @staticmethod
-    def _refuse(who: str, reason: str) -> list[Message]:
-        log.warning("hixl: shm: refused %s: %s", who, reason)
-        return [(shm_proto.encode_refusal(reason), [])]
+    def _liveness_end(self) -> int:
+        """The read end of the pipe initiators watch (made on first need): it hangs up once this
+        process is gone, as the write end is never written and held till :meth:`close`."""
+        with self._lock:
+            if self._liveness is None:
+                self._liveness = os.pipe2(os.O_CLOEXEC)
+            return self._liveness[0]
 
     def serve(self, session: ServedSession, message: Any) -> None:
         """READ and WRITE frames (memory outside the pool, or a peer that maps nothing): as TCP."""
@@ -260,17 +215,11 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         """Stop listening and remove the socket; idempotent."""
+        self._socket.close()
         with self._lock:
-            server, self._server = self._server, None
-            self._unavailable = "closed"  # (no socket again after finalize)
-        if server is not None:
-            server.close()
-        self._close_liveness()  # initiators' liveness pipes hang up now
-
-    def _close_liveness(self) -> None:
-        liveness, self._liveness = self._liveness, None
+            liveness, self._liveness = self._liveness, None
         for fd in liveness or ():
-            os.close(fd)
+            os.close(fd)  # initiators' liveness pipes hang up now
 
     # -- initiator half -------------------------------------------------------------------------
     def probe(self, link: LinkSession) -> str | None:
@@ -284,11 +233,14 @@ class ShmTransport(Transport):
         path = info.get("socket")
         if path is None:
             return "the peer has no pool memory registered (hixl.empty(..., shared=True)); TCP moves its regions as well"
-        if not isinstance(path, str) or not path.startswith("/") or "\0" in path or len(os.fsencode(path)) >= _SUN_PATH:
+        if not usable_path(path):
             return "the peer's shm socket path is malformed"
-        memory = PeerMemory(link, path, self.timeout)
+        timeout = probe_timeout(link, self.timeout)
+        if timeout <= 0:
+            return "no time left before connect's deadline"
+        memory = PeerMemory(link, path, self.timeout, self.limits)
         try:
-            problem = memory.sync(self.timeout)
+            problem = memory.sync(timeout)
             if problem is None and not memory.maps.items:
                 problem = "the peer shared none of its memory with us"
         except BaseException:

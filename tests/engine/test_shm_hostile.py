@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import hixl
-from hixl import Engine, Op, Unsupported
-from hixl._session.address import boot_id
+from hixl import Engine, Op, Unsupported, _shm_pool
 from hixl._protocol import shm as shm_proto
+from hixl._session.address import boot_id
 from hixl._shm_pool import F_SEAL_FUTURE_WRITE
 from hixl.testing import ScriptedPeer, ScriptedTarget, TargetProcess
 from hixl.testing.leaks import open_fds
@@ -160,8 +160,10 @@ def test_stalled_clients_are_dropped_in_time_and_delay_nobody(target: TargetProc
 
 # -- impostor targets ------------------------------------------------------------------------------
 def _memfd(size: int, seals: int) -> int:
-    fd = os.memfd_create("hixl-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    """A memfd as this process's pool makes them (named so, its pages allocated), with ``seals``."""
+    fd = os.memfd_create(_shm_pool.memfd_name(), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd
@@ -197,7 +199,7 @@ _REASONS = {
     "wrong-proof": "does not prove",
     "unsealed": "may be shrunk",
     "too-small": "not a file of at least",
-    "a-pipe": "not a file",
+    "a-pipe": "not a pool memfd",
     "no-liveness": "descriptors",
 }
 
@@ -216,7 +218,7 @@ def test_an_impostor_socket_gets_nothing_mapped(kind: str, tmp_path: object) -> 
     def script(peer: ScriptedPeer) -> None:
         conns.append(peer.conn)
         shm = {"boot_id": boot_id(), "socket": server.path}
-        peer.accept_handshake([(ADDR, 4096, 1)], boot_id=boot_id(), transports={"shm": shm, "tcp": {}})
+        peer.accept_handshake([(ADDR, 3 * 4096, 1)], boot_id=boot_id(), transports={"shm": shm, "tcp": {}})
         peer.expect_closed(20)
 
     fds, maps = open_fds(), _pool_maps()

@@ -85,6 +85,7 @@ def _impostor(victim: TargetProcess) -> Callable[[ScriptedPeer], None]:
             "boot_id": boot_id(),
             "probe_addr": victim.addrs[0] + PLANT_AT,
             "generation_fd": advertised["transports"]["cma"]["generation_fd"],
+            "socket": advertised["transports"]["cma"]["socket"],  # V's: it proves nothing for this connection
         }
         welcome = {
             "engine": "impostor",
