@@ -30,6 +30,7 @@ open, which is non-blocking, and again with ``fstat`` after.
 from __future__ import annotations
 
 import errno
+import fcntl
 import ipaddress
 import mmap
 import os
@@ -267,6 +268,10 @@ def map_peer_file(pid: int, fd: int, name: str, size: int) -> mmap.mmap:
         after = os.fstat(opened)
         if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(after.st_mode):
             raise ValueError(f"fd {fd} of pid {pid} changed while it was being opened")
+        # A file its owner could still shrink would kill us with SIGBUS when we next read the
+        # mapping: only one sealed against shrinking is mapped.
+        if not fcntl.fcntl(opened, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+            raise ValueError(f"fd {fd} of pid {pid} is not sealed against shrinking (F_SEAL_SHRINK)")
         return mmap.mmap(opened, size, prot=mmap.PROT_READ)
     finally:
         os.close(opened)

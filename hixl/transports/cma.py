@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import struct
@@ -256,8 +257,11 @@ class CmaTransport(Transport):
         # and its mapped generation page (proven once, never looked up again).
         self._proven: weakref.WeakKeyDictionary[LinkSession, tuple[PeerProcess, mmap.mmap]] = weakref.WeakKeyDictionary()
         try:
-            self._generation_fd = os.memfd_create(_GENERATION_NAME, os.MFD_CLOEXEC)
+            self._generation_fd = os.memfd_create(_GENERATION_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self._generation_fd, _GENERATION.size)
+            # Its size fixed for good: initiators map it only if so (see map_peer_file), as a page
+            # truncated under their mapping would kill them with SIGBUS on their next read.
+            fcntl.fcntl(self._generation_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self._generation_map = mmap.mmap(self._generation_fd, _GENERATION.size)
         except OSError:
             self.close()
