@@ -14,6 +14,7 @@
     ├── AccessDenied (PermissionError)        ACCESS_DENIED, e.g. a WRITE into a read-only region
     ├── TransferError                         FAILED
     │   ├── PeerDisconnected (ConnectionError) the peer died or closed the link
+    │   │   └── IntegrityError                 an encrypted link's bytes failed authentication
     │   └── TransferCancelled                  TransferReq.cancel() stopped it
     └── ProtocolError                         FAILED, a malformed or unexpected frame
 
@@ -29,8 +30,10 @@ __all__ = [
     "AccessDenied",
     "AlreadyConnected",
     "AuthenticationFailed",
+    "EncryptionMismatch",
     "HixlError",
     "HixlTimeout",
+    "IntegrityError",
     "MemoryRangeError",
     "NotConnected",
     "ParamInvalid",
@@ -98,6 +101,11 @@ class Unsupported(HixlError):
     status = Status.UNSUPPORTED
 
 
+class EncryptionMismatch(Unsupported):
+    """One end of a connection encrypts its links (``encrypt=True``) and the other does not: the
+    connection is refused by both, never made in plaintext."""
+
+
 class ResourceExhausted(HixlError):
     """A bounded resource (pending notifications, registrations, ...) is full."""
 
@@ -130,6 +138,11 @@ class TransferTimeout(HixlTimeout, TransferError):
 
 class PeerDisconnected(TransferError, ConnectionError):
     """The peer closed the connection, died, or stopped answering heartbeats."""
+
+
+class IntegrityError(PeerDisconnected):
+    """Bytes received on an encrypted link failed authentication: altered (or corrupted) on the
+    way. None of them landed; the link is closed, and every request pending on it fails."""
 
 
 class TransferCancelled(TransferError):

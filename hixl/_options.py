@@ -7,8 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ._exceptions import ParamInvalid
+from ._exceptions import ParamInvalid, Unsupported
 from ._protocol.auth import Secret
+from ._protocol.seal import aead_unavailable
 from .discovery.store import checked_lease_ttl
 
 __all__ = ["DEFAULT_OPTIONS", "EngineOptions"]
@@ -40,6 +41,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "busy_poll": 50e-6,
     "auth_secret": None,
     "allow_unauthenticated": False,
+    "encrypt": False,
     "allowed_networks": None,
     "metadata_server": None,
     "lease_ttl": 10.0,
@@ -94,6 +96,12 @@ DEFAULT_OPTIONS: dict[str, Any] = {
   much CPU after each request.
 - ``auth_secret``: shared secret (str or bytes; default ``$HIXL_AUTH_SECRET``) both ends must know.
 - ``allow_unauthenticated``: listen on a non-loopback address without a secret (refused otherwise).
+- ``encrypt``: seal every TCP link of this engine, both roles — every frame and every data byte
+  encrypted and authenticated (AES-256-GCM, keys derived from each handshake's session key; needs
+  ``auth_secret`` and the ``cryptography`` package, ``pip install hixl[encrypt]``). A peer that does
+  not encrypt is refused with :class:`~hixl.EncryptionMismatch`, in either role; nothing falls back
+  to plaintext. Same-host copies (cma, shm) are not TCP and stay as they are; the socket beside
+  them is sealed. Off by default: see docs/engine.md, "Encryption".
 - ``allowed_networks`` (target): CIDR strings; connections from elsewhere are refused.
 - ``metadata_server``: ``"etcd://host:port"`` (default ``$HIXL_METADATA_SERVER``) to publish this
   engine there and let DataDist resolve clusters through it (see :mod:`hixl.discovery`); ``None``:
@@ -126,7 +134,7 @@ _POSITIVE_COUNTS = (
 )
 # At least 4096, so that the largest notification (two 1 KiB strings) always fits.
 _NOTIFY_BYTES = ("max_notify_bytes", "max_notify_bytes_per_connection")
-_FLAGS = ("connect_fail_fast", "allow_unauthenticated")
+_FLAGS = ("connect_fail_fast", "allow_unauthenticated", "encrypt")
 _MOST_BUSY_POLL = 0.01  # (longer would be a CPU burnt per request, not a wake-up saved)
 
 
@@ -182,6 +190,15 @@ class EngineOptions:
         except TypeError as exc:
             raise ParamInvalid(str(exc)) from None
         values["auth_secret"] = secret
+        if values["encrypt"]:
+            if secret is None:
+                raise ParamInvalid(
+                    "option encrypt needs auth_secret (or HIXL_AUTH_SECRET): the keys derive from the handshake's "
+                    "session key, which only a shared secret keeps from others"
+                )
+            missing = aead_unavailable()
+            if missing is not None:
+                raise Unsupported(missing)
         if values["metadata_server"] is None:
             values["metadata_server"] = os.environ.get("HIXL_METADATA_SERVER") or None
         if values["metadata_server"] is not None and not isinstance(values["metadata_server"], str):

@@ -236,6 +236,7 @@ class Engine:
                     self._secret,
                     identity,
                     self._network,
+                    encrypt=self.options["encrypt"],
                 )
             except OSError as exc:
                 for transport in self._transports:
@@ -331,7 +332,8 @@ class Engine:
         replaces that link. Raises :class:`ParamInvalid` for a
         malformed address or for this engine itself, :class:`AlreadyConnected`,
         :class:`NotConnected` if nobody answers, :class:`AuthenticationFailed` if
-        either side fails the shared-secret proof, :class:`HixlTimeout` if the
+        either side fails the shared-secret proof, :class:`EncryptionMismatch` if only
+        one of the two engines has the ``encrypt`` option, :class:`HixlTimeout` if the
         handshake is too slow, :class:`ResourceExhausted` if the target is at its
         connection limit, and :class:`Unsupported` if a forced transport can't
         reach the peer.
@@ -384,7 +386,7 @@ class Engine:
         deadline = time.monotonic() + timeout
         sock = self._dial(name, host, port, deadline)
         interval, misses = float(self.options["heartbeat_interval"]), int(self.options["heartbeat_misses"])
-        wire = Wire(sock, Connection(Role.INITIATOR, self._secret), name, interval, misses)
+        wire = Wire(sock, Connection(Role.INITIATOR, self._secret, encrypt=self.options["encrypt"]), name, interval, misses)
         wire.busy_poll = float(self.options["busy_poll"])
         try:
             hello = self._hello_info()

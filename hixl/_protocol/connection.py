@@ -45,6 +45,18 @@ metadata) is sent before the other side's proof passed. The WELCOME carries a
 MAC under the session key, so a WELCOME recorded from another connection is
 refused.
 
+Encrypted connections (``encrypt=True`` on both ends; HELLO and CHALLENGE say
+``"encrypt": true``): once the CHALLENGE is sent (target) or its proof checked
+(initiator), each side has the session key, and everything after — from AUTH
+and WELCOME on, both ways — travels in sealed records (:mod:`hixl._protocol.seal`,
+the keys derived from the session key and from the HELLO and CHALLENGE as each
+side sent or received them, so that an alteration of either makes the first sealed
+record fail): the connection makes its :attr:`Connection.seal` then, and the driver
+seals and opens the bytes while the connection goes on parsing plain frames. A side
+whose setting differs refuses the connection
+(:class:`~hixl.EncryptionMismatch`): the initiator on reading the CHALLENGE, the
+target by an ERROR after its CHALLENGE. Nothing falls back to plaintext.
+
 Bulk data (the payload of WRITE and DATA) is not turned into events: after such
 a frame the driver moves ``data_left`` bytes itself, straight between the socket
 and registered memory, first taking whatever the connection had already
@@ -56,18 +68,20 @@ events as feeding it whole.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 
-from .._exceptions import AuthenticationFailed, ProtocolError
+from .._exceptions import AuthenticationFailed, EncryptionMismatch, ProtocolError
 from .._types import IdentityEnum
 from . import auth
 from .frames import (
+    BODY_LIMITS,
     HEADER_SIZE,
     MIN_VERSION,
     SMALL_DESCS,
@@ -97,8 +111,11 @@ from .frames import (
     parse_body,
     parse_header_at,
 )
+from .seal import RECORD_MAX, Seal
 
 __all__ = ["NEED_DATA", "ConnState", "Connection", "ConnectionClosed", "PeerFatal", "RegionsPushed", "Role"]
+
+T = TypeVar("T", bytes, bytearray)
 
 
 class Role(IdentityEnum):
@@ -179,6 +196,8 @@ _REPLIES: dict[FrameType, frozenset[FrameType]] = {
 _UNSOLICITED: frozenset[FrameType] = frozenset({_F.REGIONS, _F.PING, _F.PONG, _F.BYE, _F.ERROR, _F.REVOKE, _F.REVOKED})
 _HEARTBEATS = frozenset({_F.PING, _F.PONG})
 _HANDSHAKE_KINDS = frozenset({_F.HELLO, _F.CHALLENGE, _F.AUTH, _F.WELCOME})
+_IN_CLEAR = frozenset({_F.HELLO, _F.CHALLENGE})
+"""The frames an encrypting handshake sends before its keys exist: their bytes go into the keys."""
 # The latency path: the frames a side receives most, in OPEN, checked in fewer steps. Derived
 # from the tables above (and checked against the general path frame by frame in a test).
 _FAST: dict[Role, frozenset[FrameType]] = {
@@ -227,6 +246,8 @@ class Connection:
     ``clock`` is the monotonic clock, ``nonce_source`` makes this side's nonce
     (default :func:`~hixl._protocol.auth.fresh_nonce`) and ``versions`` is the range of
     protocol versions this side speaks (default: this hixl's); all injectable for tests.
+    ``encrypt``: this side seals everything after the handshake's proofs and refuses a peer that
+    does not (see the module docstring).
     """
 
     def __init__(
@@ -237,8 +258,16 @@ class Connection:
         clock: Callable[[], float] = time.monotonic,
         nonce_source: Callable[[], str] | None = None,
         versions: tuple[int, int] = (MIN_VERSION, VERSION),
+        encrypt: bool = False,
     ) -> None:
         self.role = role
+        self.encrypt = encrypt
+        self.seal: Seal | None = None
+        """The connection's seal once the handshake switched to sealed records (``encrypt``); the
+        driver's to use (see the module docstring)."""
+        self.encryption_mismatch = ""
+        """Target, after the HELLO: why the initiator's ``encrypt`` differs from ours ("" if it does not)."""
+        self._transcript = hashlib.sha256() if encrypt else None  # (the frames sent in clear, until sealed)
         self._low, self._high = versions
         self.state = ConnState.HANDSHAKE
         self.version = 0
@@ -268,13 +297,24 @@ class Connection:
     # -- handshake ------------------------------------------------------------------------------
     def initiate(self) -> bytes:
         """Initiator: the HELLO that opens the handshake."""
-        info = {"versions": [self._low, self._high], "nonce": self._nonce, "clock": self._clock()}
-        return self.send(Hello(info))
+        info: dict[str, Any] = {"versions": [self._low, self._high], "nonce": self._nonce, "clock": self._clock()}
+        if self.encrypt:
+            info["encrypt"] = True
+        return self._transcribed(self.send(Hello(info)))
 
     def challenge(self) -> bytes:
-        """Target, after the HELLO event: the CHALLENGE with this side's proof."""
+        """Target, after the HELLO event: the CHALLENGE with this side's proof. With ``encrypt`` on
+        both sides, what follows it is sealed both ways (:attr:`seal`); if only one side has it,
+        :attr:`encryption_mismatch` says so, and the driver refuses the connection after this."""
         proof = auth.proof(self._key, "target", self._nonce, self._peer_nonce, self.version)
-        return self.send(Challenge({"version": self.version, "nonce": self._nonce, "proof": proof, "clock": self._clock()}))
+        info: dict[str, Any] = {"version": self.version, "nonce": self._nonce, "proof": proof, "clock": self._clock()}
+        if self.encrypt:
+            info["encrypt"] = True
+        frame = self._transcribed(self.send(Challenge(info)))
+        self._session_key = auth.session_key(self._key, self._peer_nonce, self._nonce, self.version)
+        if self.encrypt and not self.encryption_mismatch:
+            self._start_sealing()
+        return frame
 
     def authenticate(self, info: dict[str, Any]) -> bytes:
         """Initiator, after the CHALLENGE event (target proved itself): AUTH with our proof and ``info``."""
@@ -459,13 +499,15 @@ class Connection:
                 return self._end_of_input()
             if answers is not None:
                 del self._outstanding[answers]
+            if self._transcript is not None and header.type in _IN_CLEAR:
+                self._transcribed(self._buf[pos:end])
             # A copy: parsed messages (numpy views of descriptors) must not alias the buffer.
             body = bytes(self._buf[pos + HEADER_SIZE : end]) if header.body_len else b""
             message = parse_body(header, body)
             self._pos = end
             self.data_left = header.data_len
             return self._react(message)
-        except (ProtocolError, AuthenticationFailed) as exc:
+        except (ProtocolError, AuthenticationFailed, EncryptionMismatch) as exc:
             self._close(str(exc))
             raise
 
@@ -622,6 +664,12 @@ class Connection:
             )
         self.version = high
         self._peer_nonce = _nonce(info, "HELLO")
+        if (info.get("encrypt") is True) != self.encrypt:
+            self.encryption_mismatch = (
+                "this engine encrypts its links (encrypt=True) and the initiator does not: no plaintext link"
+                if self.encrypt
+                else "the initiator encrypts its links (encrypt=True) and this engine does not (encrypt=False)"
+            )
 
     def _on_challenge(self, info: dict[str, Any]) -> None:
         version = info.get("version")
@@ -635,9 +683,37 @@ class Connection:
                 "the target could not prove it knows the shared secret "
                 "(auth_secret / HIXL_AUTH_SECRET differ between the two engines?)"
             )
+        if (info.get("encrypt") is True) != self.encrypt:
+            raise EncryptionMismatch(
+                "this engine encrypts its links (encrypt=True) and the target does not: no plaintext link"
+                if self.encrypt
+                else "the target encrypts its links (encrypt=True): connect with encrypt=True too"
+            )
         self._clock_sample(info.get("clock"))
         self._session_key = auth.session_key(self._key, self._nonce, self._peer_nonce, version)
         self.state = ConnState.AUTHENTICATED
+        if self.encrypt:
+            self._start_sealing()
+
+    def _start_sealing(self) -> None:
+        """From the next byte on, both ways, the stream is sealed records (see the module docstring).
+        Nothing may have come after the frame that switched it: each side sends its next step only
+        once it has this one's answer, so bytes already here were sent past the handshake's turn."""
+        if self.buffered:
+            raise ProtocolError(f"{self.buffered} bytes came in plaintext where only sealed records may")
+        assert self._transcript is not None
+        self.seal = Seal(self._session_key, self.role.value, self._transcript.digest())
+        self._transcript = None
+        if self.role is Role.TARGET:
+            # Until its AUTH proved it, the peer may send that one frame, in one record, and no more.
+            self.seal.opener.limit = HEADER_SIZE + BODY_LIMITS[_F.AUTH]
+
+    def _transcribed(self, frame: T) -> T:
+        """``frame``, a HELLO or CHALLENGE sent or received, hashed into what the seal's keys derive
+        from (encrypting; see the module docstring)."""
+        if self._transcript is not None:
+            self._transcript.update(frame)
+        return frame
 
     def _on_auth(self, info: dict[str, Any]) -> None:
         expected = auth.proof(self._key, "initiator", self._peer_nonce, self._nonce, self.version)
@@ -647,8 +723,9 @@ class Connection:
         if not isinstance(peer_info, dict):
             raise ProtocolError("AUTH carries no info object")
         self.peer_info = peer_info
-        self._session_key = auth.session_key(self._key, self._peer_nonce, self._nonce, self.version)
         self.state = ConnState.AUTHENTICATED
+        if self.seal is not None:
+            self.seal.opener.limit = RECORD_MAX
 
     def _on_welcome(self, info: dict[str, Any]) -> None:
         peer_info = info.get("info")

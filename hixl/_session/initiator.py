@@ -48,15 +48,17 @@ import numpy as np
 from .. import _accel
 from .. import _protocol as proto
 from .._exceptions import (
+    EncryptionMismatch,
     HixlError,
     HixlTimeout,
+    IntegrityError,
     PeerDisconnected,
     ProtocolError,
     TransferTimeout,
     error_for_status,
 )
 from .._protocol.connection import DEADLINE_GUARD, ConnectionClosed, ConnState, PeerFatal, RegionsPushed
-from .._types import IdentityEnum
+from .._types import IdentityEnum, Status
 from .peer_regions import PeerRegions
 from .wire import LANDING_RATE, LANDING_SPIN_MAX, SCRATCH, Wire
 
@@ -265,7 +267,8 @@ class PeerLink:
         ((local, remote, len) tuples, ``nbytes`` in all) — a WRITE's data from local memory in
         the same ``sendmsg`` — and read the reply on this thread (or, if another request's data
         comes first, wait for the reader thread to read it). False, having sent nothing, if
-        someone else reads.
+        someone else reads. On a sealed link the frame and data go out as one record, and the
+        reply is opened and parsed as any other (never read straight off the socket).
 
         The reply expected — the ACK, or the DATA whose bytes land in the local ranges — is read
         straight off the socket (:meth:`Wire.read_reply`: three calls of :mod:`hixl._accel` and
@@ -306,7 +309,8 @@ class PeerLink:
             except HixlError:
                 self._send_failed(req_id)
                 raise
-            reading = self._read_until(req_id, pending, deadline, [] if write else local, sent)
+            into = None if wire.seal is not None else [] if write else local
+            reading = self._read_until(req_id, pending, deadline, into, sent)
             if reading and not pending.done:
                 # Timed out, marked while we still read: a DATA that comes later is drained, not
                 # landed in memory its caller is told the READ never filled.
@@ -322,8 +326,9 @@ class PeerLink:
 
     def compiled_exchange(self) -> Any:
         """The latency path in C for this link (:class:`hixl._accel.TcpSmall`, driven by the
-        link's state: see its ``run``), or None where the extension is not in use."""
-        if _accel.TcpSmall is None:
+        link's state: see its ``run``), or None where the extension is not in use, or the link is
+        sealed (its frames are records: the compiled path speaks plaintext)."""
+        if _accel.TcpSmall is None or self.wire.seal is not None:
             return None
         return _accel.TcpSmall(self, self.wire, SCRATCH, LinkState.CONNECTED, ConnState.OPEN, DEADLINE_GUARD, LANDING_RATE, LANDING_SPIN_MAX)
 
@@ -461,7 +466,7 @@ class PeerLink:
         try:
             self._pump()
         except HixlError as exc:
-            self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
+            self._ended_by(exc)
         finally:
             # As when giving back the read role: released, then re-armed — the reader thread, woken
             # by data while we held the role, left the socket for us to re-arm.
@@ -498,7 +503,7 @@ class PeerLink:
         except TransferTimeout:
             pass  # the request's own deadline reports it; the reader thread takes over the socket
         except HixlError as exc:
-            self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
+            self._ended_by(exc)
         if not pending.done and self._end_error is not None:
             # Another thread ended the link and is still failing its requests, ours among
             # them: fail it now, with the same error, rather than return it unanswered (a
@@ -619,7 +624,7 @@ class PeerLink:
                         self._rearm()
                     idle_at = now + self.wire.interval
         except HixlError as exc:
-            self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc))
+            self._ended_by(exc)
         except Exception as exc:  # a bug must still not strand waiters
             log.exception("hixl link reader crashed")
             self._end(LinkState.BROKEN, f"internal error: {exc!r}")
@@ -698,6 +703,9 @@ class PeerLink:
             self._end(LinkState.BROKEN, f"peer closed the link ({message.reason or 'no reason given'})", quiet=True)
             return
         if isinstance(message, PeerFatal):
+            if message.status == Status.AUTH_FAILED and self.wire.seal is not None:
+                # (what the target says when a record of ours failed its check: a WRITE's data altered on the way)
+                raise IntegrityError(f"{self.remote_engine} refused what arrived from us: {message.message}")
             raise PeerDisconnected(f"{self.remote_engine} reported a fatal error: {message.message}")
         if isinstance(message, proto.Regions):
             self.regions.apply(message)  # an answer to QUERY_REGIONS: installed here, in stream order
@@ -743,10 +751,18 @@ class PeerLink:
             except OSError:
                 pass
 
-    def _end(self, state: LinkState, reason: str, quiet: bool = False) -> None:
+    def _ended_by(self, exc: HixlError) -> None:
+        """End the link because of ``exc``, met reading or sending (see :meth:`_end`)."""
+        kind = IntegrityError if isinstance(exc, IntegrityError) else PeerDisconnected
+        self._end(LinkState.CLOSED if self._closing else LinkState.BROKEN, str(exc), kind=kind)
+
+    def _end(
+        self, state: LinkState, reason: str, quiet: bool = False, kind: type[PeerDisconnected] = PeerDisconnected
+    ) -> None:
         """End the link and fail every pending request with :class:`PeerDisconnected` (saying why:
-        the peer died, closed, or broke the protocol — its stream can't be trusted any more)."""
-        error = PeerDisconnected(f"link to {self.remote_engine} {state.name.lower()}: {reason}")
+        the peer died, closed, or broke the protocol — its stream can't be trusted any more), or
+        ``kind`` of it (:class:`~hixl.IntegrityError`: an encrypted link's bytes were altered)."""
+        error = kind(f"link to {self.remote_engine} {state.name.lower()}: {reason}")
         with self._pending_lock:
             if self.state is not LinkState.CONNECTED:
                 return
@@ -776,12 +792,18 @@ def _fail(pending: Pending, error: HixlError) -> None:
 def handshake(wire: Wire, info: dict[str, Any], deadline: float) -> None:
     """Initiator side of the handshake on a fresh ``wire``; raises on refusal or timeout.
 
-    :class:`AuthenticationFailed` if either proof fails, :class:`HixlTimeout` past
-    ``deadline``, :class:`ProtocolError` for a peer that is not a compatible hixl engine.
+    :class:`AuthenticationFailed` if either proof fails, :class:`EncryptionMismatch` if one side
+    encrypts and the other not, :class:`HixlTimeout` past ``deadline``, :class:`ProtocolError` for a
+    peer that is not a compatible hixl engine. Encrypting, everything after the CHALLENGE is sealed.
     """
     try:
         wire.send_raw(wire.conn.initiate(), deadline)
-        _expect(wire, proto.Challenge, deadline)
+        try:
+            _expect(wire, proto.Challenge, deadline)
+        except EncryptionMismatch as exc:
+            raise EncryptionMismatch(f"{wire.peer}: {exc}") from None
+        if wire.conn.seal is not None:
+            wire.start_sealing()
         with wire.conn_lock:
             frame = wire.conn.authenticate(info)
         wire.send_raw(frame, deadline)

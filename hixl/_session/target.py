@@ -61,6 +61,7 @@ from .. import _protocol as proto
 from .._exceptions import (
     AuthenticationFailed,
     HixlError,
+    IntegrityError,
     PeerDisconnected,
     ProtocolError,
     ResourceExhausted,
@@ -213,6 +214,7 @@ class TargetServer:
         secret: Secret | None,
         identity: dict[str, Any],
         backend: NetworkBackend,
+        encrypt: bool = False,
     ) -> None:
         self.identity = identity
         self._metadata: dict[str, bytes] = {}
@@ -223,6 +225,8 @@ class TargetServer:
         self.transports = transports
         self.limits = limits
         self.secret = secret
+        self.encrypt = encrypt
+        """Every connection is sealed after its handshake's proofs (``encrypt=True``); a peer that does not encrypt is refused."""
         self.servers_of: dict[proto.FrameType, Transport] = {}
         for transport in transports:
             for kind in transport.capabilities.serves:
@@ -735,7 +739,7 @@ class _ServedConnection:
         self.server = server
         self.accepted_at = time.monotonic()
         limits = server.limits
-        self.conn = Connection(Role.TARGET, server.secret)
+        self.conn = Connection(Role.TARGET, server.secret, encrypt=server.encrypt)
         # Initiators ping every ``interval`` when idle; allow twice their patience.
         self.wire = Wire(sock, self.conn, peer, limits.heartbeat_interval, limits.heartbeat_misses * 2)
         self.keepalive: list[Any] = []
@@ -901,7 +905,7 @@ class _ServedConnection:
         waiting, if nothing is queued before them (frames never interleave); the rest queued.
         ``done()`` once all went out, or the connection ended."""
         sent = 0
-        if not self._outbox and not self.busy and self.phase is not _Phase.ENDED:
+        if not self._outbox and not self.busy and self.phase is not _Phase.ENDED and self.wire.seal is None:
             try:
                 sent = _accel.tcp_send(self.wire.sock, frame, pairs, 0, 0.0)
             except OSError as exc:
@@ -921,6 +925,8 @@ class _ServedConnection:
         if sent:
             views[0] = views[0][sent:]
         self._outbox.put(views, data=bool(pairs), done=done)
+        if self.wire.seal is not None:
+            self.flush()  # (sealed as it goes out, in the order queued)
 
     def land_small(
         self, pairs: list[tuple[int, int]], deadline: float, landed: Callable[[bool], None], release: Callable[[], None]
@@ -1045,6 +1051,8 @@ class _ServedConnection:
                 data = conn.take_data(take)
             cursor.copy_in(data)
             return True
+        if wire.seal is not None:
+            return self._land_sealed(cursor, want)
         rows, first = cursor.pending_rows()
         try:
             moved = _accel.tcp_land_words(
@@ -1071,12 +1079,30 @@ class _ServedConnection:
         self._landing_window(cursor, want - moved)
         return False
 
+    def _land_sealed(self, cursor: IovCursor | None, want: int) -> bool:
+        """:meth:`_land_piece` on a sealed link (with no ``cursor``: :meth:`_gather` and :meth:`_drop`):
+        one ``recv``, and every whole record opened — up to ``want`` bytes of the data landing in
+        ``cursor`` in whole words, the rest into the connection's buffer, for :meth:`_land` to land
+        or drop. False if nothing came: the socket is then asked to turn readable once the record
+        in front is whole (it opens whole only)."""
+        wire = self.wire
+        got, _ = wire.receive_sealed(cursor, want, words=True)
+        if got == 0:
+            raise PeerDisconnected(f"{wire.peer} closed the connection mid-data")
+        if got > 0:
+            return True
+        assert wire.seal is not None
+        self._set_lowat(wire.sealed_lowat(_LOWAT))
+        return False
+
     def _gather(self, nbytes: int) -> bool:
         """Receive up to ``nbytes`` more of the data into the connection's buffer (a few
         ``recv`` calls and one copy cost less than landing a small piece straight from the socket);
         False if none had come: the socket is then asked (SO_RCVLOWAT) to turn readable once all
         ``nbytes`` have."""
         wire = self.wire
+        if wire.seal is not None:
+            return self._land_sealed(None, 0)
         try:
             got = wire.sock.recv_into(wire.scratch, nbytes)
         except (BlockingIOError, InterruptedError):
@@ -1117,6 +1143,8 @@ class _ServedConnection:
 
     def _drop(self, nbytes: int) -> bool:
         """Read and drop up to ``nbytes`` of the data from the socket; False if none had come."""
+        if self.wire.seal is not None:
+            return self._land_sealed(None, 0)  # (into the buffer, from where _land drops it)
         try:
             got = self.wire.sock.recv_into(_DROPPED_VIEW, nbytes)
         except (BlockingIOError, InterruptedError):
@@ -1162,6 +1190,11 @@ class _ServedConnection:
         except AuthenticationFailed as exc:
             log.warning("hixl: refused %s: %s", self.wire.peer, exc)
             self._fatal(Status.AUTH_FAILED, "authentication failed")
+        except IntegrityError as exc:
+            # Altered on the way: nothing of it landed. The peer is told (our direction still
+            # seals), so that its request fails as what it is, not as a vanished peer.
+            log.warning("hixl: dropping connection from %s: %s", self.wire.peer, exc)
+            self._fatal(Status.AUTH_FAILED, f"what arrived failed its integrity check: {exc}")
         except ProtocolError as exc:
             if self.phase is _Phase.OPEN:
                 log.warning("hixl: dropping connection from %s: %s", self.wire.peer, exc)
@@ -1195,7 +1228,7 @@ class _ServedConnection:
                 continue
             if self._outbox.nbytes >= _OUTBOX_READ_LIMIT:
                 return  # it reads its answers first
-            if readable and self.phase is _Phase.OPEN and not (self.conn.buffered or self.conn.data_left):
+            if readable and self.phase is _Phase.OPEN and not (self.conn.buffered or self.conn.data_left or wire.seal):
                 readable = False  # (one recv per readiness, here or in buffered_event)
                 if self._serve_straight():
                     continue
@@ -1312,6 +1345,19 @@ class _ServedConnection:
                 self.end("no HELLO")
                 return
             self._send_raw(conn.challenge())
+            if conn.encryption_mismatch:
+                # After the CHALLENGE, which says whether we encrypt (the initiator refuses on reading
+                # it): an ERROR, for an initiator that reads on.
+                log.warning("hixl: refused %s: %s", wire.peer, conn.encryption_mismatch)
+                with wire.conn_lock:
+                    frame = conn.refuse(Status.UNSUPPORTED, conn.encryption_mismatch)
+                self._send_raw(frame)
+                self._close_after_flush = "refused"
+                self.flush()
+                return
+            if conn.seal is not None:  # everything after the CHALLENGE is sealed, both ways
+                wire.start_sealing()
+                self._outbox.sealer = conn.seal.sealer
             self.phase = _Phase.AUTH
             return
         if not isinstance(event, proto.Auth):
@@ -1499,10 +1545,7 @@ class _ServedConnection:
     # -- ending ----------------------------------------------------------------------------------------
     def _fatal(self, status: int, message: str) -> None:
         """A last ERROR (request id 0), as far as the socket takes it at once, then the end."""
-        try:
-            self.wire.sock.send(proto.encode(proto.Error(0, status, message)))
-        except OSError:
-            pass
+        self._send_last(proto.encode(proto.Error(0, status, message)))
         self.end(message)
 
     def say_bye(self, reason: str) -> None:
@@ -1511,9 +1554,22 @@ class _ServedConnection:
             try:
                 with self.wire.conn_lock:
                     frame = self.conn.send(proto.Bye(0, reason))
-                self.wire.sock.send(frame)
-            except (OSError, ProtocolError):
-                pass
+            except ProtocolError:
+                return
+            self._send_last(frame)
+
+    def _send_last(self, frame: bytes) -> None:
+        """One send of the last ``frame`` before the end, as far as the socket takes it: sealed on a
+        sealed link, and there only if nothing is queued (a record part-way out would be cut)."""
+        seal = self.wire.seal
+        if seal is not None:
+            if self._outbox:
+                return
+            frame = seal.sealer.seal(frame)
+        try:
+            self.wire.sock.send(frame)
+        except OSError:
+            pass
 
     def end(self, reason: str) -> None:
         """On the loop: the connection is over (a busy one ends when its worker hands it back)."""

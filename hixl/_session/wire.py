@@ -18,10 +18,19 @@ could not deliver (a cut cable, a downed link).
 Bytes that arrive in the same ``recv`` as a frame header (at most
 :data:`READ_SIZE`) are copied once from the read buffer; everything after is
 moved by the kernel straight into registered memory.
+
+An encrypted connection (``encrypt=True``) switches, once its handshake has the session key
+(:meth:`Wire.start_sealing`), to sealed records both ways (:mod:`hixl._session.sealed`): every
+receive goes through the connection's opener — bulk data lands from a verified record, never
+straight from the socket — and every send is sealed in the order it goes out. The compiled
+latency paths (:func:`hixl._accel.tcp_reply` and its kin) speak plaintext frames only, so an
+encrypted link never takes them (its small requests take the Python one, records and all);
+on a plaintext link, each path is as it was, but for one test of :attr:`Wire.seal`.
 """
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
@@ -34,6 +43,7 @@ from .. import _accel
 from .. import _protocol as proto
 from .._exceptions import PeerDisconnected, ProtocolError, TransferTimeout
 from .._iov import IovCursor, bytes_cursor, readv, writev
+from .._memory import memory_view
 from .._protocol.connection import (
     NEED_DATA,
     Connection,
@@ -42,6 +52,8 @@ from .._protocol.connection import (
     Event,
 )
 from .._protocol.frames import HEADER_SIZE
+from .._protocol.seal import Seal
+from . import sealed
 
 __all__ = ["CHUNK", "READ_SIZE", "Wire"]
 
@@ -115,6 +127,8 @@ class Wire:
         self._asked_at = 0.0  # the first PING since the peer was last heard (0: none yet)
         self.dead_reason = ""
         self._frame_started: float | None = None
+        self.seal: Seal | None = None
+        """The connection's seal once everything on this socket is sealed records (see :meth:`start_sealing`)."""
 
     @property
     def scratch(self) -> bytearray:
@@ -126,6 +140,14 @@ class Wire:
     @property
     def _scratch_view(self) -> memoryview:
         return SCRATCH.view
+
+    def start_sealing(self) -> None:
+        """Every byte from now on, both ways, is a sealed record: the connection just switched (see
+        :attr:`Connection.seal <hixl._protocol.connection.Connection.seal>`), between two frames of
+        the handshake, with nothing read past the one that switched it."""
+        if self.conn.seal is None:
+            raise RuntimeError("the connection has no seal: its handshake did not switch to sealed records")
+        self.seal = self.conn.seal
 
     # -- life -----------------------------------------------------------------------------------
     def mark_dead(self, reason: str) -> None:
@@ -300,7 +322,7 @@ class Wire:
             self._frame_started = None
             if isinstance(event, ConnectionClosed):
                 self.mark_dead(self.conn.closed_reason or "peer closed the connection")
-        elif not self.conn.buffered:
+        elif not (self.conn.buffered or self.seal is not None and self.seal.opener.held):
             self._frame_started = None
         elif self._frame_started is None:
             self._frame_started = time.monotonic()
@@ -325,6 +347,8 @@ class Wire:
     def _fill(self, deadline: float | None, block: bool) -> bool:
         """One ``recv`` into the connection (end of stream included); False if none was possible
         without blocking and ``block`` is false."""
+        if self.seal is not None:
+            return self._fill_sealed(deadline, block)
         while True:
             try:
                 n = self.sock.recv_into(self._scratch_view, READ_SIZE)
@@ -340,6 +364,52 @@ class Wire:
             if n:
                 self.last_alive = time.monotonic()
             return True
+
+    def _fill_sealed(self, deadline: float | None, block: bool) -> bool:
+        """:meth:`_fill` on a sealed link: one ``recv`` of ciphertext, every whole record opened into
+        the connection. Blocking, it tries again for ``busy_poll`` seconds before it sleeps, as the
+        plaintext latency path does for its reply (a sleeping thread's wake-up costs more)."""
+        spin_until = time.monotonic() + self.busy_poll if block and self.busy_poll else 0.0
+        while True:
+            got, _ = self.receive_sealed()
+            if got >= 0:
+                return True
+            if not block:
+                return False
+            if spin_until and time.monotonic() < spin_until:
+                os.sched_yield()
+                continue
+            self.wait(_POLLIN, deadline, "receiving")
+
+    def receive_sealed(self, cursor: IovCursor | None = None, limit: int = 0, words: bool = False) -> tuple[int, int]:
+        """A sealed link's one non-blocking ``recv``, then every whole record opened: of the bulk
+        data due, up to ``limit`` bytes land in ``cursor`` (``words``: see
+        :func:`~hixl._session.sealed.open_records`), the rest goes to the connection. (bytes the
+        socket gave: -1 if none waited, 0 at the end of the stream, which the connection is told;
+        bytes landed). :class:`~hixl.IntegrityError` if a record fails its check."""
+        assert self.seal is not None
+        opener = self.seal.opener
+        try:
+            got = sealed.receive(self.sock, opener)
+        except OSError as exc:
+            raise self._fail(f"socket error: {exc}", exc) from exc
+        if got <= 0:
+            if got == 0:
+                with self.conn_lock:
+                    opener.end_of_stream()  # (a record cut short is a protocol error, as a frame would be)
+                    self.conn.receive_data(b"")
+            return got, 0
+        self.last_alive = time.monotonic()
+        return got, sealed.open_records(self.conn, opener, self.conn_lock, cursor, limit, words)
+
+    def sealed_lowat(self, limit: int) -> int:
+        """A sealed link waiting for its data: how many bytes to have the socket gather first (at
+        most ``limit``) — the rest of the record in front at least (it opens whole only), and as much
+        of the data still due as is sure to come (its records are longer than the bytes they carry):
+        one wake-up per few records, not per record."""
+        assert self.seal is not None
+        opener = self.seal.opener
+        return min(limit, max(opener.needed, self.conn.data_left - self.conn.buffered - opener.held))
 
     def reply_spin(self, landing: int) -> float:
         """How long :meth:`read_reply` tries again before it sleeps, for a reply the target sends
@@ -437,6 +507,8 @@ class Wire:
         """Wait until ``nbytes`` of data are queued (``SO_RCVLOWAT``), not just one: a big
         transfer then lands in a few large ``readv``s instead of one per segment, with as
         few wake-ups as a blocking ``recv(MSG_WAITALL)`` would have."""
+        if self.seal is not None:
+            nbytes = self.sealed_lowat(_LOWAT)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, nbytes))
         try:
             self.wait(_POLLIN, deadline, "receiving data")
@@ -454,6 +526,13 @@ class Wire:
             self.last_alive = time.monotonic()
             return len(view)
         limit = min(CHUNK, self.conn.data_left)
+        if self.seal is not None:
+            got, moved = self.receive_sealed(cursor, limit)
+            if got == 0:
+                raise self._fail("peer closed the connection mid-data")
+            if not moved and self.conn.buffered:
+                return self._land_chunk(cursor, deadline)  # (it all went to the buffer: the cursor is full)
+            return moved
         try:
             moved = readv(self.fd, cursor, limit, deadline)
         except ConnectionError as exc:
@@ -472,6 +551,13 @@ class Wire:
             if self.conn.buffered:
                 with self.conn_lock:
                     self.conn.take_data(self.conn.data_left)
+                continue
+            if self.seal is not None:
+                got, _ = self.receive_sealed()  # (into the buffer, dropped above)
+                if got < 0:
+                    self.wait(_POLLIN, None, "draining data")
+                elif got == 0:
+                    raise self._fail("peer closed the connection mid-data")
                 continue
             if scratch is None:
                 scratch = bytearray(min(self.conn.data_left, CHUNK))
@@ -494,6 +580,7 @@ class Wire:
 
         A few data ranges go out with the frame in one ``sendmsg`` (a small reply is
         one segment, read by the peer in one ``recv``); more are ``writev``-ed after it.
+        On a sealed link, frame and data go out as records instead.
         Waiting for another sender counts against ``deadline`` too.
         """
         self.check_alive()
@@ -501,6 +588,9 @@ class Wire:
         try:
             with self.conn_lock:
                 frame = self.frame_of(self.conn.send, message)
+            if self.seal is not None:
+                self._send_sealed(sealed.RecordSource(self.seal.sealer, [frame], data), deadline, data is not None)
+                return
             if data is not None and data.count <= SENDMSG_RANGES:
                 ranges = data.pending_ranges()
                 self._send_parts(frame, ranges, deadline, len(frame) + sum(n for _, n in ranges))
@@ -550,12 +640,17 @@ class Wire:
 
     def send_parts(self, frame: bytes, data: list[tuple[int, int]], deadline: float | None, nbytes: int) -> None:
         """Send a frame the connection made and the bulk data at ``data`` ((addr, len) ranges,
-        ``nbytes`` in all) with one ``sendmsg`` when the socket takes it all (the latency path)."""
+        ``nbytes`` in all) with one ``sendmsg`` when the socket takes it all (the latency path);
+        on a sealed link, as records (one, for a small request)."""
         self.check_alive()
         if not self.send_lock.acquire(blocking=False):  # (nearly always free: a lock call, not a clock read too)
             self._acquire_send(deadline)
         try:
-            self._send_parts(frame, data, deadline, len(frame) + nbytes)
+            if self.seal is not None:
+                parts = [frame, *(memory_view(addr, n) for addr, n in data)]
+                self._send_sealed(sealed.RecordSource(self.seal.sealer, parts), deadline, bool(data))
+            else:
+                self._send_parts(frame, data, deadline, len(frame) + nbytes)
         finally:
             self.send_lock.release()
 
@@ -597,6 +692,9 @@ class Wire:
 
     def _send_frame(self, frame: bytes, deadline: float | None) -> None:
         """Frames are small and the socket buffer is usually free: one send nearly always takes it."""
+        if self.seal is not None:
+            self._send_sealed(sealed.RecordSource(self.seal.sealer, [frame]), deadline, sign_of_life=False)
+            return
         try:
             sent = self.sock.send(frame)
         except (BlockingIOError, InterruptedError):
@@ -624,6 +722,25 @@ class Wire:
                 # Part of a frame is on the wire: the stream can't be resumed.
                 self.mark_dead("a send passed its deadline mid-frame")
                 raise
+
+    def _send_sealed(self, source: sealed.RecordSource, deadline: float | None, sign_of_life: bool) -> None:
+        """Send ``source``'s records, each sealed as it is next to go (caller holds ``send_lock``)."""
+        while (record := source.next_record()) is not None:
+            sent = 0
+            while sent < len(record):
+                try:
+                    sent += self.sock.send(record[sent:])
+                except (BlockingIOError, InterruptedError):
+                    try:
+                        self.wait(_POLLOUT, deadline, "sending")
+                    except TransferTimeout:
+                        self.mark_dead("a send passed its deadline mid-record")  # (the stream can't be resumed)
+                        raise
+                    continue
+                except OSError as exc:
+                    raise self._fail(f"socket error: {exc}", exc) from exc
+                if sign_of_life:
+                    self.last_alive = time.monotonic()
 
     def __repr__(self) -> str:
         return f"<Wire {self.peer} {self.conn.state.name} {'dead: ' + self.dead_reason if self.dead_reason else 'live'}>"

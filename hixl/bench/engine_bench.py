@@ -29,6 +29,9 @@ connection to the bench target (:mod:`hixl.bench.target`):
    the same bytes streamed (tcp) or a numpy gather of the same blocks (shm).
 6. **Idle CPU** of both processes while the connection sits unused.
 
+With tcp among the transports, TCP with ``encrypt=True`` is then measured against plaintext TCP
+in the same run, READ and WRITE from 16 MiB (:mod:`hixl.bench.encrypt_bench`).
+
 With ``target_netns`` (``--target-netns``) the TCP phases run once more, as transport
 ``tcp-veth``: the target in a network namespace of its own (:class:`hixl.testing.hosts.Hosts`),
 reached over a veth pair and a bridge (a 1500-byte MTU, as on an Ethernet link between hosts,
@@ -65,6 +68,7 @@ from .baselines import (
     proc_mem_opens,
 )
 from .config import BenchConfig, format_size
+from .encrypt_bench import encrypted_rows, encrypted_sizes
 from .procstat import cpu_ns, memory, reset_peak_rss
 from .progress import Progress
 from .results import Row, ScenarioResult, Target, median, percentile
@@ -103,11 +107,16 @@ RSS_GROWTH = Target("<", 16.0, on="value", in_smoke=True)  # MiB
 def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
     """Run the scenario (see the module docstring) and return its rows."""
     veth = ("tcp",) if config.target_netns else ()
-    progress.expect(1 + sum(_transport_steps(config, t) for t in (*config.transports, *veth)))
+    encrypted = 2 * len(encrypted_sizes(config)) if "tcp" in config.transports else 0
+    progress.expect(1 + sum(_transport_steps(config, t) for t in (*config.transports, *veth)) + encrypted)
     result = ScenarioResult(_memcpy_rows(config, progress), [])
     with BenchTarget() as target:
         for transport in config.transports:
             _measure(result, _Setup(transport, target), config, progress)
+    if encrypted:
+        rows, notes = encrypted_rows(config, progress, SCENARIO)
+        result.rows += rows
+        result.notes += notes
     if veth:
         # Its own address, so the engines may only talk with a secret: a fresh one for the run.
         secret = {"auth_secret": secrets.token_hex(16)}

@@ -23,6 +23,7 @@ import pytest
 from hixl import _accel
 from hixl.bench.cli import main
 from hixl.bench.config import BenchConfig
+from hixl.bench.encrypt_bench import ENCRYPTED_BANDWIDTH, ENCRYPTED_FROM, encrypted_sizes
 from hixl.bench import engine_bench
 from hixl.bench.engine_bench import STREAMING_MEMCPY, VETH
 from hixl.bench.progress import Progress
@@ -50,6 +51,8 @@ def _expected_rows(transports: list[str]) -> set[tuple[str, str, str, int | None
             expected |= {("bandwidth", t, op, size) for size in QUICK.sizes}
             expected |= {(f"latency {s}", t, op, size) for s in ("median", "p99") for size in QUICK.latency_sizes}
             expected.add(("batch", t, op, QUICK.batch_blocks * QUICK.batch_block_size))
+        if t == "tcp":  # encrypted against plaintext TCP: from 16 MiB, else (--quick) at the run's largest size
+            expected |= {("encrypted bandwidth", t, op, max(QUICK.sizes)) for op in ("READ", "WRITE")}
         if t == "cma":
             expected |= {(f"misaligned {c}", t, "READ", QUICK.align_size) for c in ("src", "dst")}
             expected |= {
@@ -161,6 +164,10 @@ def test_targets_are_attached_where_the_issue_sets_them(quick_run: tuple[dict[st
     assert targets[("batch", "shm", "READ", QUICK.batch_blocks * QUICK.batch_block_size)]["text"] == ">=0.85x"
     assert targets[("latency median", "shm", "READ", 8)] is None  # the issue sets none
     assert targets[("idle cpu initiator", "tcp", "idle", None)]["text"] == "<1"
+    # Issue 34's holds from 16 MiB (the full run's sizes; a quick run shows its largest, unjudged).
+    assert targets[("encrypted bandwidth", "tcp", "WRITE", max(QUICK.sizes))] is None
+    assert encrypted_sizes(BenchConfig.full_run())[0] == ENCRYPTED_FROM == 16 << 20
+    assert ENCRYPTED_BANDWIDTH.cmp == ">=" and ENCRYPTED_BANDWIDTH.limit == 0.7
     assert targets[("rss growth target", "tcp", "READ+WRITE", QUICK.rss_size)]["text"] == "<16"
 
 
