@@ -137,7 +137,15 @@ class TransferTimeout(HixlTimeout, TransferError):
 
 
 class PeerDisconnected(TransferError, ConnectionError):
-    """The peer closed the connection, died, or stopped answering heartbeats."""
+    """The peer closed the connection, died, or stopped answering heartbeats.
+
+    Its message ends with what to do about it: ``connect`` to the peer again, which replaces the
+    broken link (the peer's new process, if it restarted)."""
+
+    HINT = " (connect() to it again replaces the broken link)"
+
+    def __init__(self, message: str, status: Status | None = None) -> None:
+        super().__init__(message if message.endswith(self.HINT) else message + self.HINT, status)
 
 
 class IntegrityError(PeerDisconnected):
@@ -175,3 +183,9 @@ def error_for_status(status: int, message: str) -> HixlError:
     if code is Status.SUCCESS:  # an error whose status says SUCCESS would contradict itself
         return ProtocolError(f"peer reported an error with status SUCCESS: {message}")
     return _BY_STATUS.get(code, TransferError)(message, code)
+
+
+# Users write hixl.NotConnected (the package exports every error): tracebacks, reprs and pickles
+# name them so, not by this private module.
+for _error in [value for value in globals().values() if isinstance(value, type) and issubclass(value, HixlError)]:
+    _error.__module__ = "hixl"

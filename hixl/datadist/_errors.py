@@ -152,3 +152,8 @@ def translate_errors(what: str) -> Iterator[None]:
     except HixlError as exc:
         raise LLMException(f"{what}: {exc}", status_of(exc)) from exc
 
+
+
+# As hixl's own errors (see hixl._exceptions): named where users import them, hixl.datadist.
+for _named in (LLMStatusCode, LLMException, LLMTimeout, LLMLinkError):
+    _named.__module__ = "hixl.datadist"

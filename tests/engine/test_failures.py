@@ -65,7 +65,7 @@ def test_killed_peer(transport: str, make_target: MakeTarget) -> None:
             time.sleep(2 * RECHECK)
         for op in (Op.READ, Op.WRITE):
             start = time.monotonic()
-            with pytest.raises(PeerDisconnected):
+            with pytest.raises(PeerDisconnected, match=r"\(connect\(\) to it again replaces the broken link\)$"):
                 eng.transfer_sync(dying.engine, op, descs, timeout=5)
             assert time.monotonic() - start < 5
         # An async request fails at once if the link is known to be down by

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import hixl
@@ -67,7 +69,7 @@ def test_exported_objects_belong_to_hixl() -> None:
         obj = getattr(hixl, name)
         module = getattr(obj, "__module__", None)
         if module is not None and isinstance(obj, type):
-            assert module.startswith("hixl."), (name, module)
+            assert module == "hixl" or module.startswith("hixl."), (name, module)
 
 
 def test_default_options() -> None:
@@ -138,3 +140,21 @@ def test_import_has_no_side_effects() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
+
+
+def test_errors_are_named_as_users_import_them() -> None:
+    errors = [getattr(hixl, name) for name in hixl.__all__ if isinstance(getattr(hixl, name), type) and issubclass(getattr(hixl, name), hixl.HixlError)]
+    assert hixl.NotConnected in errors and hixl.IntegrityError in errors
+    for error in errors:
+        assert error.__module__ == "hixl", error
+        raised = error("why", hixl.Status.FAILED)
+        again = pickle.loads(pickle.dumps(raised))
+        assert type(again) is error and str(again) == str(raised) and str(again).startswith("why")
+    try:
+        raise hixl.NotConnected("nobody listens on 127.0.0.1:9")
+    except hixl.NotConnected:
+        shown = traceback.format_exc()
+    assert shown.splitlines()[-1] == "hixl.NotConnected: nobody listens on 127.0.0.1:9"
+    from hixl import datadist
+
+    assert datadist.LLMException.__module__ == datadist.LLMStatusCode.__module__ == "hixl.datadist"
