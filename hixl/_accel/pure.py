@@ -99,7 +99,7 @@ SMALL_MAX = 64
 PROC_MEM_MAX = 4096
 """A copy of one descriptor of at most this many bytes goes through the peer's ``/proc/<pid>/mem``
 where :class:`CmaSmall` has it (one system call, no liveness check); above a page the kernel's copy
-through a bounce page costs more than the second call it saves (docs/engine.md)."""
+through a bounce page costs more than the second call it saves (docs/internals.md)."""
 CMA_INELIGIBLE = -(1 << 20)
 """What :func:`cma_copy` answers when it tried nothing: ``descs`` is not a small list, or the
 generation page is closed."""

@@ -298,7 +298,7 @@ def test_read_only_pool_memory_is_mapped_and_handed_out_read_only(make_target: M
 
 
 def test_the_target_serves_in_tcp_request_only_for_transports_that_serve_as_tcp_does() -> None:
-    """A small READ or WRITE may be served inside hixl._accel.tcp_request (docs/engine.md) only when
+    """A small READ or WRITE may be served inside hixl._accel.tcp_request (docs/internals.md) only when
     the transport serving it would do just that: not one that serves its own way, as CountingShm
     (which the test above relies on counting every READ and WRITE) or a TCP that watches them."""
     from tests.engine.shm_transports import CountingShm
