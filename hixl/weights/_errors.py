@@ -1,0 +1,40 @@
+"""The errors of :mod:`hixl.weights`, in hixl's error tree::
+
+    HixlError
+    ├── TransferError
+    │   └── Superseded                 a pull could not be proven to hold one version
+    │       └── TornRows               rows kept tearing under the server's updates
+    └── ProtocolError
+        └── ManifestError              what a publisher (or table server) published is malformed
+
+A pull that raises :class:`Superseded` has written an unspecified mix into its
+destination (the exception is the mark); nothing it returned is ever mixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._exceptions import ProtocolError, TransferError
+
+__all__ = ["ManifestError", "Superseded", "TornRows"]
+
+
+class Superseded(TransferError):
+    """The version being pulled was overwritten (or withdrawn) before the pull could be proven
+    consistent. What the pull wrote into its destination is unspecified; pull again."""
+
+
+class TornRows(Superseded):
+    """Some rows were being updated on every one of a row gather's bounded re-reads.
+
+    ``rows`` holds their positions in the ``indices`` asked for; the destination is untouched.
+    """
+
+    def __init__(self, message: str, rows: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.rows = list(rows)
+
+
+class ManifestError(ProtocolError):
+    """A manifest, table description or notification from a peer failed validation; nothing was read."""

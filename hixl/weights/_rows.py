@@ -1,0 +1,142 @@
+"""Row tables: how a row is stored so that a one-sided read of it can be checked, and what describes a table.
+
+Each row is ``[seq | hash | payload, padded to 8 bytes]`` (``seq`` and ``hash``
+little-endian u64). ``seq`` is ``2 * u`` once update ``u`` (the table's u-th
+:meth:`~hixl.weights.Table.update`) has written the row, and ``2 * u - 1`` while it
+does; ``hash`` is :func:`row_hashes` of ``seq`` and the payload. A reader copies
+whole rows in one READ — in no particular order, byte by byte for all it knows —
+and accepts a row only if its ``seq`` is even and its hash matches: a row whose
+copy mixed two updates fails that (but for a chance of about 2**-64 per torn row),
+and is read again.
+
+The hash is computed for whole batches with numpy: each 8-byte word is xor-ed with
+a key for its position, passed through the SplitMix64 finalizer (a bijection that
+spreads every input bit over the output) and the results are summed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._exceptions import ParamInvalid
+from .._types import MemDesc
+from . import _checks
+from ._errors import ManifestError
+from ._manifest import FORMAT, MAX_DIMS, MAX_NAME, checked_int, within
+from ._tensors import DTYPES
+
+__all__ = ["HEAD_WORDS", "TableInfo", "check_name", "row_hashes", "stride_of", "torn"]
+
+HEAD_WORDS = 2  # seq, hash
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer, in place on a uint64 array."""
+    x ^= x >> _S30
+    x *= _M1
+    x ^= x >> _S27
+    x *= _M2
+    x ^= x >> _S31
+    return x
+
+
+@functools.lru_cache(maxsize=16)
+def _keys(words: int) -> np.ndarray:
+    """A key per word position (position 0: ``seq``), from SplitMix64's sequence."""
+    return _mix(np.arange(1, words + 2, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+
+
+def stride_of(row_bytes: int) -> int:
+    """Bytes from one stored row to the next: the head words and the payload, padded to 8 bytes."""
+    return 8 * (HEAD_WORDS + -(-row_bytes // 8))
+
+
+def row_hashes(rows: np.ndarray) -> np.ndarray:
+    """The hash of each row of an ``(n, HEAD_WORDS + w)`` uint64 array (its hash word left out)."""
+    keys = _keys(rows.shape[1] - HEAD_WORDS)
+    payload = _mix(rows[:, HEAD_WORDS:] ^ keys[1:])
+    return payload.sum(axis=1, dtype=np.uint64) + _mix(rows[:, 0] ^ keys[0])  # type: ignore[no-any-return]
+
+
+def torn(rows: np.ndarray) -> np.ndarray:
+    """Which rows of a read (``(n, HEAD_WORDS + w)`` uint64) cannot be accepted: mid-update or mixed."""
+    if not _checks.ENABLED:
+        return np.zeros(len(rows), dtype=bool)
+    return (rows[:, 0] & np.uint64(1)).astype(bool) | (row_hashes(rows) != rows[:, 1])  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """What a table server publishes about one table: its shape, dtype and where its rows are."""
+
+    name: str
+    rows: int
+    row_shape: tuple[int, ...]
+    dtype: str
+    region: MemDesc
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row's payload."""
+        return math.prod(self.row_shape) * DTYPES[self.dtype]
+
+    @property
+    def stride(self) -> int:
+        """Bytes from one stored row to the next: the head words and the payload, padded to 8 bytes."""
+        return stride_of(self.row_bytes)
+
+    def encode(self) -> bytes:
+        """The JSON a table server publishes."""
+        doc = {
+            "format": FORMAT,
+            "name": self.name,
+            "rows": self.rows,
+            "row_shape": list(self.row_shape),
+            "dtype": self.dtype,
+            "region": [self.region.addr, self.region.len],
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, name: str, registered: Sequence[MemDesc]) -> TableInfo:
+        """Parse and check a peer's table description (it must describe ``name``, in registered memory)."""
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"table description is not JSON: {exc}") from None
+        keys = {"format", "name", "rows", "row_shape", "dtype", "region"}
+        if not isinstance(doc, dict) or set(doc) != keys or doc["format"] != FORMAT or doc["name"] != name:
+            raise ManifestError(f"table {name!r}: the description must be format {FORMAT} with exactly {sorted(keys)}")
+        if doc["dtype"] not in DTYPES:
+            raise ManifestError(f"table {name!r}: dtype {doc['dtype']!r:.30} is not one of {sorted(DTYPES)}")
+        shape = doc["row_shape"]
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+            raise ManifestError(f"table {name!r}: row_shape must be a list of at most {MAX_DIMS} sizes")
+        region = doc["region"]
+        if not isinstance(region, list) or len(region) != 2:
+            raise ManifestError(f"table {name!r}: region must be [addr, len]")
+        info = cls(
+            name,
+            checked_int(doc["rows"], "rows", 1),
+            tuple(checked_int(n, "row_shape", 1, 1 << 32) for n in shape),
+            doc["dtype"],
+            MemDesc(checked_int(region[0], "region addr"), checked_int(region[1], "region len", 1)),
+        )
+        if info.rows * info.stride != info.region.len or not within(info.region.addr, info.region.len, registered):
+            raise ManifestError(f"table {name!r}: its {info.rows} rows are not its registered region")
+        return info
+
+
+def check_name(name: object) -> str:
+    """A table's name: a non-empty string of at most 1 KiB."""
+    if not isinstance(name, str) or not name or len(name.encode()) > MAX_NAME:
+        raise ParamInvalid(f"a table name is a non-empty string of at most {MAX_NAME} bytes, not {name!r:.40}")
+    return name
