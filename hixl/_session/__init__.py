@@ -10,7 +10,12 @@ machine); above it, :mod:`hixl.transports` (how bytes move) and the
   (frames out, events in, bulk data, liveness).
 - :mod:`.initiator` — a connection to a target (:class:`~.initiator.PeerLink`): the
   handshake, requests and their replies, the peer's regions as seen from here.
-- :mod:`.target` — the listening side: one I/O loop for every connection, admission,
-  REVOKEs, holds; :mod:`.admission` (connection slots), :mod:`.outbox` (non-blocking
-  sends) and :mod:`.pool` (the few workers for what may block) are its parts.
+- :mod:`.target` — the listening side (:class:`~.target.TargetServer`): admission,
+  REVOKEs, holds; its parts are :mod:`.serve_loop` (one I/O loop for every connection),
+  :mod:`.served` (one initiator's connection: handshake, then requests in order),
+  :mod:`.admission` (connection slots), :mod:`.outbox` (non-blocking sends) and
+  :mod:`.pool` (the few workers for what may block).
+- :mod:`.contract` — what a transport's target half and the served connections ask of
+  each other (:class:`~.contract.ServedSession`, :class:`~.contract.TargetHalf`): defined
+  here, so that this layer runs without importing the transports above it.
 """

@@ -7,7 +7,10 @@ authenticated connection), and ``serve``\\s the frame types it declares in
 half ``probe``\\s a fresh link to a peer — can I reach it? — and, if so,
 ``open``\\s a :class:`Channel` bound to it. Each half sees a narrow session,
 not the socket or the protocol state: :class:`ServedSession` on the target,
-:class:`LinkSession` on the initiator. The engine reads
+:class:`LinkSession` on the initiator. (:class:`ServedSession` is defined a layer below, in
+:mod:`hixl._session.contract`, and re-exported here: with what the target calls on a
+transport, :class:`~hixl._session.contract.TargetHalf` — which every :class:`Transport`
+is — it lets the session layer serve without importing this module.) The engine reads
 the declared capabilities (a same-host-only transport is not even probed for a
 peer on another host; memory kinds must match), walks its transports in order
 of preference and takes the first whose probe passes, so new transports (shared
@@ -18,13 +21,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from .._protocol.frames import FrameType, ReadRequest, WriteRequest
+from .._session.contract import ServedSession
 from .._types import MemType, Op
 
 if TYPE_CHECKING:
@@ -115,77 +118,6 @@ class LinkSession(Protocol):
     def receive_into(self, cursor: IovCursor, owner: object | None = None, abandon_at: float | None = None) -> bool:
         """Land the current reply's data into ``cursor`` (a ``Pending``'s ``on_data``); False if
         ``owner`` was cancelled or ``abandon_at`` passed (the rest is drained)."""
-
-
-class ServedSession(Protocol):
-    """What a transport's target half sees of one authenticated initiator's connection: a narrow
-    interface, not the socket or the protocol state (the session layer keeps those)."""
-
-    keepalive: list[Any]
-    """Objects to keep alive as long as the connection lasts."""
-
-    @property
-    def peer(self) -> str:
-        """The peer's address, ``"ip:port"`` (for logs)."""
-
-    def binding(self, label: str) -> bytes:
-        """16 bytes only the two ends of this authenticated connection can compute, for ``label``:
-        what a side channel of the transport's own proves it belongs to this connection with."""
-
-    def regions(self) -> RemoteRegions:
-        """This engine's registrations, with access rights, as of now."""
-
-    def hold(self, descs: np.ndarray) -> AbstractContextManager[None]:
-        """Hold ``descs`` ((N, 2): addr, len) of this engine's memory while a request uses them:
-        deregistering them waits (see ``Engine.deregister_mem``). Take it before checking them."""
-
-    def expired(self, deadline_us: int) -> bool:
-        """Whether a deadline carried in a request (our clock, microseconds) has passed."""
-
-    def local_deadline(self, deadline_us: int) -> float:
-        """A carried deadline as ``time.monotonic()`` seconds, capped by this engine's limit."""
-
-    def mark_one_sided(self) -> None:
-        """The peer reaches this engine's memory one-sidedly from now on (it was handed a way to:
-        shm's memory files), whatever it said at the handshake: it confirms deregistrations."""
-
-    # For a transport served on the I/O loop (``Capabilities.serve_blocks`` False): calls that
-    # queue and return at once; the loop moves the bytes as the socket allows.
-    def reply(self, message: Any) -> None:
-        """Send ``message`` (an ACK, an ERROR) after whatever is queued already."""
-
-    def acknowledge(self, req_id: int) -> None:
-        """:meth:`reply` with the ACK of ``req_id`` (the latency path: its frame made directly)."""
-
-    def take_hold(self, descs: np.ndarray | list[tuple[int, int]]) -> Callable[[], None]:
-        """:meth:`hold`, released by calling the function returned (once; later calls do nothing),
-        or passing it to :meth:`send_data` / :meth:`land_data`."""
-
-    def send_data(self, message: Any, ranges: np.ndarray, release: Callable[[], None]) -> None:
-        """Send ``message`` (a DATA), then the bytes of ``ranges`` ((N, 2): addr, len of this
-        engine's memory) straight from there; ``release()`` once sent, or the connection ended."""
-
-    def send_small(self, req_id: int, pairs: list[tuple[int, int]], release: Callable[[], None]) -> None:
-        """:meth:`send_data` of the DATA answering ``req_id`` with the bytes of a few (addr, len)
-        ``pairs``: frame and bytes in one ``sendmsg`` when nothing is queued before them."""
-
-    def land_small(
-        self, pairs: list[tuple[int, int]], deadline: float, landed: Callable[[bool], None], release: Callable[[], None]
-    ) -> None:
-        """:meth:`land_data` into a few (addr, len) ``pairs``: copied at once if the data all came
-        with its frame (a small WRITE), else landed as it arrives, exactly as :meth:`land_data`."""
-
-    def land_data(
-        self, cursor: IovCursor | None, deadline: float, landed: Callable[[bool], None], release: Callable[[], None]
-    ) -> None:
-        """Land the bulk data after the current frame into ``cursor``'s memory as it arrives,
-        none of it past ``deadline`` (dropped then, as all of it is for ``cursor`` None); then
-        ``release()`` and ``landed(all_of_it)`` — or only ``release()`` if the connection ends."""
-
-    def is_open(self) -> bool:
-        """Whether the connection is still open. A transport that serves on a channel of its own
-        serves a request only while it is, and looks again between chunks: this engine ends a
-        connection whose request outlasts a deregistration, and that must stop the request."""
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def test_an_async_read_frozen_mid_data_reports_timeout_on_time(make_target: Make
 
 _TRIES = 3
 _PIECE = 256 << 10
-"""The most a target lands per ``readv`` (hixl._session.target._LOWAT): what one stopped between
+"""The most a target lands per ``readv`` (hixl._session.served._LOWAT): what one stopped between
 its deadline check and its copy may land on resuming (the gap docs/engine.md names)."""
 
 
