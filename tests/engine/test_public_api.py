@@ -60,7 +60,7 @@ def test_exported_members() -> None:
     for name in EXPORTED:
         assert hasattr(hixl, name), name
     public = {n for n in dir(hixl) if not n.startswith("_")}
-    submodules = {"engine", "datadist", "discovery", "testing", "transports", "demo", "bench", "cli", "proxy", "vllm"}
+    submodules = {"engine", "datadist", "discovery", "testing", "transports", "demo", "bench", "cli", "proxy", "vllm", "weights"}
     assert public - submodules <= set(EXPORTED), "public names missing from __all__"
 
 

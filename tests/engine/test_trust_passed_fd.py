@@ -18,8 +18,9 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,19 @@ def _write_to_insider(eng: Engine, insider: _Insider, local: int, there: Sequenc
     return transport
 
 
+def _held_for(pid: int, inode: int, until: Future[Any], limit: float = 5.0) -> float:
+    """How long process ``pid`` held socket ``inode`` (from first seen to last seen), looking every
+    millisecond until ``until`` is done or ``limit`` seconds passed."""
+    first = last = None
+    deadline = time.monotonic() + limit
+    while not until.done() and time.monotonic() < deadline:
+        if _holds(pid, inode):
+            last = time.monotonic()
+            first = first if first is not None else last
+        time.sleep(0.001)
+    return 0.0 if first is None or last is None else last - first
+
+
 def _holds(pid: int, inode: int) -> bool:
     """Whether process ``pid`` has socket ``inode`` open."""
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -144,13 +158,16 @@ def test_cma_never_reaches_a_third_engine_handed_the_peers_socket_over_its_shm_s
         said = insider.said()
         insider.tell(_described(victim))
         lured = pool.submit(victim.call, "connect", said["lure"])  # V fetches the lure's "grants"
+        held = _held_for(victim.pid, said["inode"], lured)
         connecting.result(timeout=60)
-        held = _holds(victim.pid, said["inode"])  # (within V's wait for the lure's last message)
         transport = _write_to_insider(eng, insider, local, victim.addrs[1:])
         with contextlib.suppress(HixlError):
             lured.result(timeout=60)
         _intact(victim, (1, 2))
-    assert not held, "V kept the socket it was handed as a grant"
+    # V waits up to its shm timeout (2 s) for the lure's last message: had it kept what it was handed
+    # until then, it would have held the socket that long. Closed at once, it holds it for the few
+    # instants between receiving and closing (longer only when this machine is loaded).
+    assert held < 0.5, f"V kept the socket it was handed as a grant for {held:.2f} s"
     assert transport != "cma"
 
 
