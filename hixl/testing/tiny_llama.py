@@ -30,8 +30,11 @@ def words(n: int, offset: int = 0) -> str:
     return " ".join(f"w{(offset + 7 * i) % (VOCAB - 16)}" for i in range(n))
 
 
-def build(path: Path) -> Path:
-    """Write the model and tokenizer into ``path`` (once; reused if present)."""
+def build(path: Path, seed: int = 0) -> Path:
+    """Write the model and tokenizer into ``path`` (once; reused if present).
+
+    ``seed`` draws the weights: another seed is another model with the same layout and tokenizer.
+    """
     if (path / "config.json").exists():
         return path
     import torch
@@ -72,7 +75,7 @@ def build(path: Path) -> Path:
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float()
     model.save_pretrained(str(path))
     return path

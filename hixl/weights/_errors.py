@@ -2,8 +2,9 @@
 
     HixlError
     ├── TransferError
-    │   └── Superseded                 a pull could not be proven to hold one version
-    │       └── TornRows               rows kept tearing under the server's updates
+    │   ├── Superseded                 a pull could not be proven to hold one version
+    │   │   └── TornRows               rows kept tearing under the server's updates
+    │   └── UpdateFailed               a vLLM rank could not pull a version: none applied it
     └── ProtocolError
         └── ManifestError              what a publisher (or table server) published is malformed
 
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 from .._exceptions import ProtocolError, TransferError
 
-__all__ = ["ManifestError", "Superseded", "TornRows"]
+__all__ = ["ManifestError", "Superseded", "TornRows", "UpdateFailed"]
 
 
 class Superseded(TransferError):
@@ -34,6 +35,15 @@ class TornRows(Superseded):
     def __init__(self, message: str, rows: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.rows = list(rows)
+
+
+class UpdateFailed(TransferError):
+    """A weight update of a vLLM instance failed on some rank; ``errors`` holds each failed rank's
+    message (rank -> text). Raised before any rank applied anything: the old weights still serve."""
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.errors = dict(errors or {})
 
 
 class ManifestError(ProtocolError):

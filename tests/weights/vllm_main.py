@@ -1,0 +1,80 @@
+"""One offline ``vllm.LLM`` with hixl's weights extension, driven over stdin/stdout by the tests.
+
+``python -m tests.weights.vllm_main MODEL_DIR JSON_SETTINGS`` (settings: ``tp``). Prints
+``@@answer {"ready": ..., "startup_s": ...}`` once up, then answers each JSON line:
+``{"cmd": "generate", "prompts": [...], "max_tokens": n}`` -> token ids and weight versions per prompt;
+``{"cmd": "update", "address": a, "version": v, "timeout": t}`` -> ``{"version": v}`` or ``{"error": ..., "type": ...}``;
+``{"cmd": "state"}`` -> each rank's ``hixl_weights_state``; ``{"cmd": "label"}`` -> vLLM's weight-version label;
+``{"cmd": "checksums"}`` -> vLLM's own per-parameter checksums (every rank's);
+``{"cmd": "reload", "path": p}`` -> vLLM's own ``reload_weights`` from a checkpoint directory;
+``{"cmd": "loaders_agree", "path": p}`` -> :func:`tests.weights.vllm_checks.loaders_agree` on every rank.
+EOF on stdin ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+MARK = "@@answer "  # answers are the lines starting with this; anything else on stdout is noise
+EXTENSION = "tests.weights.vllm_checks.CheckedExtension"  # hixl's, plus the tests' check
+
+
+def answer(doc: object) -> None:
+    print(MARK + json.dumps(doc), flush=True)
+
+
+def main() -> None:
+    model, settings = sys.argv[1], json.loads(sys.argv[2])
+    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # stdout carries the answers
+    tp = int(settings.get("tp", 1))
+    if tp == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: starts faster
+    started = time.monotonic()
+    from vllm import LLM, SamplingParams
+
+    import hixl.weights
+
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=512,
+        block_size=32,
+        tensor_parallel_size=tp,
+        kv_cache_memory_bytes=64 << 20,
+        enforce_eager=True,
+        distributed_executor_backend="uni" if tp == 1 else "mp",
+        worker_extension_cls=EXTENSION,
+    )
+    answer({"ready": True, "startup_s": time.monotonic() - started})
+    for line in sys.stdin:
+        order = json.loads(line)
+        cmd = order["cmd"]
+        if cmd == "generate":
+            sampling = SamplingParams(temperature=0, max_tokens=order["max_tokens"], ignore_eos=True)
+            outs = llm.generate(order["prompts"], sampling, use_tqdm=False)
+            answer([{"token_ids": list(o.outputs[0].token_ids)} for o in outs])
+        elif cmd == "update":
+            try:
+                version = hixl.weights.update_weights(llm, order["address"], order.get("version"), order["timeout"])
+                answer({"version": version})
+            except Exception as exc:  # noqa: BLE001  (answered to the test, which checks it)
+                answer({"error": str(exc), "type": type(exc).__name__})
+        elif cmd == "state":
+            answer(llm.collective_rpc("hixl_weights_state", args=("{}",)))
+        elif cmd == "label":
+            answer(llm.llm_engine.get_weight_version())
+        elif cmd == "checksums":
+            answer(llm.collective_rpc("compute_weight_checksums"))
+        elif cmd == "reload":
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": order["path"], "is_checkpoint_format": True})
+            llm.reset_prefix_cache()
+            answer({"reloaded": order["path"]})
+        elif cmd == "loaders_agree":
+            answer(llm.collective_rpc("hixl_test_loaders_agree", args=(order["path"],)))
+
+
+if __name__ == "__main__":
+    main()
