@@ -22,7 +22,8 @@ __all__ = ["ChildProcess", "CommandChild", "child_connection", "serve_commands"]
 
 
 def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """The folder that holds the ``hixl`` package (this file is ``hixl/_tools/child.py``)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def child_connection() -> Connection:

@@ -39,7 +39,10 @@ class ConnectorConfig:
     ``release_timeout``: the hard cap — the longest prefill holds a request's
     blocks however often decode extends the lease (a decode that keeps
     extending and never pulls ties up blocks at most this long);
-    ``transport``: ``"auto"``, ``"cma"`` or ``"tcp"``. Decode takes the lease
+    ``transport``: ``"auto"``, ``"cma"`` or ``"tcp"``; ``whole_below_bytes``:
+    under ``"layerwise"``, a request whose KV on a decode rank is smaller than
+    this is pulled whole — one transfer of every layer, inline, before the
+    forward starts — as a sync load would (0: every request layer-wise). Decode takes the lease
     figures from the prefill's ``kv_transfer_params``, not from its own settings.
     """
 
@@ -51,6 +54,8 @@ class ConnectorConfig:
     lease_s: float = 30.0
     release_timeout: float = 300.0
     transport: str = "auto"
+    # Below this a copy is shorter than the layer-wise path's per-layer hand-offs and wake-ups (docs/vllm.md).
+    whole_below_bytes: int = 4 << 20
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -72,9 +77,12 @@ class ConnectorConfig:
                 lease_s=float(extra.get("lease_s", cls.lease_s)),
                 release_timeout=float(extra.get("release_timeout", cls.release_timeout)),
                 transport=str(extra.get("transport", cls.transport)),
+                whole_below_bytes=int(extra.get("whole_below_bytes", cls.whole_below_bytes)),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad hixl connector setting: {exc}") from exc
+        if config.whole_below_bytes < 0:
+            raise ValueError(f"hixl connector whole_below_bytes must be 0 or more, not {config.whole_below_bytes}")
         if not 0 <= config.port < 65536 or config.cluster_id < 0:
             raise ValueError(f"bad hixl connector port {config.port} or cluster id {config.cluster_id}")
         if not (config.transfer_timeout > 0 and config.lease_s > 0 and config.release_timeout > 0):  # NaN too

@@ -60,6 +60,7 @@ from ._heads import HeadRead, is_read, notifiers, plan_reads, rank_heads
 from ._leases import LEASE_NOTIFY, LeaseKeeper, LeaseTable
 from ._params import Endpoint, KvSpec, LinkReport, LoadSpec, StepMetadata
 from ._stats import HixlKVConnectorStats
+from ._timeline import Timeline, Trace
 
 __all__ = ["WorkerSide"]
 
@@ -79,11 +80,14 @@ class _Pull:
 
     spec: LoadSpec
     started: float
+    whole: bool = False  # one transfer of every layer, landed before start() returns
     tasks: list[CacheTask] = field(default_factory=list)  # layer-wise pulls only
     notify: list[Endpoint] = field(default_factory=list)  # prefill ranks this rank tells the request is done
     sources: list[Endpoint] = field(default_factory=list)  # prefill ranks it reads from
-    ended: float | None = None  # sync pulls only
+    reads: list[HeadRead] = field(default_factory=list)  # what it reads from each of them
+    ended: float | None = None  # whole pulls only
     error: Exception | None = None
+    trace: Trace | None = None  # with the timeline on
 
 
 class WorkerSide:
@@ -134,6 +138,7 @@ class WorkerSide:
         if self.leases is not None:
             self.datadist.engine.handle_notifies(LEASE_NOTIFY, self.leases.on_notify)
         self.stats = HixlKVConnectorStats()  # vLLM takes it after each step (HixlConnector.get_kv_connector_stats)
+        self.timeline = Timeline.open(log) if pulls_kv else None  # None unless asked for: then it costs nothing
 
     # -- set-up ------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -191,11 +196,22 @@ class WorkerSide:
 
     # -- decode: pulls -----------------------------------------------------------------------
     def start(self, specs: Iterable[LoadSpec]) -> None:
-        """Issue this step's pulls: layer by layer (returns at once) or whole (returns when landed)."""
+        """Issue this step's pulls: layer by layer (returns at once) or whole (returns when landed).
+
+        A request pulls whole under ``load_mode="sync"``, or when its KV on this
+        rank is under ``whole_below_bytes``: one inline copy of every layer then
+        costs less than the layer-wise path's hand-offs to the engine's thread and
+        wake-ups of this one, which only pay off when a layer's copy is long
+        enough to overlap the forward's earlier layers.
+        """
         for spec in specs:
             remote = spec.remote
             prefill_heads = [r.head_range for r in remote.ranks]
             pull = _Pull(spec, time.monotonic())
+            nbytes = self._nbytes(spec)
+            pull.whole = self.config.load_mode is LoadMode.SYNC or nbytes < self.config.whole_below_bytes
+            if self.timeline is not None:
+                pull.trace = Trace("hixl", spec.request_id, self.tp_rank, pull.started, "whole" if pull.whole else "layerwise", nbytes)
             self._pulls.append(pull)
             try:
                 # Which prefill ranks this rank speaks for: computed before anything can fail,
@@ -204,17 +220,24 @@ class WorkerSide:
                 mismatches = remote.kv.mismatches(self.kv)
                 if mismatches:
                     raise ValueError(f"prefill's and decode's KV caches differ ({'; '.join(mismatches)}): nothing pulled")
-                reads = plan_reads(prefill_heads, self.heads)
-                pull.sources = [remote.ranks[read.prefill_rank] for read in reads]
+                pull.reads = plan_reads(prefill_heads, self.heads)
+                pull.sources = [remote.ranks[read.prefill_rank] for read in pull.reads]
                 self._check_pullable(spec, pull.sources)
-                for read, endpoint in zip(reads, pull.sources):
-                    task = self._pull_part(spec, endpoint, read)
+                for read, endpoint in zip(pull.reads, pull.sources):
+                    task = self._pull_part(spec, endpoint, read, pull.whole)
                     if task is not None:
                         pull.tasks.append(task)
-                if self.config.load_mode is LoadMode.SYNC:
+                if pull.whole:
                     pull.ended = time.monotonic()
+                if pull.trace is not None:
+                    pull.trace.issued = time.monotonic()
             except (HixlError, ValueError, TypeError) as exc:
                 pull.error = exc
+
+    def _nbytes(self, spec: LoadSpec) -> int:
+        """Bytes of the request's KV this rank pulls (all its heads, every layer)."""
+        desc = self._local_cache().cache_desc
+        return len(spec.local_blocks) * desc.row_bytes * desc.num_tensors
 
     def _check_pullable(self, spec: LoadSpec, sources: list[Endpoint]) -> None:
         """Raise unless the links to the prefill ranks read from are up and the blocks surely still held."""
@@ -228,8 +251,9 @@ class WorkerSide:
                 LLMStatusCode.KV_CACHE_NOT_EXIST,
             )
 
-    def _pull_part(self, spec: LoadSpec, endpoint: Endpoint, read: HeadRead) -> CacheTask | None:
-        """Pull ``read``'s heads of the request's blocks from one prefill rank; the task if layer-wise."""
+    def _pull_part(self, spec: LoadSpec, endpoint: Endpoint, read: HeadRead, whole: bool) -> CacheTask | None:
+        """Pull ``read``'s heads of the request's blocks from one prefill rank: whole (landed on return),
+        or layer-wise (the task)."""
         args = (BlocksCacheKey(endpoint.cluster_id), self._local_cache(), spec.remote_blocks, spec.local_blocks)
         # A usable lease is held at least half a lease more: the pull must end within it.
         timeout = min(self.config.transfer_timeout, spec.remote.lease_s / 2)
@@ -237,7 +261,7 @@ class WorkerSide:
             "tensor_num_per_layer": _TENSORS_PER_LAYER, "src_heads": read.src_heads, "dst_heads": read.dst_heads, "timeout": timeout,
         }
         manager = self.datadist.cache_manager
-        if self.config.load_mode is LoadMode.SYNC:
+        if whole:
             manager.pull_blocks(*args, **kwargs)
             return None
         return manager.pull_blocks_async(*args, **kwargs)
@@ -248,12 +272,15 @@ class WorkerSide:
         if layer is None:
             return
         for pull in self._pulls:
+            asked = time.monotonic() if pull.trace is not None else 0.0
             for task in pull.tasks:
                 if pull.error is None:
                     try:
                         task.wait_layer(layer)
                     except LLMException as exc:
                         pull.error = exc
+            if pull.trace is not None:
+                pull.trace.asked(layer, asked, time.monotonic())
 
     def loading_blocks(self) -> list[int]:
         """Local block ids this step's pulls write into."""
@@ -264,7 +291,10 @@ class WorkerSide:
         if not self._pulls:
             return
         assert self.keeper is not None, "a pull on a worker that does not pull KV"
+        step_end = time.monotonic()
         for pull in self._pulls:
+            if pull.trace is not None:
+                pull.trace.step_end = step_end
             for task in pull.tasks:
                 if pull.error is None:
                     try:
@@ -279,6 +309,8 @@ class WorkerSide:
                     self.keeper.check(endpoint)
             else:
                 self._record(pull)
+                if pull.trace is not None and self.timeline is not None:
+                    self._trace(pull, pull.trace, self.timeline)
             # Stop extending: the completion below frees the blocks, pulled or not.
             self.keeper.drop([pull.spec.request_id], release=False)
         if self._barrier is not None:
@@ -313,9 +345,28 @@ class WorkerSide:
         self.stats.record_pull(nbytes, seconds, first_seconds)
         log.info(
             "hixl: pulled request %s: %d blocks, %.2f MiB from %d prefill rank(s) in %.2f ms (%s), first layer usable after %.2f ms",
-            pull.spec.request_id, blocks, nbytes / 2**20, len(pull.sources), seconds * 1e3, self.config.load_mode.value,
+            pull.spec.request_id, blocks, nbytes / 2**20, len(pull.sources), seconds * 1e3, _mode(pull, self.config),
             first_seconds * 1e3,
         )
+
+    def _trace(self, pull: _Pull, trace: Trace, timeline: Timeline) -> None:
+        """Complete a landed pull's trace and write it; for the bench's file, time a whole pull of the same bytes too."""
+        if pull.tasks:
+            trace.landed(max(t.landed_at(layer) or pull.started for t in pull.tasks) for layer in pull.tasks[0].layers)
+        else:
+            trace.landed([pull.ended] * len(self.layers))
+        if timeline.path is not None:
+            # The reference the bench holds the load against: the same bytes between the same processes, in
+            # one transfer_sync (pull_blocks). It rewrites the same bytes, before prefill may free them.
+            began = time.monotonic()
+            try:
+                for read, endpoint in zip(pull.reads, pull.sources):
+                    self._pull_part(pull.spec, endpoint, read, whole=True)
+            except (HixlError, ValueError) as exc:
+                log.warning("hixl: timeline's reference pull of request %s failed: %s", pull.spec.request_id, exc)
+            else:
+                trace.sync_ref = time.monotonic() - began
+        timeline.write(trace)
 
     def _local_cache(self) -> Cache:
         if self._cache is None:
@@ -339,3 +390,10 @@ class WorkerSide:
         for why in due.values():
             self.stats.record_release(expired=not why.pulled)
         return set(due)
+
+
+def _mode(pull: _Pull, config: ConnectorConfig) -> str:
+    """How the pull ran, for the log: ``layerwise``, ``sync`` (the setting) or ``whole`` (small enough)."""
+    if not pull.whole:
+        return LoadMode.LAYERWISE.value
+    return LoadMode.SYNC.value if config.load_mode is LoadMode.SYNC else "whole"

@@ -4,8 +4,8 @@
 ``prefill``, ``decode`` or ``reference``; SETTINGS become the connector's
 extra config, except ``connector`` / ``module`` (another connector class),
 ``kv_load_failure_policy``, ``tp`` (tensor-parallel size, 1 by default: more
-runs vLLM's multiprocessing executor, one worker process per rank) and
-``block_size`` (32 by default). It prints ``{"ready": ..., "startup_s": ...}``
+runs vLLM's multiprocessing executor, one worker process per rank),
+``block_size`` (32 by default) and ``env`` (variables set before vLLM starts). It prints ``{"ready": ..., "startup_s": ...}``
 once the engine is up, then answers each JSON line
 ``{"prompts": [...], "max_tokens": n, "params": [kv_transfer_params or null, ...]}``
 with one JSON line listing, per prompt: token ids, text, ``num_cached_tokens``
@@ -36,6 +36,7 @@ if __name__ == "__main__":
     if role != "prefill":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # stdout carries the answers
+    os.environ.update(settings.pop("env", {}))
     started = time.monotonic()
     from vllm import LLM, SamplingParams
 

@@ -22,7 +22,7 @@ def test_public_surface() -> None:
 
 def test_defaults_need_no_settings() -> None:
     a, b = ConnectorConfig.from_extra({}), ConnectorConfig.from_extra(None)
-    assert (a.host, a.port, a.load_mode, a.transport) == ("127.0.0.1", 0, LoadMode.LAYERWISE, "auto")
+    assert (a.host, a.port, a.load_mode, a.transport, a.whole_below_bytes) == ("127.0.0.1", 0, LoadMode.LAYERWISE, "auto", 4 << 20)
     assert a.cluster_id > 0 and a.cluster_id != b.cluster_id  # random: two instances never share one
 
 
@@ -31,7 +31,7 @@ def test_settings_are_parsed_and_checked() -> None:
     assert (config.load_mode, config.port, config.lease_s, config.release_timeout, config.cluster_id) == (LoadMode.SYNC, 5000, 2.0, 3.0, 9)
     bad_ones = (
         {"load_mod": "sync"}, {"load_mode": "eager"}, {"port": 70000}, {"transfer_timeout": 0}, {"port": "x"},
-        {"lease_s": 0}, {"lease_s": "nan"}, {"lease_s": 10, "release_timeout": 5}, {"release_timeout": 1e9},
+        {"lease_s": 0}, {"lease_s": "nan"}, {"lease_s": 10, "release_timeout": 5}, {"release_timeout": 1e9}, {"whole_below_bytes": -1},
     )
     for bad in bad_ones:
         with pytest.raises(ValueError):

@@ -11,6 +11,7 @@ matching tokens alone would also come from a connector that moves nothing.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -26,6 +27,9 @@ pytest.importorskip("transformers")
 from instances import Instance, prefill_params, started_together  # noqa: E402
 from tiny_model import BLOCK_SIZE, build, words  # noqa: E402
 
+from hixl.vllm._timeline import ENV as TIMELINE_ENV  # noqa: E402
+from hixl.vllm._timeline import phases  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # Prompt lengths with BOS: 2 (one token to load), 20 (part of a block), 33 (a block and
@@ -34,6 +38,9 @@ PROMPTS = [words(1, 5), words(19, 1), words(32, 4), words(63, 2), words(99, 3)]
 MAX_TOKENS = 12
 LEASE_S = 6.0  # short, so that a dead decode's blocks go soon; decode extends it while a request waits
 RELEASE_TIMEOUT = 15.0
+BLOCK_BYTES = 4 * 2 * BLOCK_SIZE * 128 * 4  # a block of every layer: 4 layers x 2 KV heads x 32 tokens x (K+V) 128 x fp32
+# Decode pulls requests of up to two blocks whole, longer ones (the last prompt's four) layer by layer.
+WHOLE_BELOW = 3 * BLOCK_BYTES
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -46,16 +53,24 @@ def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllms(tmp_path_factory: pytest.TempPathFactory, fault_file: Path) -> Iterator[dict[str, Instance]]:
+def timeline_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("timeline") / "decode.jsonl"
+
+
+@pytest.fixture(scope="module")
+def vllms(tmp_path_factory: pytest.TempPathFactory, fault_file: Path, timeline_file: Path) -> Iterator[dict[str, Instance]]:
     """Every instance of this module, started together (each takes tens of seconds to start)."""
     model = build(tmp_path_factory.mktemp("model"))
     logs = tmp_path_factory.mktemp("logs")
     specs: dict[str, tuple[str, int | str, dict[str, Any]]] = {
         # Prefill's engine steps on its own while it holds blocks: give it a core of its own.
         "prefill": ("prefill", 0, {"lease_s": LEASE_S, "release_timeout": RELEASE_TIMEOUT}),
-        "decode": ("decode", 1, {}),  # every default: layer-wise, fail on load errors
+        # The defaults (layer-wise, fail on load errors) but small requests whole, and the timeline on.
+        "decode": ("decode", 1, {"whole_below_bytes": WHOLE_BELOW, "env": {TIMELINE_ENV: str(timeline_file)}}),
         "decode_sync": ("decode", 1, {"load_mode": "sync", "kv_load_failure_policy": "recompute"}),
-        "faulty": ("decode", 1, {"connector": "FaultyConnector", "module": "faulty_connector", "fault_file": str(fault_file)}),
+        "faulty": (  # every request layer-wise: its faults strike between layers
+            "decode", 1, {"connector": "FaultyConnector", "module": "faulty_connector", "fault_file": str(fault_file), "whole_below_bytes": 0},
+        ),  # fmt: skip
         "reference": ("reference", 1, {}),
     }
     with started_together(model, logs, specs) as started:
@@ -105,13 +120,42 @@ def test_decode_tokens_equal_reference(vllms: dict[str, Instance], reference: li
         assert out["num_cached_tokens"] == out["prompt_tokens"] - 1, out  # all but the last from prefill
         assert len(p["remote_block_ids"]) == _cdiv(out["prompt_tokens"], BLOCK_SIZE)
     pulls = re.findall(r"hixl: pulled request (\S+): (\d+) blocks, .* in ([\d.]+) ms \((\w+)\), first layer usable after ([\d.]+) ms", decode.log())
-    mode = "sync" if decode_name == "decode_sync" else "layerwise"
-    mine = [p for p in pulls if p[3] == mode][-len(PROMPTS) :]
+    modes = ("sync",) if decode_name == "decode_sync" else ("layerwise", "whole")
+    mine = [p for p in pulls if p[3] in modes][-len(PROMPTS) :]
     assert sorted(int(p[1]) for p in mine) == sorted(_cdiv(o["prompt_tokens"] - 1, BLOCK_SIZE) for o in outs)
+    if decode_name == "decode":  # whole up to WHOLE_BELOW, layer-wise above
+        assert all((p[3] == "whole") == (int(p[1]) * BLOCK_BYTES < WHOLE_BELOW) for p in mine), mine
     print(f"\n{decode_name} pulls (request, blocks, total ms, mode, first layer ms):", mine)
     # Prefill frees each request's blocks once decode reports it pulled them, well before the lease ends.
     for p in params:
         vllms["prefill"].wait_for_log(rf"request {re.escape(p['remote_request_id'])} was pulled by decode", LEASE_S / 2)
+
+
+def test_timeline_shows_each_load_whole_below_the_threshold_layerwise_above(
+    vllms: dict[str, Instance], reference: list[dict[str, Any]], timeline_file: Path
+) -> None:
+    """Decode's timeline file gets one record per request, in the mode its size chose, each step of the load in
+    order; the whole pulls land the same bytes as layer-wise ones (the tokens equal the reference's)."""
+    seen = len(timeline_file.read_text().splitlines()) if timeline_file.exists() else 0
+    params = prefill(vllms)
+    outs = vllms["decode"].generate(PROMPTS, MAX_TOKENS, params)
+    assert [o["token_ids"] for o in outs] == [r["token_ids"] for r in reference]
+    records = [json.loads(line) for line in timeline_file.read_text().splitlines()[seen:]]
+    assert len(records) == len(PROMPTS) and all(r["connector"] == "hixl" and r["rank"] == 0 for r in records)
+    assert sorted(r["nbytes"] for r in records) == sorted(_cdiv(o["prompt_tokens"] - 1, BLOCK_SIZE) * BLOCK_BYTES for o in outs)
+    assert {r["mode"] for r in records} == {"whole", "layerwise"}
+    for r in records:
+        assert r["mode"] == ("whole" if r["nbytes"] < WHOLE_BELOW else "layerwise"), r
+        assert len(r["layers"]) == 4 and r["sync_ref"] > 0, r
+        assert r["start"] <= r["issued"] and r["usable"] == r["layers"][-1][0] <= r["step_end"], r
+        for landed, asked, noticed in r["layers"]:
+            assert r["start"] <= landed <= noticed and asked <= noticed <= r["step_end"], r
+        if r["mode"] == "whole":  # landed (all at once) before vLLM asked for any layer
+            assert len({layer[0] for layer in r["layers"]}) == 1 and r["usable"] <= r["layers"][0][1], r
+    assert set(phases(records)) == {
+        "issued", "first layer landed", "usable", "vLLM first asked", "waiting for the copy",
+        "waiting for the interpreter", "step end", "sync_ref",
+    }  # fmt: skip
 
 
 def test_zeroed_kv_gives_different_tokens(vllms: dict[str, Instance], reference: list[dict[str, Any]], fault_file: Path) -> None:

@@ -30,6 +30,7 @@ from hixl.vllm._worker import WorkerSide  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEAD_SIZE = 2, 8, 32, 4
+WHOLE = 1 << 30  # a whole_below_bytes every request here is under
 
 
 def spec(num_heads: int, tp: int, block_size: int = BLOCK_SIZE) -> KvSpec:
@@ -40,9 +41,13 @@ class Ranks:
     """The workers of one instance, one per TP rank, with its KV tensors registered."""
 
     def __init__(
-        self, kv: KvSpec, serves: bool, cluster_id: int, seed: int, load_mode: LoadMode = LoadMode.LAYERWISE, lease_s: float = 30
+        self, kv: KvSpec, serves: bool, cluster_id: int, seed: int, load_mode: LoadMode = LoadMode.LAYERWISE, lease_s: float = 30,
+        whole_below_bytes: int = 0,
     ) -> None:
-        config = ConnectorConfig(cluster_id=cluster_id, lease_s=lease_s, release_timeout=60, load_mode=load_mode)
+        # Layer-wise means layer-wise here (whole_below_bytes 0): these requests are small enough to be pulled whole.
+        config = ConnectorConfig(
+            cluster_id=cluster_id, lease_s=lease_s, release_timeout=60, load_mode=load_mode, whole_below_bytes=whole_below_bytes
+        )
         barrier = threading.Barrier(kv.tp_size).wait if kv.tp_size > 1 else None
         self.workers = [WorkerSide(config, serves, not serves, BLOCKS, kv, r, barrier) for r in range(kv.tp_size)]
         gen = torch.Generator().manual_seed(seed)
@@ -122,30 +127,35 @@ def released_soon(worker: WorkerSide, request_id: str, timeout: float = 10) -> f
 
 
 @pytest.mark.parametrize(
-    ("heads", "prefill_tp", "decode_tp", "load_mode"),
+    ("heads", "prefill_tp", "decode_tp", "load_mode", "whole_below"),
     [
-        (2, 2, 1, LoadMode.LAYERWISE),
-        (2, 1, 2, LoadMode.LAYERWISE),
-        (1, 2, 1, LoadMode.LAYERWISE),
-        (1, 1, 2, LoadMode.LAYERWISE),
-        (2, 4, 2, LoadMode.LAYERWISE),
-        (2, 2, 4, LoadMode.LAYERWISE),
-        (2, 2, 1, LoadMode.SYNC),
-        (2, 1, 2, LoadMode.SYNC),
+        (2, 2, 1, LoadMode.LAYERWISE, 0),
+        (2, 1, 2, LoadMode.LAYERWISE, 0),
+        (1, 2, 1, LoadMode.LAYERWISE, 0),
+        (1, 1, 2, LoadMode.LAYERWISE, 0),
+        (2, 4, 2, LoadMode.LAYERWISE, 0),
+        (2, 2, 4, LoadMode.LAYERWISE, 0),
+        (2, 2, 1, LoadMode.SYNC, 0),
+        (2, 1, 2, LoadMode.SYNC, 0),
+        (2, 2, 1, LoadMode.LAYERWISE, WHOLE),  # small enough: pulled whole
+        (2, 1, 2, LoadMode.LAYERWISE, WHOLE),
     ],
-    ids=lambda v: v.value if isinstance(v, LoadMode) else str(v),
+    ids=lambda v: v.value if isinstance(v, LoadMode) else "whole" if v == WHOLE else str(v),
 )
 def test_decode_ranks_get_their_heads_and_every_prefill_rank_hears_once(
-    made: list[Ranks], heads: int, prefill_tp: int, decode_tp: int, load_mode: LoadMode
+    made: list[Ranks], heads: int, prefill_tp: int, decode_tp: int, load_mode: LoadMode, whole_below: int
 ) -> None:
     prefill = Ranks(spec(heads, prefill_tp), True, 1000, seed=1)
-    decode = Ranks(spec(heads, decode_tp), False, 2000, seed=2, load_mode=load_mode)
+    decode = Ranks(spec(heads, decode_tp), False, 2000, seed=2, load_mode=load_mode, whole_below_bytes=whole_below)
     made += [prefill, decode]
     remote = transfer(prefill, 7)
     watched(decode, remote, "d7")
     run_step(decode, LoadSpec("d7", remote, [1, 3], [0, 5]))
     for w, cache in zip(decode.workers, decode.caches):
         assert not w.take_failed_blocks()
+        # A pull landed all at once (whole or sync) has its first layer usable when its last is; layer-wise, before.
+        (seconds,), (first,) = w.stats.data["pull_seconds"], w.stats.data["first_layer_seconds"]
+        assert (first == seconds) == (whole_below == WHOLE or load_mode is LoadMode.SYNC)
         for layer, tensor in cache.items():
             for src, dst in ((1, 0), (3, 5)):
                 for i, model_head in enumerate(w.heads):

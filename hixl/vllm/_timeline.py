@@ -1,0 +1,149 @@
+"""Per-request timelines of decode's loads: where a request's KV load time goes.
+
+Off by default, and then free: the worker holds ``None`` and tests it once per
+call. On when the ``vllm.hixl`` logger is at DEBUG (one log line per request)
+and/or when :data:`ENV` names a file (one JSON line per request and decode
+rank appended to it: what ``hixl bench --scenario vllm --timeline`` reads).
+
+Every time is ``time.monotonic()``, system-wide on Linux, so the records of
+several processes compare. A record (:class:`Trace`, as a dict):
+
+* ``start`` — the worker took the request's LoadSpec (``start_load_kv``);
+* ``issued`` — the plan made and every layer handed to the engine (a whole
+  pull: its one copy done too, it runs inline);
+* ``layers`` — per layer ``[landed, asked, noticed]``: the engine request's
+  completion time (the copy done), when vLLM called ``wait_for_layer_load``,
+  and when that returned;
+* ``step_end`` — ``wait_for_save``: the step's forward is over;
+* ``usable`` — the last layer landed: the end of the load, as the bench
+  compares connectors (start to usable);
+* ``sync_ref`` — file mode only: seconds one ``transfer_sync`` of the same
+  bytes between the same processes took, timed after the step.
+
+A layer's ``noticed - max(landed, asked)`` is time spent waiting for the
+interpreter — the worker thread woken, or its turn on a core that vLLM's
+main thread spins on between steps — not for the copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["ENV", "Timeline", "Trace", "phases"]
+
+#: The environment variable naming the file timelines are appended to (JSON lines).
+ENV = "HIXL_VLLM_TIMELINE"
+
+
+@dataclass
+class Trace:
+    """One request's load on one decode rank; see the module docstring for each field."""
+
+    connector: str
+    request: str
+    rank: int
+    start: float
+    mode: str = ""
+    nbytes: int = 0
+    issued: float | None = None
+    layers: list[list[float | None]] = field(default_factory=list)  # [landed, asked, noticed]
+    step_end: float | None = None
+    usable: float | None = None
+    sync_ref: float | None = None
+
+    def asked(self, layer: int, asked: float, noticed: float) -> None:
+        """vLLM waited for ``layer`` from ``asked`` to ``noticed``."""
+        while len(self.layers) <= layer:
+            self.layers.append([None, None, None])
+        self.layers[layer][1:] = [asked, noticed]
+
+    def landed(self, landed: Iterable[float | None]) -> None:
+        """Each layer's copy-done time, in layer order; the last one's is when the request is usable."""
+        for layer, at in enumerate(landed):
+            while len(self.layers) <= layer:
+                self.layers.append([None, None, None])
+            self.layers[layer][0] = at
+        self.usable = self.layers[-1][0] if self.layers else None
+
+    def describe(self) -> str:
+        """The timeline in milliseconds after ``start``, for the log."""
+
+        def ms(at: float | None) -> str:
+            return "-" if at is None else f"+{(at - self.start) * 1e3:.3f}"
+
+        layers = "; ".join(f"layer {i} landed {ms(a)} asked {ms(b)} noticed {ms(c)}" for i, (a, b, c) in enumerate(self.layers))
+        return (
+            f"request {self.request} rank {self.rank} ({self.mode}, {self.nbytes / 2**20:.2f} MiB), ms after the load started: "
+            f"issued {ms(self.issued)}; {layers}; usable {ms(self.usable)}; step end {ms(self.step_end)}"
+        )
+
+
+class Timeline:
+    """Where a worker's traces go: the debug log, the :data:`ENV` file, or both."""
+
+    def __init__(self, log: logging.Logger, path: str | None) -> None:
+        self._log = log
+        self.path = path
+        """The file traces are appended to (None: the log only); with one, workers also time ``sync_ref``."""
+
+    @classmethod
+    def open(cls, log: logging.Logger) -> Timeline | None:
+        """A timeline if ``log`` is at DEBUG or :data:`ENV` is set, else None (the worker then records nothing)."""
+        path = os.environ.get(ENV) or None
+        if path is None and not log.isEnabledFor(logging.DEBUG):
+            return None
+        return cls(log, path)
+
+    def write(self, trace: Trace) -> None:
+        """Log ``trace`` at DEBUG and append it to the file (one line: appends of processes do not interleave)."""
+        self._log.debug("hixl: timeline of %s", trace.describe())
+        if self.path is not None:
+            append(self.path, asdict(trace))
+
+
+def append(path: str, record: Mapping[str, Any]) -> None:
+    """Append ``record`` to ``path`` as one JSON line, in one write (O_APPEND: whole lines from every process)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def phases(records: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Where a median request's time goes: each phase's median over ``records``, in milliseconds.
+
+    Phases, each from the load's start unless it says otherwise: ``issued``,
+    ``first layer landed``, ``usable`` (the last layer landed), ``vLLM first
+    asked``, ``waiting for the copy`` and ``waiting for the interpreter`` (sums
+    over layers; see the module docstring), ``step end``, and ``sync_ref`` (one
+    ``transfer_sync`` of the same bytes). A phase no record has is left out.
+    """
+    found: dict[str, list[float]] = {}
+
+    def add(name: str, value: float | None) -> None:
+        if value is not None:
+            found.setdefault(name, []).append(value * 1e3)
+
+    for record in records:
+        start, layers = record["start"], record.get("layers") or []
+
+        def since(at: float | None, start: float = start) -> float | None:
+            return None if at is None else at - start
+
+        add("issued", since(record.get("issued")))
+        add("first layer landed", since(layers[0][0]) if layers else None)
+        add("usable", since(record.get("usable")))
+        add("vLLM first asked", since(layers[0][1]) if layers else None)
+        if layers and all(None not in layer for layer in layers):
+            add("waiting for the copy", sum(max(0.0, landed - asked) for landed, asked, _ in layers))
+            add("waiting for the interpreter", sum(noticed - max(landed, asked) for landed, asked, noticed in layers))
+        add("step end", since(record.get("step_end")))
+        add("sync_ref", record.get("sync_ref"))
+    return {name: statistics.median(values) for name, values in found.items()}
