@@ -4,7 +4,7 @@
     ├── TransferError
     │   ├── Superseded                 a pull could not be proven to hold one version
     │   │   └── TornRows               rows kept tearing under the server's updates
-    │   └── UpdateFailed               a vLLM rank could not pull a version: none applied it
+    │   └── UpdateFailed               a vLLM update failed: none applied it, or some rank is broken
     └── ProtocolError
         └── ManifestError              what a publisher (or table server) published is malformed
 
@@ -39,11 +39,14 @@ class TornRows(Superseded):
 
 class UpdateFailed(TransferError):
     """A weight update of a vLLM instance failed on some rank; ``errors`` holds each failed rank's
-    message (rank -> text). Raised before any rank applied anything: the old weights still serve."""
+    message (rank -> text). If ``broken`` is empty, no rank applied anything: the old weights still
+    serve. Otherwise vLLM's own reload raised on the ``broken`` ranks half-way: they cannot serve
+    until vLLM is restarted."""
 
-    def __init__(self, message: str, errors: dict[int, str] | None = None) -> None:
+    def __init__(self, message: str, errors: dict[int, str] | None = None, *, broken: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.errors = dict(errors or {})
+        self.broken = list(broken)
 
 
 class ManifestError(ProtocolError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 import urllib.request
 from typing import Any
 
@@ -69,13 +70,21 @@ def _target(llm_or_url: Any) -> _Offline | _Http:
 
 
 def _pull(target: _Offline | _Http, request: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    """Phase 1 on every rank; :class:`UpdateFailed` (no rank applies anything) if any rank failed."""
+    """Phase 1 on every rank; :class:`UpdateFailed` (no rank applies anything) if any rank failed.
+
+    The request carries the caller's clock (``now``) and the end of this update's hold: every rank
+    then decides from the same numbers (see :mod:`hixl.weights.vllm_worker`). The hold lasts the
+    pull's ``timeout`` and as long again for the other ranks' pulls and the apply.
+    """
+    now = time.time()
+    request = dict(request, now=now, hold_until=now + 2 * timeout)
     try:
         results = target.rpc("hixl_weights_pull", request, timeout + _SLACK)
     except TimeoutError as exc:
         raise HixlTimeout(f"vLLM did not answer the pull within {timeout + _SLACK} s") from exc
     errors = {int(r["rank"]): r["error"] for r in results if r["error"] is not None}
-    if errors:
+    if errors:  # ranks that did pull hold this update: let the next one in at once
+        target.rpc("hixl_weights_release", {"ticket": request["ticket"]}, _SLACK)
         raise UpdateFailed(f"{len(errors)} of {len(results)} rank(s) could not pull: {errors}", errors)
     return results
 
@@ -88,9 +97,13 @@ def update_weights(llm_or_url: Any, publisher_address: str, version: int | None 
     ``hixl.weights.vllm_worker.WeightsExtension`` worker extension. Every rank first pulls its
     part into staging buffers (``timeout`` seconds); only if all of them hold the same version
     does each load it, between two engine steps. Then vLLM's weight-version label is set to the
-    version and the prefix cache (KV computed with the old weights) is dropped. Raises
-    :class:`~hixl.weights.UpdateFailed` if a rank could not pull: no rank applied anything, the
-    old weights still serve.
+    version and the prefix cache (KV computed with the old weights) is dropped.
+
+    Raises :class:`~hixl.weights.UpdateFailed` if a rank could not pull — among other reasons
+    because another update pulled first and has not applied yet (its hold lasts twice its
+    timeout): no rank applied anything, the old weights still serve. Also raised, with
+    ``broken`` naming the ranks, if vLLM's own reload raised on some rank: those ranks cannot
+    serve (see :func:`served_version`), the others serve the new version.
     """
     if not timeout > 0:
         raise ParamInvalid(f"timeout must be a positive number of seconds, not {timeout!r}")
@@ -105,8 +118,17 @@ def update_weights(llm_or_url: Any, publisher_address: str, version: int | None 
     (staged,) = versions
     applied = target.rpc("hixl_weights_apply", {"ticket": ticket, "version": staged}, _SLACK)
     errors = {int(r["rank"]): r["error"] for r in applied if r["error"] is not None}
-    if errors:  # not a pull failure: vLLM's own loader failed, or another update interleaved
-        raise UpdateFailed(f"{len(errors)} rank(s) failed to load version {staged}: {errors}", errors)
+    broken = sorted(int(r["rank"]) for r in applied if r.get("broken"))
+    if errors and not broken:  # every rank refused alike: this update's hold ended and another took over
+        raise UpdateFailed(f"no rank applied version {staged} (another update pulled after this one's hold ended): {errors}", errors)
+    if errors:
+        loaded = sorted(int(r["rank"]) for r in applied if r["error"] is None)
+        raise UpdateFailed(
+            f"vLLM's reload of version {staged} raised on rank(s) {sorted(errors)}: rank(s) {broken} are broken"
+            f" (cannot serve: restart vLLM), rank(s) {loaded} serve version {staged}: {errors}",
+            errors,
+            broken=broken,
+        )
     target.label(staged)
     target.reset_prefix_cache()
     return staged
@@ -115,9 +137,13 @@ def update_weights(llm_or_url: Any, publisher_address: str, version: int | None 
 def served_version(llm_or_url: Any) -> int:
     """The version every rank of the vLLM serves (0: the weights it started with).
 
-    Raises :class:`~hixl.weights.UpdateFailed` if its ranks disagree (an apply that failed on some).
+    Raises :class:`~hixl.weights.UpdateFailed` (``broken``: those ranks) if a rank is broken —
+    vLLM's reload raised on it half-way — or if the ranks disagree.
     """
     results = _target(llm_or_url).rpc("hixl_weights_state", {}, _SLACK)
+    broken = {int(r["rank"]): r["broken"] for r in results if r.get("broken")}
+    if broken:
+        raise UpdateFailed(f"rank(s) {sorted(broken)} cannot serve (restart vLLM): {broken}", broken, broken=sorted(broken))
     versions = {int(r["version"]) for r in results}
     if len(versions) != 1:
         raise UpdateFailed(f"the ranks serve different versions: {sorted(versions)}")

@@ -7,7 +7,8 @@ process publishes seed 1's ``named_parameters()``; after an update both seed-0 e
 must generate the reference's greedy tokens, and vLLM's loaders must make the same
 parameters, byte for byte, from what each rank staged as from the checkpoint's full
 tensors. Failed updates (a version superseded, a publisher stopped then killed) must
-leave the old weights serving.
+leave the old weights serving; overlapping updates must leave every rank on one version;
+a reload that raises half-way must be reported, never served silently.
 """
 
 from __future__ import annotations
@@ -287,6 +288,64 @@ def test_http_dev_mode_tp1(
         update_weights(server.url, engine.local_engine, timeout=30)
     assert served_version(server.url) == bad and server.label() == str(bad)
     assert all(t != r for t, r in zip(server.generate(), before["reference"]))
+
+
+def test_overlapping_updates_one_wins_and_every_rank_serves_it(
+    vllms: dict[str, Any], trainer: tuple[hixl.Engine, Publisher, Any], before: dict[str, list[list[int]]]
+) -> None:
+    """Two updates at once against TP 2, both pulls before either apply: the first to pull holds
+    its staging until it applies; the other is refused, saying why; all ranks serve the winner."""
+    engine, publisher, module = trainer
+    tp2 = vllms["tp2"]
+    good, bad = publish_module(publisher, module), publish_corrupted(publisher, module)
+    orders = [{"address": engine.local_engine, "version": v, "timeout": 30.0} for v in (good, bad)]
+    outcomes = tp2.ask({"cmd": "race", "updates": orders})
+    (won,) = [o["version"] for o in outcomes if "version" in o]
+    (lost,) = [o for o in outcomes if "error" in o]
+    assert lost["type"] == "UpdateFailed" and "held by another update" in lost["error"], outcomes
+    assert [r["version"] for r in tp2.ask({"cmd": "state"})] == [won, won]
+    assert tp2.ask({"cmd": "label"}) == str(won) and tp2.ask({"cmd": "served"}) == {"version": won}
+    tokens = tp2.generate()
+    assert tokens == before["reference"] if won == good else all(t != r for t, r in zip(tokens, before["reference"]))
+
+
+def test_a_caller_gone_between_pull_and_apply_holds_the_ranks_for_its_hold_only(
+    vllms: dict[str, Any], trainer: tuple[hixl.Engine, Publisher, Any], before: dict[str, list[list[int]]]
+) -> None:
+    """A pull whose caller never applies (it died) keeps other updates out until its hold ends."""
+    engine, publisher, module = trainer
+    tp2 = vllms["tp2"]
+    version = publish_module(publisher, module)
+    now, hold = time.time(), 8.0
+    pulled = tp2.ask({"cmd": "rpc", "method": "hixl_weights_pull", "request": {
+        "address": engine.local_engine, "version": version, "timeout": 10.0, "ticket": "gone", "now": now, "hold_until": now + hold}})
+    assert [p["error"] for p in pulled] == [None, None], pulled
+    refused = tp2.update(engine.local_engine, timeout=10.0)
+    assert refused["type"] == "UpdateFailed" and "held by another update" in refused["error"], refused
+    time.sleep(max(0.0, now + hold - time.time()) + 0.5)
+    assert tp2.update(engine.local_engine, timeout=10.0) == {"version": version}
+    assert tp2.generate() == before["reference"]
+
+
+def test_a_reload_that_raises_half_way_marks_the_rank_broken_loudly(
+    vllms: dict[str, Any], trainer: tuple[hixl.Engine, Publisher, Any]
+) -> None:
+    """vLLM's reload raising on rank 1 half-way through the model (an injected fault): the update
+    names rank 1 broken, served_version raises, later updates are refused. Leaves TP 2 broken:
+    the last test to use it."""
+    engine, publisher, module = trainer
+    tp2 = vllms["tp2"]
+    version = publish_module(publisher, module)
+    tp2.ask({"cmd": "rpc", "method": "hixl_test_fail_reload", "request": {"rank": 1, "after": 10}})
+    failed = tp2.update(engine.local_engine, timeout=30.0)
+    assert failed["type"] == "UpdateFailed" and "rank(s) [1] are broken" in failed["error"], failed
+    assert "injected" in failed["error"] and f"rank(s) [0] serve version {version}" in failed["error"], failed
+    states = tp2.ask({"cmd": "state"})
+    assert [s["version"] for s in states] == [version, None] and states[1]["broken"], states
+    served = tp2.ask({"cmd": "served"})
+    assert served["type"] == "UpdateFailed" and served["broken"] == [1], served
+    refused = tp2.update(engine.local_engine, timeout=30.0)
+    assert refused["type"] == "UpdateFailed" and "broken" in refused["error"], refused
 
 
 def test_docs_rl_loop(tmp_path: Path) -> None:

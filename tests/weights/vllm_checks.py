@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from hixl.weights.vllm_worker import WeightsExtension
@@ -13,6 +15,28 @@ class CheckedExtension(WeightsExtension):
 
     def hixl_test_loaders_agree(self, checkpoint: str) -> dict[str, Any]:
         return loaders_agree(self, checkpoint)
+
+    def hixl_test_fail_reload(self, request: str) -> dict[str, Any]:
+        """The fault: on rank ``rank``, the next apply's tensors raise after ``after`` of them were
+        loaded — inside vLLM's reload, half-way through the model (needs a staging: update first)."""
+        doc = json.loads(request)
+        staging = self._hixl_weights.staging
+        if self._hixl_rank() == doc["rank"]:
+            staging.tensors = _failing(staging, staging.tensors, int(doc["after"]))
+        return {"rank": self._hixl_rank()}
+
+
+def _failing(staging: Any, tensors: Callable[[], Iterator[tuple[str, Any]]], after: int) -> Callable[[], Iterator[tuple[str, Any]]]:
+    """``tensors``, once, raising after ``after`` items; then ``staging`` gets its own back."""
+
+    def failing() -> Iterator[tuple[str, Any]]:
+        del staging.tensors
+        for i, item in enumerate(tensors()):
+            if i == after:
+                raise RuntimeError(f"injected: the tensor after {after} could not be read")
+            yield item
+
+    return failing
 
 
 def loaders_agree(worker: Any, checkpoint: str) -> dict[str, Any]:
