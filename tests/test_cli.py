@@ -54,7 +54,7 @@ def test_top_level_help_lists_the_commands() -> None:
     [
         (["demo"], ["(default: 32)", "(default: 512)", "(default: 4)", "(default: 16)", "(default: auto)",
                     "(default: pull)", "(default: 0)"]),
-        (["bench"], ["(default: engine)", "(default: engine cma,shm,tcp; kv, kv-vllm, soak cma,tcp)", "(default: 512M; --quick: 1M)",
+        (["bench"], ["(default: engine)", "(default: engine, weights, ps cma,shm,tcp; kv, kv-vllm, soak cma,tcp)", "(default: 512M; --quick: 1M)",
                      "(default: 5; --quick: 2)", "(default: 2000; --quick: 50)"]),
     ],
     ids=["demo", "bench"],

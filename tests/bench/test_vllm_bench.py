@@ -40,7 +40,7 @@ def test_contenders_are_hixl_then_nixl_where_installed() -> None:
     ("argv", "message"),
     [
         (["--transport", "shm"], "runs over cma or tcp, not shm"),
-        (["--tokens", "1000"], "exceed the servers' --max-model-len 1024"),
+        (["--tokens", "8180"], "exceed the scenario's longest request, 8192 tokens"),
     ],
 )
 def test_impossible_runs_are_refused_before_anything_starts(
@@ -75,13 +75,23 @@ def test_shapes_are_chosen_by_name_and_share_out_the_cpus(capsys: pytest.Capture
 def test_quick_run_reports_every_connector(tmp_path: Path) -> None:
     pytest.importorskip("vllm.distributed.kv_transfer")
     out = tmp_path / "vllm.json"
-    assert main(["--scenario", "vllm", "--quick", "--no-progress", "--json", str(out)]) == 0
+    assert main(["--scenario", "vllm", "--quick", "--timeline", "--no-progress", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     names = ["hixl", "nixl"] if HAVE_NIXL else ["hixl"]
-    labels = ["KV transfer, median", "KV transfer, p90", "time to first token, median", "decode throughput, median"]
-    assert [(r["name"], r["transport"]) for r in doc["rows"]] == [(label, n) for n in names for label in labels]
+    # Both connectors' loads measured alike first (hixl's also against one transfer_sync), then their own telemetry.
+    load, own = ["KV load, start to usable, median", "KV load, start to usable, p90"], [
+        "KV transfer (own telemetry), median", "KV transfer (own telemetry), p90", "time to first token, median",
+        "decode throughput, median",
+    ]  # fmt: skip
+    sync = ["one transfer_sync of the same bytes, median", "KV load / transfer_sync of the same bytes, median"]
+    labels = {"hixl": load + sync + own, "nixl": load + own}
+    assert [(r["name"], r["transport"]) for r in doc["rows"]] == [(label, n) for n in names for label in labels[n]]
     for row in doc["rows"]:
         assert row["value"] is not None and math.isfinite(row["value"]) and row["value"] > 0, row
         assert row["note"] == f"{vllm_bench.QUICK['vllm_requests']} requests"
-        assert (row["baseline_name"] == "nixl") == (HAVE_NIXL and row["transport"] == "hixl")
+        compared = HAVE_NIXL and row["transport"] == "hixl" and "transfer_sync" not in row["name"]
+        assert (row["baseline_name"] == "nixl") == compared, row
+    for name in names:  # --timeline: where a median request's load went
+        (note,) = [n for n in doc["notes"] if n.startswith(f"vllm 1P1D {name} timeline, median ms after the load started: ")]
+        assert "usable" in note and ("sync_ref" in note) == (name == "hixl")
     assert any("NIXL is not installed" in n for n in doc["notes"]) == (not HAVE_NIXL)
