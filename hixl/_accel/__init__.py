@@ -51,6 +51,9 @@ these functions are handed the tables their callers checked and hold current.
   waiting;
   :func:`tcp_land_words` lands a WRITE's data from the socket as it streams in, in whole words,
   trying again while more is coming rather than going back to the loop between pieces.
+- :func:`weights_hash` — hixl.weights' 64-bit checksum of a buffer's bytes; :func:`copy_hash` —
+  a copy and the checksum of what landed, in one pass (the GIL released for large buffers; the
+  choice of hash and its speeds: :mod:`hixl.weights._checks`).
 - :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`
   cheaper (only the pure one has a use for it: numpy's calls want one side back
   to back; C copies in any order at the same speed).
@@ -92,6 +95,7 @@ __all__ = [
     "cma_copy",
     "cma_window",
     "cma_windows",
+    "copy_hash",
     "copy_pieces",
     "mapped_copy",
     "tcp_land",
@@ -99,6 +103,7 @@ __all__ = [
     "tcp_reply",
     "tcp_request",
     "tcp_send",
+    "weights_hash",
 ]
 
 PURE_ENV = "HIXL_PURE_PYTHON"
@@ -149,6 +154,8 @@ tcp_reply = _impl.tcp_reply
 tcp_land = _impl.tcp_land
 tcp_land_words = _impl.tcp_land_words
 tcp_request = _impl.tcp_request
+weights_hash = _impl.weights_hash
+copy_hash = _impl.copy_hash
 TCP_WAIT: int = _impl.TCP_WAIT
 TCP_EOF: int = _impl.TCP_EOF
 TCP_LOWAT: int = _impl.TCP_LOWAT

@@ -853,6 +853,162 @@ copy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ---- weights_hash, copy_hash: hixl.weights' checksum (why this one: hixl/weights/_checks.py) -- */
+
+/* The key and multiplier of word i are those of i mod HASH_KEYS; the last pair is the byte
+ * length's. Drawn at import from SplitMix64's sequence from HASH_SEED, as pure.py draws them. */
+#define HASH_KEYS 256
+#define HASH_SEED 0x68786c2d6d6c6836ull /* "hxl-mlh6" */
+static uint64_t hash_k[HASH_KEYS + 1], hash_m[HASH_KEYS + 1];
+
+static uint64_t
+splitmix64(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static void
+hash_tables_init(void)
+{
+    uint64_t state = HASH_SEED;
+    for (int i = 0; i <= HASH_KEYS; i++) {
+        hash_k[i] = splitmix64(&state);
+        hash_m[i] = splitmix64(&state) | 1; /* odd: multiplying by it loses no difference */
+    }
+}
+
+static inline uint64_t
+load_le64(const unsigned char *p)
+{
+    uint64_t w;
+    memcpy(&w, p, 8); /* any alignment: the compiler makes it one load */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    w = __builtin_bswap64(w);
+#endif
+    return w;
+}
+
+/* The hash of n bytes at src, copying them to dst on the way if dst is not NULL (each word is
+ * hashed as it was stored: the hash is of what landed). One pass, one multiply per word: the
+ * additions need not wait for each other's multiplies, so this runs at memory speed. */
+static uint64_t
+hash_bytes(unsigned char *dst, const unsigned char *src, size_t n)
+{
+    uint64_t h = 0;
+    size_t words = n / 8, i = 0;
+    while (i < words) {
+        size_t run = words - i < HASH_KEYS ? words - i : HASH_KEYS; /* i is a multiple of HASH_KEYS */
+        const unsigned char *s = src + 8 * i;
+        if (dst != NULL) {
+            unsigned char *d = dst + 8 * i;
+            for (size_t j = 0; j < run; j++) {
+                uint64_t w;
+                memcpy(&w, s + 8 * j, 8);
+                memcpy(d + 8 * j, &w, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+                w = __builtin_bswap64(w);
+#endif
+                h += (w ^ hash_k[j]) * hash_m[j];
+            }
+        } else {
+            for (size_t j = 0; j < run; j++)
+                h += (load_le64(s + 8 * j) ^ hash_k[j]) * hash_m[j];
+        }
+        i += run;
+    }
+    size_t tail = n % 8;
+    if (tail) {
+        unsigned char last[8] = {0}; /* the tail, zero-padded into one more word */
+        memcpy(last, src + 8 * words, tail);
+        if (dst != NULL)
+            memcpy(dst + 8 * words, last, tail);
+        h += (load_le64(last) ^ hash_k[words % HASH_KEYS]) * hash_m[words % HASH_KEYS];
+    }
+    return h + ((uint64_t)n ^ hash_k[HASH_KEYS]) * hash_m[HASH_KEYS]; /* "abc" and "abc\0" differ */
+}
+
+/* hash_bytes, with the GIL released from GIL_FREE_FROM bytes (the caller holds the buffers). */
+static uint64_t
+hash_bytes_gil(unsigned char *dst, const unsigned char *src, size_t n)
+{
+    if (n < GIL_FREE_FROM)
+        return hash_bytes(dst, src, n);
+    uint64_t h;
+    Py_BEGIN_ALLOW_THREADS
+    h = hash_bytes(dst, src, n);
+    Py_END_ALLOW_THREADS
+    return h;
+}
+
+/* A C-contiguous buffer of obj (writable if asked), acquired as memoryview(obj) acquires it, so
+ * that the pure twin refuses the same objects with the same errors. */
+static int
+hash_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FULL_RO) < 0)
+        return 0;
+    if (!PyBuffer_IsContiguous(view, 'C') || (writable && view->readonly)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer", what, writable ? " writable" : "");
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(weights_hash_doc,
+"weights_hash(buffer) -> int\n\n"
+"The 64-bit checksum of a C-contiguous buffer's bytes (hixl.weights' \"mlh64\": see\n"
+"hixl/weights/_checks.py); the GIL released from GIL_FREE_FROM bytes.");
+
+static PyObject *
+weights_hash(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "weights_hash takes 1 argument");
+        return NULL;
+    }
+    Py_buffer v;
+    if (!hash_buffer(args[0], &v, 0, "buffer"))
+        return NULL;
+    uint64_t h = hash_bytes_gil(NULL, v.buf, (size_t)v.len);
+    PyBuffer_Release(&v);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+PyDoc_STRVAR(copy_hash_doc,
+"copy_hash(dst, src) -> int\n\n"
+"Copy src's bytes into dst (C-contiguous buffers of one size that do not overlap) and return\n"
+"weights_hash of what landed, in one pass; the GIL released from GIL_FREE_FROM bytes.");
+
+static PyObject *
+copy_hash(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy_hash takes 2 arguments");
+        return NULL;
+    }
+    Py_buffer d, s;
+    if (!hash_buffer(args[0], &d, 1, "dst"))
+        return NULL;
+    if (!hash_buffer(args[1], &s, 0, "src")) {
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    if (d.len != s.len) {
+        PyErr_Format(PyExc_ValueError, "copy_hash: dst has %zd bytes, src %zd", d.len, s.len);
+        PyBuffer_Release(&d);
+        PyBuffer_Release(&s);
+        return NULL;
+    }
+    uint64_t h = hash_bytes_gil(d.buf, s.buf, (size_t)s.len);
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&s);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 /* ---- CmaSmall: cma's whole latency path (every check and the syscall) in one call ----------- */
 
 /* Sorted, disjoint intervals [starts[i], ends[i]) as C arrays: a RegionTable's .intervals. */
@@ -2646,6 +2802,8 @@ static PyMethodDef methods[] = {
     {"tcp_land", (PyCFunction)(void (*)(void))tcp_land, METH_FASTCALL, tcp_land_doc},
     {"tcp_land_words", (PyCFunction)(void (*)(void))tcp_land_words, METH_FASTCALL, tcp_land_words_doc},
     {"tcp_request", (PyCFunction)(void (*)(void))tcp_request, METH_FASTCALL, tcp_request_doc},
+    {"weights_hash", (PyCFunction)(void (*)(void))weights_hash, METH_FASTCALL, weights_hash_doc},
+    {"copy_hash", (PyCFunction)(void (*)(void))copy_hash, METH_FASTCALL, copy_hash_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2679,6 +2837,7 @@ PyInit__native(void)
             return NULL;
     if (PyType_Ready(&CmaSmallType) < 0 || PyType_Ready(&TcpSmallType) < 0)
         return NULL;
+    hash_tables_init();
     static int forked_handler;
     if (!forked_handler && pthread_atfork(NULL, NULL, lanes_after_fork) == 0)
         forked_handler = 1;

@@ -72,6 +72,7 @@ __all__ = [
     "cma_window",
     "cma_windows",
     "copy",
+    "copy_hash",
     "copy_many",
     "copy_pieces",
     "mapped_copy",
@@ -79,6 +80,7 @@ __all__ = [
     "tcp_reply",
     "tcp_request",
     "tcp_send",
+    "weights_hash",
 ]
 
 GIL_FREE_FROM = 256 << 10
@@ -949,3 +951,85 @@ def tcp_request(
     if kind == _TCP_WRITE and total != data_len:
         return other
     return kind, have, end, req_id, deadline, pairs, data_len, None
+
+
+# ---- weights_hash, copy_hash: hixl.weights' checksum (why this one: hixl/weights/_checks.py) ----
+
+_HASH_KEYS = 256
+"""Word i takes the key and multiplier of i mod this; one more pair is the byte length's."""
+_HASH_SEED = 0x68786C2D6D6C6836  # "hxl-mlh6": SplitMix64's sequence from here, as the C draws it
+_HASH_CHUNK = 8192
+"""Words per numpy step (a multiple of _HASH_KEYS): 64 KiB, so its temporary stays in the L2 cache."""
+
+
+def _splitmix64(state: int) -> tuple[int, int]:
+    """SplitMix64's next state and output."""
+    state = (state + 0x9E3779B97F4A7C15) & _U64
+    z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return state, z ^ (z >> 31)
+
+
+def _hash_tables() -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The keys and multipliers of one chunk's words (repeated every _HASH_KEYS), and the length's pair."""
+    keys, mults, state = [], [], _HASH_SEED
+    for _ in range(_HASH_KEYS + 1):
+        state, k = _splitmix64(state)
+        state, m = _splitmix64(state)
+        keys.append(k)
+        mults.append(m | 1)  # odd: multiplying by it loses no difference
+    repeat = _HASH_CHUNK // _HASH_KEYS
+    return (np.tile(np.array(keys[:-1], dtype=np.uint64), repeat), np.tile(np.array(mults[:-1], dtype=np.uint64), repeat),
+            keys[-1], mults[-1])
+
+
+_HASH_K, _HASH_M, _HASH_LEN_K, _HASH_LEN_M = _hash_tables()
+
+
+def _hash_buffer(obj: object, writable: bool, what: str) -> np.ndarray:
+    """``obj``'s bytes as a uint8 array, refused as the C twin refuses it (the same buffer request)."""
+    view = memoryview(obj)  # type: ignore[arg-type]
+    if not view.c_contiguous or (writable and view.readonly):
+        raise TypeError(f"{what} must be a C-contiguous{' writable' if writable else ''} buffer")
+    return np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8)
+
+
+def _hash_chunk(data: np.ndarray, scratch: np.ndarray) -> int:
+    """The sum over a chunk's whole words (its first word at a multiple of _HASH_KEYS), mod 2**64."""
+    n = len(data) // 8
+    words, out = data[: 8 * n].view("<u8"), scratch[:n]
+    np.bitwise_xor(words, _HASH_K[:n], out=out)
+    np.multiply(out, _HASH_M[:n], out=out)
+    return int(out.sum(dtype=np.uint64))
+
+
+def _hash_end(h: int, data: np.ndarray, nbytes: int) -> int:
+    """``h`` with the zero-padded tail of ``data`` (the last ``nbytes % 8`` bytes) and the length added."""
+    words, tail = divmod(nbytes, 8)
+    if tail:
+        last = int.from_bytes(data[8 * words :].tobytes(), "little")
+        h += (last ^ int(_HASH_K[words % _HASH_KEYS])) * int(_HASH_M[words % _HASH_KEYS])
+    return (h + (nbytes ^ _HASH_LEN_K) * _HASH_LEN_M) & _U64
+
+
+def weights_hash(buffer: object) -> int:
+    """The 64-bit checksum of a C-contiguous buffer's bytes (hixl.weights' "mlh64")."""
+    data = _hash_buffer(buffer, False, "buffer")
+    scratch, h = np.empty(_HASH_CHUNK, dtype=np.uint64), 0
+    for start in range(0, len(data), 8 * _HASH_CHUNK):
+        h += _hash_chunk(data[start : start + 8 * _HASH_CHUNK], scratch)
+    return _hash_end(h, data, len(data))
+
+
+def copy_hash(dst: object, src: object) -> int:
+    """Copy ``src``'s bytes into ``dst`` (C-contiguous, one size, not overlapping); :func:`weights_hash`
+    of what landed, each chunk hashed right after it was copied (while it is in the cache)."""
+    out, data = _hash_buffer(dst, True, "dst"), _hash_buffer(src, False, "src")
+    if len(out) != len(data):
+        raise ValueError(f"copy_hash: dst has {len(out)} bytes, src {len(data)}")
+    scratch, h = np.empty(_HASH_CHUNK, dtype=np.uint64), 0
+    for start in range(0, len(data), 8 * _HASH_CHUNK):
+        chunk = out[start : start + 8 * _HASH_CHUNK]
+        np.copyto(chunk, data[start : start + 8 * _HASH_CHUNK])
+        h += _hash_chunk(chunk, scratch)
+    return _hash_end(h, out, len(out))

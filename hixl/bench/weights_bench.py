@@ -9,9 +9,13 @@ each ``N`` (1, 2, 4 by default), these contenders are timed interleaved
 the moment the last node holds the bytes (``CLOCK_MONOTONIC``, one clock for
 every process):
 
-* ``flat`` — hixl: ``publish`` (the snapshot copy and its CRC-32), the
-  notification, every node's ``pull`` of the version (its READ, the header
-  word, the CRC-32 check);
+* ``flat`` — hixl: ``publish`` (the snapshot copy, fused with its checksum),
+  the notification, every node's ``pull`` of the version (its READ, the header
+  word, the checksum check). Snapshot mode pays that copy by design (the trainer
+  may write its tensors again as soon as ``publish`` returns);
+* ``zero-copy`` — the same from a ``Publisher(mode="zero-copy")``: ``publish``
+  checksums the trainer's tensors where they are and nodes read them there, so
+  it is what can approach one contiguous read (the issue's 0.9x);
 * ``contiguous`` — every node's single ``transfer_sync`` READ of the newest
   version's whole slot into a contiguous buffer: what the bytes cost when
   nothing is versioned, checked or split into tensors;
@@ -29,8 +33,11 @@ gloo and safetensors do not depend on the transport: they are timed once per
 the baselines of every transport's rows.
 
 Rows (values in GiB/s of the model's bytes over the time until all ``N`` hold
-them): hixl against ``contiguous`` (target >= 0.9x with one subscriber),
-against ``gloo`` (>= 3x) and ``safetensors`` (>= 5x); and with ``N >= 3`` the
+them): hixl (snapshot, then zero-copy: rows of their own) against
+``contiguous`` (target >= 0.9x with one subscriber), against ``gloo`` (>= 3x)
+and ``safetensors`` (>= 5x); their notes split publish->held into publish (copy
+and checksum), pull and verify (node 1's checksum of its tensors, timed apart);
+and with ``N >= 3`` the
 tree's aggregate (``N`` x the model over its time) against the flat fan-out's.
 
 Before anything is timed, each contender runs once more, checked: every node's
@@ -128,18 +135,19 @@ class _Fleet:
     def __init__(self, publisher: PublisherProcess, nodes: list[NodeProcess]) -> None:
         self.publisher, self.nodes = publisher, nodes
         self.transport = ""
-        self.publish_ns: list[int] = []
+        self.publish_ns: dict[str, list[int]] = {"flat": [], "zero-copy": []}
         self.save_ns: list[int] = []
 
     def setup(self, transport: str) -> None:
         """Subscribe every node over ``transport``: flat to the publisher, tree to its upstream relay."""
         self.transport = transport
+        self.zero_copy = self.publisher.do("zero_copy_address")
         relays: dict[int, str | None] = {0: self.publisher.address}
         count = len(self.nodes)
         for node in self.nodes:
             serves = any(upstream_of(j) == node.index for j in range(1, count + 1))
             upstream = upstream_of(node.index)
-            relays[node.index] = node.do("setup", transport, relays[upstream] if upstream else None, serves)
+            relays[node.index] = node.do("setup", transport, self.zero_copy, relays[upstream] if upstream else None, serves)
 
     def teardown(self) -> None:
         """Close every node's engines for the transport."""
@@ -156,16 +164,16 @@ class _Fleet:
                 )
 
     def pull(self, n: int, contender: str, check: bool) -> int:
-        """hixl, ``flat`` or ``tree``: publish the next version, every node pulls it."""
-        version = self.publisher.do("stamp")
+        """hixl, ``flat``, ``zero-copy`` or ``tree``: publish the next version, every node pulls it."""
+        version = self.publisher.do("stamp", contender)
         for node in self.nodes[:n]:
             node.do("arm", contender, version)
-        published, start, end = self.publisher.do("publish")
+        published, start, end = self.publisher.do("publish", contender)
         if published != version:
             raise RuntimeError(f"the publisher published version {published}, the bench expected {version}")
         held = max(node.do("collect") for node in self.nodes[:n])
-        if contender == "flat":
-            self.publish_ns.append(end - start)
+        if contender in self.publish_ns:
+            self.publish_ns[contender].append(end - start)
         if check:
             self._check(n, contender, self.publisher.do("digest"))
         return held - start
@@ -258,6 +266,7 @@ def _measure(
 ) -> list[Row]:
     """Check, then time, every contender with ``n`` subscribers (the model: ``nbytes``); the rows."""
     contenders: dict[str, Callable[[bool], int]] = {
+        "zero-copy": functools.partial(fleet.pull, n, "zero-copy"),
         "flat": functools.partial(fleet.pull, n, "flat"),
         "contiguous": functools.partial(fleet.contiguous, n),
     }
@@ -266,9 +275,10 @@ def _measure(
     if n not in baselines:
         contenders["gloo"] = functools.partial(fleet.gloo, n)
         contenders["safetensors"] = functools.partial(fleet.safetensors, n)
-    for contender in contenders.values():  # "flat" first: the contiguous read needs a published version
+    for contender in contenders.values():  # "flat" just before it: the contiguous read checks the newest snapshot
         contender(True)  # the checked pass, also the warm-up
-    fleet.publish_ns.clear()
+    for samples in fleet.publish_ns.values():
+        samples.clear()
     timed = {name: _unchecked(rep) for name, rep in contenders.items()}
     times = interleaved_reps(timed, 1, config.repeat, max(0, config.warmup - 1))
     ns = {name: float(median(samples)) for name, samples in times.items()}
@@ -278,25 +288,31 @@ def _measure(
     def gib_per_s(seconds_ns: float, copies: int = 1) -> float:
         return copies * nbytes / (seconds_ns / 1e9) / _GIB
 
-    hixl = gib_per_s(ns["flat"])
+    verify_ms = fleet.nodes[0].do("verify_ns") / 1e6
     row = functools.partial(Row, transport=fleet.transport, op="pull", size=nbytes, unit="GiB/s", scenario="weights")
-    publish_ms = median(fleet.publish_ns[-config.repeat :]) / 1e6 if fleet.publish_ns else float("nan")
-    out = [
-        row(
-            name=f"publish->all held, {n} sub",
-            value=hixl,
-            baseline=gib_per_s(ns["contiguous"]),
-            baseline_name=f"{n} contiguous transfer_sync at once" if n > 1 else "1 contiguous transfer_sync",
-            target=VS_CONTIGUOUS if n == 1 else None,
-            note=f"publish (copy + CRC-32) {publish_ms:.0f} ms of {ns['flat'] / 1e6:.0f} ms",
-        ),
-    ]
+    out = []
     others = (("gloo", "torch.distributed broadcast, gloo", VS_GLOO), ("safetensors", "safetensors save + reload", VS_SAFETENSORS))
-    for key, name, target in others:
+    for mode, prefix in (("flat", ""), ("zero-copy", "zero-copy ")):
+        hixl = gib_per_s(ns[mode])
+        samples = fleet.publish_ns[mode][-config.repeat :]
+        publish_ms, total_ms = (median(samples) / 1e6 if samples else float("nan")), ns[mode] / 1e6
+        what = "copy + checksum" if mode == "flat" else "checksum"
         out.append(
-            row(name=f"publish->all held, {n} sub, vs {key}", value=hixl, baseline=gib_per_s(baselines[n][key]),
-                baseline_name=name, target=target)
+            row(
+                name=f"{prefix}publish->all held, {n} sub",
+                value=hixl,
+                baseline=gib_per_s(ns["contiguous"]),
+                baseline_name=f"{n} contiguous transfer_sync at once" if n > 1 else "1 contiguous transfer_sync",
+                target=VS_CONTIGUOUS if n == 1 else None,
+                note=f"of {total_ms:.0f} ms: publish ({what}) {publish_ms:.0f}, pull {total_ms - publish_ms - verify_ms:.0f}, "
+                f"verify ~{verify_ms:.0f} (node 1's checksums, timed apart)",
+            )
         )
+        for key, name, target in others:
+            out.append(
+                row(name=f"{prefix}publish->all held, {n} sub, vs {key}", value=hixl,
+                    baseline=gib_per_s(baselines[n][key]), baseline_name=name, target=target)
+            )
     if "tree" in ns:
         out.append(
             row(

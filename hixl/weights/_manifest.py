@@ -6,6 +6,8 @@ so :meth:`Manifest.decode` trusts nothing: every field is type- and range-checke
 dtypes come from a whitelist, counts are bounded, and every range a manifest names
 must lie inside memory the publisher registered (what ``remote_mems`` says), so a
 malformed manifest is refused whole with :class:`ManifestError` before any byte is read.
+It names its checksum (``"checksum": "mlh64"``, :data:`~hixl.weights._checks.CHECKSUM`): one
+named otherwise is refused too, as a subscriber could not check its tensors.
 
 The layout (names, dtypes, shapes, where each tensor sits relative to its region)
 is what a byte plan depends on; it is the same for every version published with
@@ -22,6 +24,7 @@ from typing import Any
 
 from .._memory import PAGE_SIZE
 from .._types import MemDesc
+from ._checks import CHECKSUM
 from ._errors import ManifestError
 from ._tensors import DTYPES
 
@@ -49,7 +52,7 @@ def within(addr: int, nbytes: int, registered: Sequence[MemDesc]) -> bool:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of a version: its name, dtype, shape, where it lies and the CRC-32 of its bytes."""
+    """One tensor of a version: its name, dtype, shape, where it lies and the checksum of its bytes."""
 
     name: str
     dtype: str
@@ -58,7 +61,8 @@ class TensorSpec:
     """Index into :attr:`Manifest.regions`."""
     offset: int
     """Bytes from the start of its region."""
-    crc: int
+    checksum: int
+    """:data:`~hixl.weights._checks.CHECKSUM` of its bytes (64-bit)."""
 
     @property
     def nbytes(self) -> int:
@@ -103,11 +107,12 @@ class Manifest:
         return json.dumps(
             {
                 "format": FORMAT,
+                "checksum": CHECKSUM,
                 "version": self.version,
                 "slot": self.slot,
                 "header": self.header,
                 "regions": [[r.addr, r.len] for r in self.regions],
-                "tensors": [[t.name, t.dtype, list(t.shape), t.region, t.offset, t.crc] for t in self.tensors],
+                "tensors": [[t.name, t.dtype, list(t.shape), t.region, t.offset, t.checksum] for t in self.tensors],
             },
             separators=(",", ":"),
         ).encode()
@@ -119,11 +124,13 @@ class Manifest:
             doc = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ManifestError(f"manifest is not JSON: {exc}") from None
-        keys = {"format", "version", "slot", "header", "regions", "tensors"}
+        keys = {"format", "checksum", "version", "slot", "header", "regions", "tensors"}
         if not isinstance(doc, dict) or set(doc) != keys:
             raise ManifestError(f"manifest must be an object with exactly the keys {sorted(keys)}")
         if doc["format"] != FORMAT:
             raise ManifestError(f"manifest format {doc['format']!r:.20} is not {FORMAT}")
+        if doc["checksum"] != CHECKSUM:
+            raise ManifestError(f"manifest checksum {doc['checksum']!r:.20} is not {CHECKSUM!r}")
         version = checked_int(doc["version"], "version", 1, (1 << 63) - 1)
         slot = checked_int(doc["slot"], "slot", 0, MAX_TENSORS)
         header = checked_int(doc["header"], "header")
@@ -136,7 +143,7 @@ class Manifest:
     def rebased(self, slot: int, header: int, region: MemDesc, offsets: Sequence[int]) -> Manifest:
         """The same version and tensors (checksums included), laid out at ``offsets`` in one other region."""
         tensors = tuple(
-            TensorSpec(t.name, t.dtype, t.shape, 0, offset, t.crc) for t, offset in zip(self.tensors, offsets)
+            TensorSpec(t.name, t.dtype, t.shape, 0, offset, t.checksum) for t, offset in zip(self.tensors, offsets)
         )
         return Manifest(self.version, slot, header, (region,), tensors)
 
@@ -161,7 +168,7 @@ def _tensors(value: Any, regions: tuple[MemDesc, ...]) -> tuple[TensorSpec, ...]
     tensors, names = [], set()
     for i, entry in enumerate(value):
         if not isinstance(entry, list) or len(entry) != 6:
-            raise ManifestError(f"tensor {i} must be [name, dtype, shape, region, offset, crc]")
+            raise ManifestError(f"tensor {i} must be [name, dtype, shape, region, offset, checksum]")
         name, dtype, shape = entry[0], entry[1], entry[2]
         if not isinstance(name, str) or not name or len(name.encode()) > MAX_NAME or name in names:
             raise ManifestError(f"tensor {i}: name must be a unique non-empty string of at most {MAX_NAME} bytes")
@@ -173,11 +180,11 @@ def _tensors(value: Any, regions: tuple[MemDesc, ...]) -> tuple[TensorSpec, ...]
         dims = tuple(checked_int(n, f"tensor {name!r} shape") for n in shape)
         region = checked_int(entry[3], f"tensor {name!r} region", 0, len(regions) - 1)
         offset = checked_int(entry[4], f"tensor {name!r} offset")
-        crc = checked_int(entry[5], f"tensor {name!r} crc", 0, (1 << 32) - 1)
+        checksum = checked_int(entry[5], f"tensor {name!r} checksum")
         nbytes = math.prod(dims) * DTYPES[dtype]  # Python ints: no overflow on the way to the bound check
         if offset + nbytes > regions[region].len:
             raise ManifestError(f"tensor {name!r} ({nbytes} bytes at offset {offset}) overruns its region")
-        tensors.append(TensorSpec(name, dtype, dims, region, offset, crc))
+        tensors.append(TensorSpec(name, dtype, dims, region, offset, checksum))
     return tuple(tensors)
 
 

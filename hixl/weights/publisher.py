@@ -21,7 +21,7 @@ from typing import Any
 from .._exceptions import HixlError, ParamInvalid
 from .._types import MemDesc, MemHandle
 from ..engine import Engine
-from ._checks import copy_with_crc, crc_of
+from ._checks import checksum_of, copy_with_checksum
 from ._ledger import Ledger
 from ._manifest import MAX_NAME, Manifest, TensorSpec, layout, within
 from ._server import VersionServer
@@ -95,12 +95,12 @@ class Publisher:
         try:
             self._server.invalidate(slot)
             buf = buffers.ensure(slot, total)
-            crcs = [copy_with_crc(buf[o : o + len(s)], s) for o, s in zip(offsets, sources)]
+            sums = [copy_with_checksum(buf[o : o + len(s)], s) for o, s in zip(offsets, sources)]  # one pass each
         except BaseException:
             self._server.ledger.abandon(slot)
             raise
         specs = [
-            TensorSpec(name, v.dtype, v.shape, 0, offset, crc) for (name, v), offset, crc in zip(views.items(), offsets, crcs)
+            TensorSpec(name, v.dtype, v.shape, 0, offset, s) for (name, v), offset, s in zip(views.items(), offsets, sums)
         ]
         return Manifest(version, slot, self._server.header(slot), (buffers.region(slot),), tuple(specs))
 
@@ -112,13 +112,13 @@ class Publisher:
         specs, keep = [], set()
         for name, view in views.items():
             if not view.nbytes:
-                specs.append(TensorSpec(name, view.dtype, view.shape, 0, 0, 0))
+                specs.append(TensorSpec(name, view.dtype, view.shape, 0, 0, checksum_of(byte_array(view.owner))))
                 continue
             key = (view.addr, view.nbytes)
             if key not in self._shared and not within(view.addr, view.nbytes, self.engine.local_mems()):
                 self._shared[key] = self.engine.register_mem(view.owner, access="r")  # C-contiguous only
             keep.add(key)
-            specs.append(TensorSpec(name, view.dtype, view.shape, len(regions), 0, crc_of(byte_array(view.owner))))
+            specs.append(TensorSpec(name, view.dtype, view.shape, len(regions), 0, checksum_of(byte_array(view.owner))))
             regions.append(MemDesc(*key))
         for key in set(self._shared) - keep:  # tensors of earlier versions only
             self.engine.deregister_mem(self._shared.pop(key))

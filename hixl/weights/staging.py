@@ -97,7 +97,7 @@ class Staging:
             size = torch.empty((), dtype=dtype).element_size()
             part = raw[offsets[name] : offsets[name] + count * size].view(dtype).view(shape)
             self._parts[name] = part
-            whole = tuple(shape) == tuple(spec.shape)  # read whole: the pull checks its CRC-32 too
+            whole = tuple(shape) == tuple(spec.shape)  # read whole: the pull checks its checksum too
             out[name] = part if whole else Shard(part, self.cuts[name].index(len(shape)))
         self._plan = self.subscriber.plan(out, version=manifest.version)
         self._layout, self._manifest = manifest.layout, manifest

@@ -58,9 +58,10 @@ def test_every_row_is_there_with_its_baseline_and_target(quick_run: tuple[dict[s
     expected = {}
     for t in TRANSPORTS:
         for n in weights_bench.QUICK_SUBSCRIBERS:
-            expected[(f"publish->all held, {n} sub", t)] = (">=0.9x" if n == 1 else None, "contiguous transfer_sync")
-            expected[(f"publish->all held, {n} sub, vs gloo", t)] = (">=3x", "torch.distributed broadcast, gloo")
-            expected[(f"publish->all held, {n} sub, vs safetensors", t)] = (">=5x", "safetensors save + reload")
+            for mode in ("", "zero-copy "):  # snapshot and zero-copy publishers: rows of their own
+                expected[(f"{mode}publish->all held, {n} sub", t)] = (">=0.9x" if n == 1 else None, "contiguous transfer_sync")
+                expected[(f"{mode}publish->all held, {n} sub, vs gloo", t)] = (">=3x", "torch.distributed broadcast, gloo")
+                expected[(f"{mode}publish->all held, {n} sub, vs safetensors", t)] = (">=5x", "safetensors save + reload")
             if n >= 3:
                 expected[(f"relay tree, {n} sub, aggregate", t)] = (None, "flat: all from the publisher")
     got = {(r["name"], r["transport"]): r for r in doc["rows"]}
@@ -75,6 +76,14 @@ def test_every_row_is_there_with_its_baseline_and_target(quick_run: tuple[dict[s
         assert row["value"] > 0 and row["baseline"] > 0
         assert row["ratio"] == pytest.approx(row["value"] / row["baseline"])
         assert row["smoke"] is True and row["pass"] is None  # ratio targets: not judged in a smoke run
+
+
+def test_hixl_rows_split_publish_pull_and_verify(quick_run: tuple[dict[str, Any], str]) -> None:
+    doc, _ = quick_run
+    for row in doc["rows"]:
+        if row["name"].endswith(" sub") and "held" in row["name"]:
+            what = "checksum" if row["name"].startswith("zero-copy") else "copy + checksum"
+            assert f": publish ({what}) " in row["note"] and ", pull " in row["note"] and ", verify ~" in row["note"], row
 
 
 def test_notes_say_where_the_file_is_and_who_pulls_from_whom(quick_run: tuple[dict[str, Any], str]) -> None:
@@ -107,7 +116,7 @@ def test_options_reach_the_scenario() -> None:
     )
 
 
-@pytest.mark.parametrize("contender", ["flat", "gloo"])
+@pytest.mark.parametrize("contender", ["flat", "zero-copy", "gloo"])
 def test_a_wrong_byte_stops_the_run(monkeypatch: pytest.MonkeyPatch, contender: str) -> None:
     """One flipped byte in what a node holds after ``contender`` (hixl's pull, or a baseline's):
     the checked pass raises before anything is timed."""

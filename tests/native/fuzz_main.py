@@ -33,10 +33,11 @@ from hixl._accel import pure
 
 from .mutate import mutate
 from .targets_copy import TARGETS as COPY_TARGETS
+from .targets_hash import TARGETS as HASH_TARGETS
 from .targets_tcp import TARGETS as TCP_TARGETS
 
 SEEDS = Path(__file__).with_name("seeds")
-TARGETS = TCP_TARGETS + COPY_TARGETS
+TARGETS = TCP_TARGETS + COPY_TARGETS + HASH_TARGETS
 ROUNDS = 8000
 """Cases per target by default: the whole fuzz, sanitized, in about a minute on 2 cores."""
 

@@ -21,6 +21,7 @@ REGISTERED = [hixl.MemDesc(BASE, SIZE)]
 def doc(**changes: Any) -> dict[str, Any]:
     good = {
         "format": 1,
+        "checksum": "mlh64",
         "version": 3,
         "slot": 1,
         "header": BASE + 8,
@@ -34,6 +35,13 @@ def test_a_good_manifest_round_trips() -> None:
     manifest = Manifest.decode(json.dumps(doc()).encode(), REGISTERED)
     assert manifest.version == 3 and manifest.tensor("w").nbytes == 128 and manifest.tensor("b").offset == 128
     assert Manifest.decode(manifest.encode(), REGISTERED) == manifest
+
+
+def test_a_manifest_carries_64_bit_checksums() -> None:
+    top = (1 << 64) - 1
+    manifest = Manifest.decode(json.dumps(doc(tensors=[["w", "float32", [4], 0, 0, top]])).encode(), REGISTERED)
+    assert manifest.tensor("w").checksum == top
+    assert json.loads(manifest.encode())["checksum"] == "mlh64"
 
 
 @pytest.mark.parametrize(
@@ -55,11 +63,15 @@ def test_a_good_manifest_round_trips() -> None:
         ({"tensors": [["w", "float32", [1 << 40, 1 << 40], 0, 0, 0]]}, "overruns its region"),
         ({"tensors": [["w", "float32", [4], 0, 8190, 0]]}, "overruns its region"),
         ({"tensors": [["w", "float32", [4], 1, 0, 0]]}, r"region must be an integer in \[0, 0\]"),
-        ({"tensors": [["w", "float32", [4], 0, 0, 1 << 32]]}, "crc must be an integer"),
+        ({"tensors": [["w", "float32", [4], 0, 0, 1 << 64]]}, "checksum must be an integer"),
+        ({"tensors": [["w", "float32", [4], 0, 0, -1]]}, "checksum must be an integer"),
+        ({"tensors": [["w", "float32", [4], 0, 0, 1.5]]}, "checksum must be an integer"),
+        ({"checksum": "crc32"}, "checksum 'crc32' is not 'mlh64'"),
+        ({"checksum": None}, "checksum None is not 'mlh64'"),
         ({"tensors": [["w", "float32", [4], 0, 0, 0], ["w", "float32", [4], 0, 64, 0]]}, "unique"),
         ({"tensors": [["", "float32", [4], 0, 0, 0]]}, "non-empty"),
         ({"tensors": [["w", "float32", [1] * 17, 0, 0, 0]]}, "at most 16 sizes"),
-        ({"tensors": [["w", "float32", [4], 0, 0]]}, r"must be \[name, dtype, shape, region, offset, crc\]"),
+        ({"tensors": [["w", "float32", [4], 0, 0]]}, r"must be \[name, dtype, shape, region, offset, checksum\]"),
         ({"extra": 1}, "exactly the keys"),
     ],
 )
