@@ -129,8 +129,9 @@ class Side:
         self.publisher.wait_released(version, timeout)
         return time.monotonic() - start
 
-    def start_stream(self, count: int, words: dict[str, int]) -> None:
-        """Publish the next ``count`` patterned versions, one after another, in a thread (see :meth:`stream_done`)."""
+    def start_stream(self, count: int, words: dict[str, int], interval: float = 0.0) -> None:
+        """Publish the next ``count`` patterned versions, one after another, ``interval`` seconds apart,
+        in a thread (see :meth:`stream_done`)."""
         assert self.publisher is not None
         publisher = self.publisher
         sources = {name: np.zeros(n, dtype=np.uint64) for name, n in words.items()}
@@ -142,6 +143,8 @@ class Side:
                 for source in sources.values():
                     source.fill(version)
                 assert publisher.publish(sources) == version
+                if interval:
+                    time.sleep(interval)
             self.stream_result = {"seconds": time.monotonic() - start, "versions": count}
 
         self.stream = threading.Thread(target=run, daemon=True)

@@ -19,7 +19,7 @@ VERSIONS, WORDS = 300, {"w": 1 << 17, "b": 1000}  # 1 MiB and a small tensor per
 SLOW_VERSIONS, SLOW_WORDS = 1000, {"w": 1 << 23, "b": 1000}
 
 
-def torture(transport: str, versions: int, words: dict[str, int], unchecked: bool) -> list[dict[str, int]]:
+def torture(transport: str, versions: int, words: dict[str, int], unchecked: bool, interval: float = 0.0) -> list[dict[str, int]]:
     settings = {"transport": transport, "slots": 2, "lease": 10.0}
     with Peer("publisher", settings) as publisher:
         publisher.do("publish_pattern", words)  # version 1: the subscribers make their plans against it
@@ -29,7 +29,7 @@ def torture(transport: str, versions: int, words: dict[str, int], unchecked: boo
         try:
             for sub in subscribers:
                 sub.start("torture", versions + 1, words, 600.0)
-            publisher.do("start_stream", versions, words)  # versions 2 .. versions + 1
+            publisher.do("start_stream", versions, words, interval)  # versions 2 .. versions + 1
             publisher.do("stream_done", 600.0)
             return [sub.answer("torture", 600.0) for sub in subscribers]
         finally:
@@ -39,7 +39,10 @@ def torture(transport: str, versions: int, words: dict[str, int], unchecked: boo
 
 @pytest.mark.timeout(300)
 def test_no_pull_is_torn(transport: str) -> None:
-    results = torture(transport, VERSIONS, WORDS, unchecked=False)
+    # Paced: a 1 MiB version is copied and hashed in a fraction of a millisecond, faster than a
+    # subscriber pulls and verifies it, so an unpaced stream is over before the subscribers pulled
+    # more than a few; half a millisecond apart, they pull while versions keep coming (and some are superseded).
+    results = torture(transport, VERSIONS, WORDS, unchecked=False, interval=0.0005)
     print(results)
     for counts in results:
         assert counts["torn"] == 0, counts
