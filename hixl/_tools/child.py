@@ -153,13 +153,29 @@ _Handle = TypeVar("_Handle", bound="CommandChild")
 class CommandChild:
     """The parent's handle on a child that runs :func:`serve_commands` and leaves on ``("exit", ())``:
     ``_do(command, *args)`` asks it, :meth:`close` ends it; a context manager. A subclass starts
-    ``_child`` and names itself in ``who`` (its errors read "{who} could not {command}: ...")."""
+    ``_child`` and names itself in ``who`` (its errors read "{who} could not {command}: ...").
+    Handles that expose the child's commands as they are use :meth:`do`, or :meth:`start` and
+    :meth:`answer` to run several children's commands at once."""
 
     who = "child process"
+    answer_timeout = 60.0
+    """How long :meth:`answer` waits unless told."""
     _child: ChildProcess
 
     def _do(self, command: str, *args: Any) -> Any:
         return self._child.command(command, *args, who=self.who)
+
+    def do(self, command: str, *args: Any) -> Any:
+        """Run ``command(*args)`` in the child and return its result (a RuntimeError naming what it raised)."""
+        return self._do(command, *args)
+
+    def start(self, command: str, *args: Any) -> None:
+        """Send ``command`` without waiting for its answer (see :meth:`answer`)."""
+        self._child.send((command, args))
+
+    def answer(self, command: str, timeout: float | None = None) -> Any:
+        """The answer to the command :meth:`start` sent (within ``timeout``, else :attr:`answer_timeout`)."""
+        return self._child.answer(command, self.who, self.answer_timeout if timeout is None else timeout)
 
     def close(self) -> None:
         """Ask the child to finish and exit; kill it if it does not."""

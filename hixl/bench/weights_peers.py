@@ -429,6 +429,8 @@ def serve(conn: Connection, node_class: type[Node] = Node) -> None:
 class _Peer(CommandChild):
     """A weights child process; ``do(command, *args)`` runs a method of its role's object there."""
 
+    answer_timeout = TIMEOUT
+
     def __init__(self, role: str, args: tuple[Any, ...], who: str) -> None:
         self.who = who
         self._child = ChildProcess(CHILD_MODULE, TIMEOUT, env={"GLOO_SOCKET_IFNAME": "lo"})
@@ -437,18 +439,6 @@ class _Peer(CommandChild):
         except BaseException:
             self._child.kill()
             raise
-
-    def do(self, command: str, *args: Any) -> Any:
-        """Run ``command(*args)`` in the child; its result."""
-        return self._do(command, *args)
-
-    def start(self, command: str, *args: Any) -> None:
-        """Send ``command`` without waiting; :meth:`answer` collects its result (several children run at once)."""
-        self._child.send((command, args))
-
-    def answer(self, command: str) -> Any:
-        """The result of the command :meth:`start` sent."""
-        return self._child.answer(command, self.who, TIMEOUT)
 
 
 class PublisherProcess(_Peer):

@@ -30,18 +30,6 @@ class Peer(CommandChild):
             self._child.kill()
             raise
 
-    def do(self, command: str, *args: Any) -> Any:
-        """Run ``command(*args)`` in the child and return its result (a RuntimeError naming what it raised)."""
-        return self._do(command, *args)
-
-    def start(self, command: str, *args: Any) -> None:
-        """Send ``command`` without waiting for its answer (see :meth:`answer`)."""
-        self._child.send((command, args))
-
-    def answer(self, command: str, timeout: float = 60.0) -> Any:
-        """The answer to the command :meth:`start` sent."""
-        return self._child.answer(command, self.who, timeout)
-
     def wait_stopped(self, timeout: float = 10.0) -> None:
         """Wait until the child has stopped itself (SIGSTOP, peer_main's StallingEngine)."""
         deadline = time.monotonic() + timeout
