@@ -53,7 +53,8 @@ these functions are handed the tables their callers checked and hold current.
   trying again while more is coming rather than going back to the loop between pieces.
 - :func:`weights_hash` — hixl.weights' 64-bit checksum of a buffer's bytes; :func:`copy_hash` —
   a copy and the checksum of what landed, in one pass (the GIL released for large buffers; the
-  choice of hash and its speeds: :mod:`hixl.weights._checks`).
+  choice of hash and its speeds: :mod:`hixl.weights._checks`); :func:`row_hashes` — the hash
+  each row of a hixl.weights table carries, for a batch of rows (:mod:`hixl.weights._rows`).
 - :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`
   cheaper (only the pure one has a use for it: numpy's calls want one side back
   to back; C copies in any order at the same speed).
@@ -98,6 +99,7 @@ __all__ = [
     "copy_hash",
     "copy_pieces",
     "mapped_copy",
+    "row_hashes",
     "tcp_land",
     "tcp_land_words",
     "tcp_reply",
@@ -156,6 +158,7 @@ tcp_land_words = _impl.tcp_land_words
 tcp_request = _impl.tcp_request
 weights_hash = _impl.weights_hash
 copy_hash = _impl.copy_hash
+row_hashes = _impl.row_hashes
 TCP_WAIT: int = _impl.TCP_WAIT
 TCP_EOF: int = _impl.TCP_EOF
 TCP_LOWAT: int = _impl.TCP_LOWAT

@@ -1009,6 +1009,73 @@ copy_hash(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLongLong(h);
 }
 
+/* ---- row_hashes: the hash a hixl.weights table row carries (the format: hixl/weights/_rows.py) -- */
+
+static inline uint64_t
+mix64(uint64_t x) /* SplitMix64's finalizer */
+{
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+#define ROW_MAX_WORDS 4096 /* keys on the stack: rows of up to 32 KiB */
+
+PyDoc_STRVAR(row_hashes_doc,
+"row_hashes(rows, width, out) -> None\n\n"
+"The hash of each row of rows (C-contiguous native uint64 words, width words a row: the sequence\n"
+"word, the hash word, the payload) into out (one uint64 a row): the sum of SplitMix64's finalizer\n"
+"of each word xor its position's key, the hash word left out (hixl/weights/_rows.py).");
+
+static PyObject *
+row_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "row_hashes takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t width = PyLong_AsSsize_t(args[1]);
+    if (width == -1 && PyErr_Occurred())
+        return NULL;
+    if (width < 2 || width > ROW_MAX_WORDS) {
+        PyErr_Format(PyExc_ValueError, "row_hashes: width must be 2 to %d words, not %zd", ROW_MAX_WORDS, width);
+        return NULL;
+    }
+    Py_buffer r, o;
+    if (!hash_buffer(args[0], &r, 0, "rows"))
+        return NULL;
+    if (!hash_buffer(args[2], &o, 1, "out")) {
+        PyBuffer_Release(&r);
+        return NULL;
+    }
+    Py_ssize_t n = o.len / 8;
+    if (r.len % (8 * width) || o.len % 8 || r.len / (8 * width) != n) {
+        PyErr_Format(PyExc_ValueError, "row_hashes: %zd bytes of rows of %zd words need %zd bytes of out, not %zd",
+                     r.len, width, r.len / (8 * width) * 8, o.len);
+        PyBuffer_Release(&r);
+        PyBuffer_Release(&o);
+        return NULL;
+    }
+    uint64_t keys[ROW_MAX_WORDS]; /* keys[0]: the sequence word's; keys[j - 1]: payload word j's */
+    for (Py_ssize_t i = 0; i < width - 1; i++)
+        keys[i] = mix64((uint64_t)(i + 1) * 0x9E3779B97F4A7C15ull);
+    const unsigned char *row = r.buf;
+    unsigned char *dst = o.buf;
+    for (Py_ssize_t k = 0; k < n; k++, row += 8 * width) {
+        uint64_t w, h;
+        memcpy(&w, row, 8);
+        h = mix64(w ^ keys[0]);
+        for (Py_ssize_t j = 2; j < width; j++) {
+            memcpy(&w, row + 8 * j, 8);
+            h += mix64(w ^ keys[j - 1]);
+        }
+        memcpy(dst + 8 * k, &h, 8);
+    }
+    PyBuffer_Release(&r);
+    PyBuffer_Release(&o);
+    Py_RETURN_NONE;
+}
+
 /* ---- CmaSmall: cma's whole latency path (every check and the syscall) in one call ----------- */
 
 /* Sorted, disjoint intervals [starts[i], ends[i]) as C arrays: a RegionTable's .intervals. */
@@ -2804,6 +2871,7 @@ static PyMethodDef methods[] = {
     {"tcp_request", (PyCFunction)(void (*)(void))tcp_request, METH_FASTCALL, tcp_request_doc},
     {"weights_hash", (PyCFunction)(void (*)(void))weights_hash, METH_FASTCALL, weights_hash_doc},
     {"copy_hash", (PyCFunction)(void (*)(void))copy_hash, METH_FASTCALL, copy_hash_doc},
+    {"row_hashes", (PyCFunction)(void (*)(void))row_hashes, METH_FASTCALL, row_hashes_doc},
     {NULL, NULL, 0, NULL},
 };
 

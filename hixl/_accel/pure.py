@@ -29,6 +29,7 @@ from __future__ import annotations
 import array
 import bisect
 import ctypes
+import operator
 import os
 import errno
 import fcntl
@@ -991,6 +992,8 @@ def _hash_buffer(obj: object, writable: bool, what: str) -> np.ndarray:
     view = memoryview(obj)  # type: ignore[arg-type]
     if not view.c_contiguous or (writable and view.readonly):
         raise TypeError(f"{what} must be a C-contiguous{' writable' if writable else ''} buffer")
+    if not view.nbytes:  # (memoryview will not cast a shape with a zero in it)
+        return np.empty(0, dtype=np.uint8)
     return np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8)
 
 
@@ -1033,3 +1036,38 @@ def copy_hash(dst: object, src: object) -> int:
         np.copyto(chunk, data[start : start + 8 * _HASH_CHUNK])
         h += _hash_chunk(chunk, scratch)
     return _hash_end(h, out, len(out))
+
+
+# ---- row_hashes: the hash a hixl.weights table row carries (the format: hixl/weights/_rows.py) ----
+_ROW_MAX_WORDS = 4096
+_MIX_M1, _MIX_M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer, in place on a uint64 array."""
+    x ^= x >> np.uint64(30)
+    x *= _MIX_M1
+    x ^= x >> np.uint64(27)
+    x *= _MIX_M2
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def row_hashes(rows: object, width: int, out: object) -> None:
+    """The hash of each row of ``rows`` (C-contiguous native uint64 words, ``width`` a row: the
+    sequence word, the hash word, the payload) into ``out`` (one uint64 a row): the sum of
+    SplitMix64's finalizer of each word xor its position's key, the hash word left out."""
+    width = operator.index(width)
+    if not 2 <= width <= _ROW_MAX_WORDS:
+        raise ValueError(f"row_hashes: width must be 2 to {_ROW_MAX_WORDS} words, not {width}")
+    data, dst = _hash_buffer(rows, False, "rows"), _hash_buffer(out, True, "out")
+    n = len(dst) // 8
+    if len(data) % (8 * width) or len(dst) % 8 or len(data) // (8 * width) != n:
+        raise ValueError(
+            f"row_hashes: {len(data)} bytes of rows of {width} words need {len(data) // (8 * width) * 8} bytes of out, not {len(dst)}"
+        )
+    words = data.view(np.uint64).reshape(n, width)
+    keys = _mix64(np.arange(1, width, dtype=np.uint64) * _GOLDEN)  # [0]: the sequence word's
+    payload = _mix64(words[:, 2:] ^ keys[1:])
+    dst.view(np.uint64)[:] = payload.sum(axis=1, dtype=np.uint64) + _mix64(words[:, 0] ^ keys[0])

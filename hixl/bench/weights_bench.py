@@ -3,7 +3,7 @@
 A publisher and ``N`` subscriber nodes, each its own process
 (:mod:`hixl.bench.weights_peers`), hold a Llama-shaped set of fp16 tensors —
 by default 9 layers of TinyLlama's shape (2048 hidden, 5632 MLP, 4 KV heads of
-64, a 32000-token vocabulary): 101 tensors, 0.98 GiB. For each transport and
+64, a 32000-token vocabulary): 84 tensors, 0.98 GiB. For each transport and
 each ``N`` (1, 2, 4 by default), these contenders are timed interleaved
 (:func:`hixl.bench.timing.interleaved_reps`), each repetition from its start to
 the moment the last node holds the bytes (``CLOCK_MONOTONIC``, one clock for
@@ -14,8 +14,10 @@ every process):
   word, the checksum check). Snapshot mode pays that copy by design (the trainer
   may write its tensors again as soon as ``publish`` returns);
 * ``zero-copy`` — the same from a ``Publisher(mode="zero-copy")``: ``publish``
-  checksums the trainer's tensors where they are and nodes read them there, so
-  it is what can approach one contiguous read (the issue's 0.9x);
+  checksums the trainer's tensors where they are and nodes read them there;
+* ``bare`` — zero-copy from a publisher made with ``checksums=False``: no pass
+  over the bytes but the READ (leases and the header word still prove every
+  pull whole), so it is what can approach one contiguous read (the issue's 0.9x);
 * ``contiguous`` — every node's single ``transfer_sync`` READ of the newest
   version's whole slot into a contiguous buffer: what the bytes cost when
   nothing is versioned, checked or split into tensors;
@@ -33,7 +35,7 @@ gloo and safetensors do not depend on the transport: they are timed once per
 the baselines of every transport's rows.
 
 Rows (values in GiB/s of the model's bytes over the time until all ``N`` hold
-them): hixl (snapshot, then zero-copy: rows of their own) against
+them): hixl (snapshot, zero-copy and bare: rows of their own) against
 ``contiguous`` (target >= 0.9x with one subscriber), against ``gloo`` (>= 3x)
 and ``safetensors`` (>= 5x); their notes split publish->held into publish (copy
 and checksum), pull and verify (node 1's checksum of its tensors, timed apart);
@@ -135,19 +137,19 @@ class _Fleet:
     def __init__(self, publisher: PublisherProcess, nodes: list[NodeProcess]) -> None:
         self.publisher, self.nodes = publisher, nodes
         self.transport = ""
-        self.publish_ns: dict[str, list[int]] = {"flat": [], "zero-copy": []}
+        self.publish_ns: dict[str, list[int]] = {"flat": [], "zero-copy": [], "bare": []}
         self.save_ns: list[int] = []
 
     def setup(self, transport: str) -> None:
         """Subscribe every node over ``transport``: flat to the publisher, tree to its upstream relay."""
         self.transport = transport
-        self.zero_copy = self.publisher.do("zero_copy_address")
+        self.zero_copies = self.publisher.do("zero_copy_addresses")
         relays: dict[int, str | None] = {0: self.publisher.address}
         count = len(self.nodes)
         for node in self.nodes:
             serves = any(upstream_of(j) == node.index for j in range(1, count + 1))
             upstream = upstream_of(node.index)
-            relays[node.index] = node.do("setup", transport, self.zero_copy, relays[upstream] if upstream else None, serves)
+            relays[node.index] = node.do("setup", transport, self.zero_copies, relays[upstream] if upstream else None, serves)
 
     def teardown(self) -> None:
         """Close every node's engines for the transport."""
@@ -164,7 +166,7 @@ class _Fleet:
                 )
 
     def pull(self, n: int, contender: str, check: bool) -> int:
-        """hixl, ``flat``, ``zero-copy`` or ``tree``: publish the next version, every node pulls it."""
+        """hixl, ``flat``, ``zero-copy``, ``bare`` or ``tree``: publish the next version, every node pulls it."""
         version = self.publisher.do("stamp", contender)
         for node in self.nodes[:n]:
             node.do("arm", contender, version)
@@ -267,6 +269,7 @@ def _measure(
     """Check, then time, every contender with ``n`` subscribers (the model: ``nbytes``); the rows."""
     contenders: dict[str, Callable[[bool], int]] = {
         "zero-copy": functools.partial(fleet.pull, n, "zero-copy"),
+        "bare": functools.partial(fleet.pull, n, "bare"),
         "flat": functools.partial(fleet.pull, n, "flat"),
         "contiguous": functools.partial(fleet.contiguous, n),
     }
@@ -292,11 +295,12 @@ def _measure(
     row = functools.partial(Row, transport=fleet.transport, op="pull", size=nbytes, unit="GiB/s", scenario="weights")
     out = []
     others = (("gloo", "torch.distributed broadcast, gloo", VS_GLOO), ("safetensors", "safetensors save + reload", VS_SAFETENSORS))
-    for mode, prefix in (("flat", ""), ("zero-copy", "zero-copy ")):
+    for mode, prefix in (("flat", ""), ("zero-copy", "zero-copy "), ("bare", "zero-copy, no checksums, ")):
         hixl = gib_per_s(ns[mode])
         samples = fleet.publish_ns[mode][-config.repeat :]
         publish_ms, total_ms = (median(samples) / 1e6 if samples else float("nan")), ns[mode] / 1e6
-        what = "copy + checksum" if mode == "flat" else "checksum"
+        what = {"flat": "copy + checksum", "zero-copy": "checksum", "bare": "manifest"}[mode]
+        verified = verify_ms if mode != "bare" else 0.0
         out.append(
             row(
                 name=f"{prefix}publish->all held, {n} sub",
@@ -304,8 +308,8 @@ def _measure(
                 baseline=gib_per_s(ns["contiguous"]),
                 baseline_name=f"{n} contiguous transfer_sync at once" if n > 1 else "1 contiguous transfer_sync",
                 target=VS_CONTIGUOUS if n == 1 else None,
-                note=f"of {total_ms:.0f} ms: publish ({what}) {publish_ms:.0f}, pull {total_ms - publish_ms - verify_ms:.0f}, "
-                f"verify ~{verify_ms:.0f} (node 1's checksums, timed apart)",
+                note=f"of {total_ms:.0f} ms: publish ({what}) {publish_ms:.0f}, pull {total_ms - publish_ms - verified:.0f}, "
+                f"verify ~{verified:.0f} (node 1's checksums, timed apart)",
             )
         )
         for key, name, target in others:

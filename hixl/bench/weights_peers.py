@@ -24,7 +24,8 @@ the machine — where it begins and where the version is held:
   slot, a leaf from its upstream relay into its tensors; zero-copy: into its
   tensors, from a second publisher, on an engine of its own, that publishes the
   publisher's tensors where they are — ``Publisher(mode="zero-copy")`` — retiring
-  each version before the tensors are stamped again);
+  each version before the tensors are stamped again; bare: the same from a third,
+  ``Publisher(mode="zero-copy", checksums=False)``);
 * ``contiguous``: one ``transfer_sync`` READ of the newest version's whole slot
   into the contiguous buffer;
 * ``gloo``: ``torch.distributed.broadcast`` of every tensor from the publisher
@@ -73,7 +74,7 @@ __all__ = [
 
 SALT = 0x5EED_0003
 TIMEOUT = 300.0  # seconds per wait or transfer: generous, a slow machine is not a failure here
-CONTENDERS = ("flat", "tree", "zero-copy", "contiguous", "gloo", "safetensors")
+CONTENDERS = ("flat", "tree", "zero-copy", "bare", "contiguous", "gloo", "safetensors")
 #: The module a node or the publisher runs as (``python -m``); the tests swap in a faulty node.
 CHILD_MODULE = "hixl.bench._weights_peer_main"
 
@@ -163,13 +164,15 @@ class PublisherSide:
         self.publisher = Publisher(self.engine, slots=2, lease=TIMEOUT)
         self.zero_engine = Engine("127.0.0.1:0")  # (one publisher per engine)
         self.zero = Publisher(self.zero_engine, lease=TIMEOUT, mode="zero-copy")
-        self.zero_live = 0  # the zero-copy version still served (0: none)
+        self.bare_engine = Engine("127.0.0.1:0")
+        self.bare = Publisher(self.bare_engine, lease=TIMEOUT, mode="zero-copy", checksums=False)
+        self.live: dict[Any, int] = {}  # zero-copy publisher -> the version of the tensors it still serves
         self.weights = _allocate(shape)
         for array in self.weights.values():
             fill_pattern(array, SALT)
         self.world = world
         self.stamped = 0
-        self.published = {self.publisher: 0, self.zero: 0}  # the last version of each
+        self.published = {self.publisher: 0, self.zero: 0, self.bare: 0}  # the last version of each
         self.store: Any = None
         self.groups: dict[int, Any] = {}
         self.file = os.path.join(tempfile.gettempdir(), f"hixl-bench-weights-{os.getpid()}.safetensors")
@@ -190,20 +193,20 @@ class PublisherSide:
                                 timeout=datetime.timedelta(seconds=TIMEOUT))
         self.groups = {n: dist.new_group(list(range(n + 1))) for n in sizes}
 
-    def zero_copy_address(self) -> str:
-        """The zero-copy publisher's engine."""
-        return self.zero_engine.local_engine
+    def zero_copy_addresses(self) -> tuple[str, str]:
+        """The zero-copy publishers' engines: with checksums, without."""
+        return self.zero_engine.local_engine, self.bare_engine.local_engine
 
     def _for(self, contender: str) -> Any:
-        return self.zero if contender == "zero-copy" else self.publisher
+        return {"zero-copy": self.zero, "bare": self.bare}.get(contender, self.publisher)
 
     def stamp(self, contender: str) -> int:
         """Make the tensors new bytes (a count in their first 8 bytes); the version ``contender``'s
         publisher will publish them as. The zero-copy version they were is retired first (its
         readers are done: the bench collected their pulls), as a trainer must before it writes."""
-        if self.zero_live:
-            self.zero.wait_released(self.zero_live, TIMEOUT)
-            self.zero_live = 0
+        for publisher, version in self.live.items():
+            publisher.wait_released(version, TIMEOUT)
+        self.live.clear()
         self.stamped += 1
         for array in self.weights.values():
             array.view(np.uint64)[0] = self.stamped
@@ -220,8 +223,8 @@ class PublisherSide:
         version = publisher.publish(self.weights)
         end = time.monotonic_ns()
         self.published[publisher] = version
-        if contender == "zero-copy":
-            self.zero_live = version
+        if publisher.mode == "zero-copy":
+            self.live[publisher] = version
         return version, start, end
 
     def gloo(self, n: int) -> int:
@@ -247,8 +250,10 @@ class PublisherSide:
             os.unlink(self.file)
         self.publisher.close()
         self.zero.close()
+        self.bare.close()
         self.engine.finalize()
         self.zero_engine.finalize()
+        self.bare_engine.finalize()
         if self.groups:
             import torch.distributed as dist
 
@@ -259,12 +264,15 @@ class PublisherSide:
 class _Transport:
     """A node's engines and subscribers for one transport (see the module docstring)."""
 
-    def __init__(self, transport: str, publisher: str, zero_copy: str, upstream: str | None, serves: bool) -> None:
+    def __init__(
+        self, transport: str, publisher: str, zero_copies: Sequence[str], upstream: str | None, serves: bool
+    ) -> None:
         from ..weights import Relay, Subscriber
 
         self.engine = Engine("127.0.0.1:0", {"transport": transport})
         self.flat = Subscriber(self.engine, publisher, timeout=TIMEOUT)
-        self.zero = Subscriber(self.engine, zero_copy, timeout=TIMEOUT)
+        self.zero = Subscriber(self.engine, zero_copies[0], timeout=TIMEOUT)
+        self.bare = Subscriber(self.engine, zero_copies[1], timeout=TIMEOUT)
         self.tree = self.flat if upstream is None else Subscriber(self.engine, upstream, timeout=TIMEOUT)
         self.relay_engine = Engine("127.0.0.1:0") if serves else None
         self.relay = None if self.relay_engine is None else Relay(self.tree, self.relay_engine, lease=TIMEOUT, follow=False)
@@ -276,6 +284,7 @@ class _Transport:
         if self.tree is not self.flat:
             self.tree.close()
         self.zero.close()
+        self.bare.close()
         self.flat.close()
         self.engine.finalize()
 
@@ -299,11 +308,11 @@ class Node:
         """Rank ``index`` of the gloo world (see :func:`_gloo`)."""
         self.groups = _gloo(store_port, self.index, world, sizes)
 
-    def setup(self, transport: str, zero_copy: str, upstream: str | None, serves: bool) -> str | None:
+    def setup(self, transport: str, zero_copies: Sequence[str], upstream: str | None, serves: bool) -> str | None:
         """Subscribe over ``transport`` to both publishers (and the tree's ``upstream`` relay); the
         address of its relay if it ``serves``."""
         self.teardown()
-        self.side = _Transport(transport, self.publisher, zero_copy, upstream, serves)
+        self.side = _Transport(transport, self.publisher, zero_copies, upstream, serves)
         self.side.engine.register_mem(self.contiguous)
         return None if self.side.relay_engine is None else self.side.relay_engine.local_engine
 
@@ -325,7 +334,7 @@ class Node:
                     side.tree.wait_version(version)
                     side.relay.pull(version=version)
                 else:
-                    sub = {"flat": side.flat, "zero-copy": side.zero}.get(contender, side.tree)
+                    sub = {"flat": side.flat, "zero-copy": side.zero, "bare": side.bare}.get(contender, side.tree)
                     sub.wait_version(version)
                     sub.pull(self.tensors, version=version)
                 self.outcome[:] = [time.monotonic_ns()]
@@ -389,10 +398,12 @@ class Node:
         """How long a subscriber's ``verify`` of this node's tensors takes (their checksums, timed here
         apart from any pull: the bench's estimate of that share of a pull)."""
         from ..weights._checks import checksum_of
+        from ..weights._lanes import spread
 
+        arrays = [array.reshape(-1).view(np.uint8) for array in self.tensors.values()]
+        lanes = int(self._side().engine.options["copy_lanes"])
         start = time.monotonic_ns()
-        for array in self.tensors.values():
-            checksum_of(array)
+        spread(checksum_of, arrays, [len(a) for a in arrays], lanes)
         return time.monotonic_ns() - start
 
     def digest(self, contender: str) -> int | None:

@@ -40,7 +40,10 @@ copy + hash, 64 MiB               4.2 GB/s    1.6 GB/s          —
 
 A publisher pays it once per version (snapshot: fused with its copy,
 :func:`hixl._accel.copy_hash`; zero-copy: over the trainer's tensors), and a
-subscriber once per tensor it pulls whole, when ``verify`` is on.
+subscriber once per tensor it pulls whole, when ``verify`` is on — each spread
+over the engine's copy lanes (:mod:`hixl.weights._lanes`). A publisher made with
+``checksums=False`` pays none (:data:`NO_CHECKSUM`): the leases and header words
+alone prove its pulls, as the torture tests show.
 """
 
 from __future__ import annotations
@@ -50,13 +53,16 @@ import numpy as np
 from .._accel import copy_hash, weights_hash
 from ._errors import Superseded
 
-__all__ = ["CHECKSUM", "ENABLED", "check_header", "checksum_of", "copy_with_checksum"]
+__all__ = ["CHECKSUM", "ENABLED", "NO_CHECKSUM", "check_header", "checksum_of", "copy_with_checksum"]
 
 ENABLED = True
 """Test-only (see the module docstring): False skips every consistency check."""
 
 CHECKSUM = "mlh64"
 """The name a manifest gives its checksums (the only one a subscriber accepts)."""
+
+NO_CHECKSUM = "none"
+"""What a manifest names when its publisher computes no checksums (``Publisher(checksums=False)``)."""
 
 
 def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> int:

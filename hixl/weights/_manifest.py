@@ -6,8 +6,10 @@ so :meth:`Manifest.decode` trusts nothing: every field is type- and range-checke
 dtypes come from a whitelist, counts are bounded, and every range a manifest names
 must lie inside memory the publisher registered (what ``remote_mems`` says), so a
 malformed manifest is refused whole with :class:`ManifestError` before any byte is read.
-It names its checksum (``"checksum": "mlh64"``, :data:`~hixl.weights._checks.CHECKSUM`): one
-named otherwise is refused too, as a subscriber could not check its tensors.
+It names its checksum (``"checksum": "mlh64"``, :data:`~hixl.weights._checks.CHECKSUM`), or
+``"none"`` (:data:`~hixl.weights._checks.NO_CHECKSUM`, every tensor's checksum 0) from a publisher
+made with ``checksums=False``; one named otherwise is refused too, as a subscriber could not check
+its tensors.
 
 The layout (names, dtypes, shapes, where each tensor sits relative to its region)
 is what a byte plan depends on; it is the same for every version published with
@@ -24,7 +26,7 @@ from typing import Any
 
 from .._memory import PAGE_SIZE
 from .._types import MemDesc
-from ._checks import CHECKSUM
+from ._checks import CHECKSUM, NO_CHECKSUM
 from ._errors import ManifestError
 from ._tensors import DTYPES
 
@@ -62,7 +64,7 @@ class TensorSpec:
     offset: int
     """Bytes from the start of its region."""
     checksum: int
-    """:data:`~hixl.weights._checks.CHECKSUM` of its bytes (64-bit)."""
+    """:data:`~hixl.weights._checks.CHECKSUM` of its bytes (64-bit); 0 in a manifest without checksums."""
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +82,9 @@ class Manifest:
     """Address of the slot's header word on the publisher: it holds ``version`` while the slot does."""
     regions: tuple[MemDesc, ...]
     tensors: tuple[TensorSpec, ...]
+    checksum: str = CHECKSUM
+    """Which checksum its tensors carry: :data:`~hixl.weights._checks.CHECKSUM`, or
+    :data:`~hixl.weights._checks.NO_CHECKSUM` (none: leases and the header word prove a pull)."""
     _by_name: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +96,11 @@ class Manifest:
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
+
+    @property
+    def checksummed(self) -> bool:
+        """Whether its tensors carry checksums a subscriber can check."""
+        return self.checksum == CHECKSUM
 
     @property
     def layout(self) -> tuple[tuple[Any, ...], ...]:
@@ -107,7 +117,7 @@ class Manifest:
         return json.dumps(
             {
                 "format": FORMAT,
-                "checksum": CHECKSUM,
+                "checksum": self.checksum,
                 "version": self.version,
                 "slot": self.slot,
                 "header": self.header,
@@ -129,8 +139,8 @@ class Manifest:
             raise ManifestError(f"manifest must be an object with exactly the keys {sorted(keys)}")
         if doc["format"] != FORMAT:
             raise ManifestError(f"manifest format {doc['format']!r:.20} is not {FORMAT}")
-        if doc["checksum"] != CHECKSUM:
-            raise ManifestError(f"manifest checksum {doc['checksum']!r:.20} is not {CHECKSUM!r}")
+        if doc["checksum"] not in (CHECKSUM, NO_CHECKSUM):
+            raise ManifestError(f"manifest checksum {doc['checksum']!r:.20} is not {CHECKSUM!r} or {NO_CHECKSUM!r}")
         version = checked_int(doc["version"], "version", 1, (1 << 63) - 1)
         slot = checked_int(doc["slot"], "slot", 0, MAX_TENSORS)
         header = checked_int(doc["header"], "header")
@@ -138,14 +148,16 @@ class Manifest:
             raise ManifestError(f"header word at {header:#x} is not an aligned word of registered memory")
         regions = _regions(doc["regions"], registered)
         tensors = _tensors(doc["tensors"], regions)
-        return cls(version, slot, header, regions, tensors)
+        if doc["checksum"] == NO_CHECKSUM and any(t.checksum for t in tensors):
+            raise ManifestError(f"a manifest without checksums ({NO_CHECKSUM!r}) gives its tensors checksum 0")
+        return cls(version, slot, header, regions, tensors, doc["checksum"])
 
     def rebased(self, slot: int, header: int, region: MemDesc, offsets: Sequence[int]) -> Manifest:
         """The same version and tensors (checksums included), laid out at ``offsets`` in one other region."""
         tensors = tuple(
             TensorSpec(t.name, t.dtype, t.shape, 0, offset, t.checksum) for t, offset in zip(self.tensors, offsets)
         )
-        return Manifest(self.version, slot, header, (region,), tensors)
+        return Manifest(self.version, slot, header, (region,), tensors, self.checksum)
 
 
 def _regions(value: Any, registered: Sequence[MemDesc]) -> tuple[MemDesc, ...]:

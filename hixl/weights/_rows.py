@@ -9,14 +9,15 @@ and accepts a row only if its ``seq`` is even and its hash matches: a row whose
 copy mixed two updates fails that (but for a chance of about 2**-64 per torn row),
 and is read again.
 
-The hash is computed for whole batches with numpy: each 8-byte word is xor-ed with
-a key for its position, passed through the SplitMix64 finalizer (a bijection that
-spreads every input bit over the output) and the results are summed.
+The hash is computed for whole batches (:func:`hixl._accel.row_hashes`, in C, and
+its numpy twin): each 8-byte word is xor-ed with a key for its position, passed
+through the SplitMix64 finalizer (a bijection that spreads every input bit over
+the output) and the results are summed. A batch of 1024 rows of 256 bytes takes
+the C one ~0.07 ms here, numpy's ~0.25 ms (under load, ~0.45: most of a gather).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._accel import row_hashes as row_hashes_into
 from .._exceptions import ParamInvalid
 from .._types import MemDesc
 from . import _checks
@@ -34,24 +36,6 @@ from ._tensors import DTYPES
 __all__ = ["HEAD_WORDS", "TableInfo", "check_name", "row_hashes", "stride_of", "torn"]
 
 HEAD_WORDS = 2  # seq, hash
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer, in place on a uint64 array."""
-    x ^= x >> _S30
-    x *= _M1
-    x ^= x >> _S27
-    x *= _M2
-    x ^= x >> _S31
-    return x
-
-
-@functools.lru_cache(maxsize=16)
-def _keys(words: int) -> np.ndarray:
-    """A key per word position (position 0: ``seq``), from SplitMix64's sequence."""
-    return _mix(np.arange(1, words + 2, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
 
 
 def stride_of(row_bytes: int) -> int:
@@ -61,9 +45,9 @@ def stride_of(row_bytes: int) -> int:
 
 def row_hashes(rows: np.ndarray) -> np.ndarray:
     """The hash of each row of an ``(n, HEAD_WORDS + w)`` uint64 array (its hash word left out)."""
-    keys = _keys(rows.shape[1] - HEAD_WORDS)
-    payload = _mix(rows[:, HEAD_WORDS:] ^ keys[1:])
-    return payload.sum(axis=1, dtype=np.uint64) + _mix(rows[:, 0] ^ keys[0])  # type: ignore[no-any-return]
+    out = np.empty(len(rows), dtype=np.uint64)
+    row_hashes_into(np.ascontiguousarray(rows), rows.shape[1], out)
+    return out
 
 
 def torn(rows: np.ndarray) -> np.ndarray:

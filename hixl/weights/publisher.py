@@ -10,6 +10,13 @@ Zero-copy mode publishes the caller's tensors where they are (registered read-on
 The caller must not write them until :meth:`Publisher.wait_released` says every
 reader is done with that version; the next :meth:`~Publisher.publish` then names
 them as the new version.
+
+Each version's tensors carry checksums (``checksums=True``, the default), which
+subscribers that ``verify`` check after each pull: a second line of defence that
+also catches bytes a transport or memory got wrong. Without them
+(``checksums=False``) a pull is still proven to be one whole version by its lease
+and the slot's header word (see :mod:`hixl.weights.subscriber`), and publish and
+pull skip a pass over every byte each (docs/weights.md, "Checksums").
 """
 
 from __future__ import annotations
@@ -18,10 +25,13 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from .._exceptions import HixlError, ParamInvalid
 from .._types import MemDesc, MemHandle
 from ..engine import Engine
-from ._checks import checksum_of, copy_with_checksum
+from ._checks import CHECKSUM, NO_CHECKSUM, checksum_of, copy_with_checksum
+from ._lanes import spread
 from ._ledger import Ledger
 from ._manifest import MAX_NAME, Manifest, TensorSpec, layout, within
 from ._server import VersionServer
@@ -38,17 +48,22 @@ class Publisher:
 
     ``slots``: snapshot buffers (at least 2: the newest version stays readable while the next is
     written). ``lease``: seconds a reader may hold a version it acquired. ``mode``: ``"snapshot"``
-    or ``"zero-copy"`` (see the module docstring). Create it before subscribers connect if they
+    or ``"zero-copy"`` (see the module docstring). ``checksums``: give every tensor a checksum
+    (see the module docstring). Copies and checksums run on the engine's ``copy_lanes``. Create it before subscribers connect if they
     are to use the ``shm`` transport (a connection chooses its transport when it is made). One
     publisher (or relay) per engine: they answer to the same metadata keys and notification names.
     """
 
-    def __init__(self, engine: Engine, *, slots: int = 2, lease: float = 30.0, mode: str = "snapshot") -> None:
+    def __init__(
+        self, engine: Engine, *, slots: int = 2, lease: float = 30.0, mode: str = "snapshot", checksums: bool = True
+    ) -> None:
         if mode not in MODES:
             raise ParamInvalid(f"mode must be one of {MODES}, not {mode!r}")
         if type(slots) is not int or not 2 <= slots <= 64:
             raise ParamInvalid(f"slots must be an int from 2 to 64, not {slots!r}")
         self.mode = mode
+        self.checksums = bool(checksums)
+        self._lanes = int(engine.options["copy_lanes"])
         self._server = VersionServer(engine, slots if mode == "snapshot" else 1, lease)
         self._buffers = SlotBuffers(engine, slots) if mode == "snapshot" else None
         self._shared: dict[tuple[int, int], MemHandle] = {}  # zero-copy: the tensors registered here
@@ -95,34 +110,47 @@ class Publisher:
         try:
             self._server.invalidate(slot)
             buf = buffers.ensure(slot, total)
-            sums = [copy_with_checksum(buf[o : o + len(s)], s) for o, s in zip(offsets, sources)]  # one pass each
+            pairs = [(buf[o : o + len(s)], s) for o, s in zip(offsets, sources)]
+            sizes = [len(s) for s in sources]
+            if self.checksums:  # one pass each: copy and checksum
+                sums = spread(lambda pair: copy_with_checksum(*pair), pairs, sizes, self._lanes)
+            else:
+                spread(lambda pair: np.copyto(*pair), pairs, sizes, self._lanes)
+                sums = [0] * len(pairs)
         except BaseException:
             self._server.ledger.abandon(slot)
             raise
         specs = [
             TensorSpec(name, v.dtype, v.shape, 0, offset, s) for (name, v), offset, s in zip(views.items(), offsets, sums)
         ]
-        return Manifest(version, slot, self._server.header(slot), (buffers.region(slot),), tuple(specs))
+        return self._manifest(version, slot, (buffers.region(slot),), specs)
+
+    def _manifest(self, version: int, slot: int, regions: Any, specs: list[TensorSpec]) -> Manifest:
+        checksum = CHECKSUM if self.checksums else NO_CHECKSUM
+        return Manifest(version, slot, self._server.header(slot), tuple(regions), tuple(specs), checksum)
 
     def _share(self, version: int, views: Mapping[str, View]) -> Manifest:
         self._server.ledger.claim_now(0)
         self._server.invalidate(0)
         header = self._server.headers
         regions = [MemDesc(int(header.ctypes.data), header.nbytes)]  # where empty tensors point
+        sources = [byte_array(v.owner) for v in views.values()]
+        sizes = [len(s) for s in sources]
+        sums = spread(checksum_of, sources, sizes, self._lanes) if self.checksums else [0] * len(sources)
         specs, keep = [], set()
-        for name, view in views.items():
+        for (name, view), checksum in zip(views.items(), sums):
             if not view.nbytes:
-                specs.append(TensorSpec(name, view.dtype, view.shape, 0, 0, checksum_of(byte_array(view.owner))))
+                specs.append(TensorSpec(name, view.dtype, view.shape, 0, 0, checksum))
                 continue
             key = (view.addr, view.nbytes)
             if key not in self._shared and not within(view.addr, view.nbytes, self.engine.local_mems()):
                 self._shared[key] = self.engine.register_mem(view.owner, access="r")  # C-contiguous only
             keep.add(key)
-            specs.append(TensorSpec(name, view.dtype, view.shape, len(regions), 0, checksum_of(byte_array(view.owner))))
+            specs.append(TensorSpec(name, view.dtype, view.shape, len(regions), 0, checksum))
             regions.append(MemDesc(*key))
         for key in set(self._shared) - keep:  # tensors of earlier versions only
             self.engine.deregister_mem(self._shared.pop(key))
-        return Manifest(version, 0, self._server.header(0), tuple(regions), tuple(specs))
+        return self._manifest(version, 0, regions, specs)
 
     def versions(self) -> list[int]:
         """The versions subscribers can acquire now, oldest first."""

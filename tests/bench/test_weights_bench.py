@@ -58,7 +58,7 @@ def test_every_row_is_there_with_its_baseline_and_target(quick_run: tuple[dict[s
     expected = {}
     for t in TRANSPORTS:
         for n in weights_bench.QUICK_SUBSCRIBERS:
-            for mode in ("", "zero-copy "):  # snapshot and zero-copy publishers: rows of their own
+            for mode in ("", "zero-copy ", "zero-copy, no checksums, "):  # each publisher: rows of its own
                 expected[(f"{mode}publish->all held, {n} sub", t)] = (">=0.9x" if n == 1 else None, "contiguous transfer_sync")
                 expected[(f"{mode}publish->all held, {n} sub, vs gloo", t)] = (">=3x", "torch.distributed broadcast, gloo")
                 expected[(f"{mode}publish->all held, {n} sub, vs safetensors", t)] = (">=5x", "safetensors save + reload")
@@ -82,7 +82,7 @@ def test_hixl_rows_split_publish_pull_and_verify(quick_run: tuple[dict[str, Any]
     doc, _ = quick_run
     for row in doc["rows"]:
         if row["name"].endswith(" sub") and "held" in row["name"]:
-            what = "checksum" if row["name"].startswith("zero-copy") else "copy + checksum"
+            what = "manifest" if "no checksums" in row["name"] else "checksum" if row["name"].startswith("zero-copy") else "copy + checksum"
             assert f": publish ({what}) " in row["note"] and ", pull " in row["note"] and ", verify ~" in row["note"], row
 
 
@@ -116,7 +116,7 @@ def test_options_reach_the_scenario() -> None:
     )
 
 
-@pytest.mark.parametrize("contender", ["flat", "zero-copy", "gloo"])
+@pytest.mark.parametrize("contender", ["flat", "zero-copy", "bare", "gloo"])
 def test_a_wrong_byte_stops_the_run(monkeypatch: pytest.MonkeyPatch, contender: str) -> None:
     """One flipped byte in what a node holds after ``contender`` (hixl's pull, or a baseline's):
     the checked pass raises before anything is timed."""

@@ -1,7 +1,8 @@
 """Fuzz targets for hixl.weights' checksum in hixl._accel: ``weights_hash`` of bytes a subscriber
 pulled from a peer, and ``copy_hash`` (a publisher's snapshot copy), over ranges of any length and
 alignment — what the call reads and writes is exactly the range it is handed (the guards around it,
-and the rest of the buffer, are compared too)."""
+and the rest of the buffer, are compared too); and ``row_hashes`` of table rows a subscriber
+gathered, any width, count, alignment and size of ``out`` (a mismatch refused alike)."""
 
 from __future__ import annotations
 
@@ -43,4 +44,31 @@ class WeightsHash:
         pass
 
 
-TARGETS = (WeightsHash,)
+class RowHashes:
+    """``row_hashes`` of ``rows`` rows of ``width`` words (the case's bytes, laid at ``offset``) into
+    ``out`` bytes at ``to`` (a wrong size or width refused alike, nothing written)."""
+
+    name = "row_hashes"
+
+    def __init__(self) -> None:
+        self.memory = Memory(src=_SIZE, dst=_SIZE)
+
+    def run(self, impl: ModuleType, case: dict[str, Any]) -> Any:
+        room = _SIZE - 2 * _GUARD
+        at, to = _GUARD + case["offset"] % room, _GUARD + case["to"] % room
+        width = case["width"] % 5000 - 4  # (some below 2, some above the 4096 allowed)
+        length = min(case["rows"] * max(width, 1) * 8, room - at + _GUARD) if width > 0 else 0
+        out = min(case["out"] % (room - to + _GUARD + 1), room - to + _GUARD)
+        self.memory.reset()
+        src, dst = self.memory.buffers["src"], self.memory.buffers["dst"]
+        data = bytes.fromhex(case["data"])[:length]
+        src[at : at + len(data)] = list(data)
+        answer = outcome(impl.row_hashes, src[at : at + length], width, dst[to : to + out])
+        near = dst[max(0, to - _GUARD) : to + out + _GUARD].tobytes()
+        return answer, near, zlib.crc32(dst), zlib.crc32(src)
+
+    def close(self) -> None:
+        pass
+
+
+TARGETS = (WeightsHash, RowHashes)

@@ -1,6 +1,7 @@
 """hixl.weights' checksum (``weights_hash``, ``copy_hash``): the C twin answers exactly what the
 pure one does for every length and alignment, copies exactly its range, and the hash sees every
-word — one changed word anywhere, a torn mixture of two versions, a different length."""
+word — one changed word anywhere, a torn mixture of two versions, a different length. Its table
+rows' hash (``row_hashes``): the twins alike for every width, and the hash word left out."""
 
 from __future__ import annotations
 
@@ -53,6 +54,10 @@ def test_the_hash_takes_any_contiguous_buffer(native: ModuleType) -> None:
         (lambda impl: impl.copy_hash(b"abcd", b"abcd"), TypeError),  # dst read-only
         (lambda impl: impl.copy_hash(bytearray(4), bytearray(5)), ValueError),  # sizes differ
         (lambda impl: impl.copy_hash(np.zeros((4, 4), np.uint8)[:, 1], b"abcd"), TypeError),
+        (lambda impl: impl.row_hashes(np.zeros((4, 3), np.uint64), 1, np.zeros(4, np.uint64)), ValueError),  # width
+        (lambda impl: impl.row_hashes(np.zeros((4, 3), np.uint64), 3, np.zeros(3, np.uint64)), ValueError),  # rows
+        (lambda impl: impl.row_hashes(np.zeros((4, 3), np.uint64), 3, bytes(32)), TypeError),  # out read-only
+        (lambda impl: impl.row_hashes(np.zeros((4, 3), np.uint64), 3.0, np.zeros(4, np.uint64)), TypeError),
     ],
 )
 def test_the_twins_refuse_alike(native: ModuleType, call: object, error: type[Exception]) -> None:
@@ -103,3 +108,27 @@ def test_the_length_counts(native: ModuleType) -> None:
     for impl in (native, pure):
         assert len({impl.weights_hash(b"abc"), impl.weights_hash(b"abc\0"), impl.weights_hash(b"abc" + bytes(5))}) == 3
         assert impl.weights_hash(b"") != impl.weights_hash(bytes(8))
+
+
+def test_no_rows_hash_to_nothing_and_empty_shapes_hash_alike(native: ModuleType) -> None:
+    for impl in (native, pure):
+        impl.row_hashes(np.zeros((0, 34), np.uint64), 34, np.empty(0, np.uint64))
+        assert impl.weights_hash(np.zeros((0, 4), np.float32)) == pure.weights_hash(b"")
+
+
+@pytest.mark.parametrize("width", [2, 3, 34, 4096])
+def test_the_twins_hash_table_rows_alike(native: ModuleType, width: int) -> None:
+    rows = np.random.default_rng(width).integers(0, 1 << 64, (257, width), dtype=np.uint64, endpoint=False)
+    got = [np.empty(257, np.uint64) for _ in range(2)]
+    native.row_hashes(rows, width, got[0])
+    pure.row_hashes(rows, width, got[1])
+    assert (got[0] == got[1]).all()
+    assert len(set(got[0].tolist())) == 257  # random rows: no two alike
+    rows[:, 1] ^= np.uint64(12345)  # the hash word is not hashed
+    again = np.empty(257, np.uint64)
+    native.row_hashes(rows, width, again)
+    assert (again == got[0]).all()
+    if width > 2:
+        rows[100, width - 1] ^= np.uint64(1 << 63)  # the last payload word's top bit
+        native.row_hashes(rows, width, again)
+        assert again[100] != got[0][100] and (np.delete(again, 100) == np.delete(got[0], 100)).all()

@@ -79,7 +79,11 @@ class Side:
         self.upstream: Engine | None = None  # a relay's second engine: the one its subscriber pulls with
         if role == "publisher":
             self.publisher = Publisher(
-                self.engine, slots=settings.get("slots", 2), lease=settings.get("lease", 5.0), mode=settings.get("mode", "snapshot")
+                self.engine,
+                slots=settings.get("slots", 2),
+                lease=settings.get("lease", 5.0),
+                mode=settings.get("mode", "snapshot"),
+                checksums=settings.get("checksums", True),
             )
         elif role == "subscriber":
             self.subscriber = Subscriber(self.engine, settings["upstream"], verify=settings.get("verify", True))

@@ -44,6 +44,14 @@ def test_a_manifest_carries_64_bit_checksums() -> None:
     assert json.loads(manifest.encode())["checksum"] == "mlh64"
 
 
+def test_a_manifest_without_checksums_says_so() -> None:
+    unsummed = [["w", "float32", [4, 8], 0, 0, 0]]
+    manifest = Manifest.decode(json.dumps(doc(checksum="none", tensors=unsummed)).encode(), REGISTERED)
+    assert not manifest.checksummed and manifest.checksum == "none"
+    assert Manifest.decode(manifest.encode(), REGISTERED) == manifest
+    assert Manifest.decode(json.dumps(doc()).encode(), REGISTERED).checksummed
+
+
 @pytest.mark.parametrize(
     ("changes", "error"),
     [
@@ -66,8 +74,9 @@ def test_a_manifest_carries_64_bit_checksums() -> None:
         ({"tensors": [["w", "float32", [4], 0, 0, 1 << 64]]}, "checksum must be an integer"),
         ({"tensors": [["w", "float32", [4], 0, 0, -1]]}, "checksum must be an integer"),
         ({"tensors": [["w", "float32", [4], 0, 0, 1.5]]}, "checksum must be an integer"),
-        ({"checksum": "crc32"}, "checksum 'crc32' is not 'mlh64'"),
-        ({"checksum": None}, "checksum None is not 'mlh64'"),
+        ({"checksum": "crc32"}, "checksum 'crc32' is not 'mlh64' or 'none'"),
+        ({"checksum": None}, "checksum None is not 'mlh64' or 'none'"),
+        ({"checksum": "none"}, "without checksums .* gives its tensors checksum 0"),
         ({"tensors": [["w", "float32", [4], 0, 0, 0], ["w", "float32", [4], 0, 64, 0]]}, "unique"),
         ({"tensors": [["", "float32", [4], 0, 0, 0]]}, "non-empty"),
         ({"tensors": [["w", "float32", [1] * 17, 0, 0, 0]]}, "at most 16 sizes"),
