@@ -1,7 +1,8 @@
 """The ``weights`` scenario's processes: one publisher and N subscriber nodes, each a child process.
 
 The publisher (``role="publisher"``) holds a Llama-shaped set of fp16 tensors
-(:class:`LlamaShape`), filled with a pattern, and a
+(:class:`LlamaShape`) in pool memory (the shm transport maps only that: zero-copy
+versions go over it too), filled with a pattern, and a
 :class:`~hixl.weights.Publisher` on a listening engine. Before each version it
 stamps the version number into the first 8 bytes of every tensor, so each
 version's bytes differ.
@@ -128,9 +129,10 @@ def digest(arrays: Sequence[np.ndarray]) -> int:
     return crc
 
 
-def _allocate(shape: LlamaShape) -> dict[str, np.ndarray]:
-    """One page-aligned allocation per tensor, every page touched now (not inside a timed pull)."""
-    out = {name: empty(dims, np.float16) for name, dims in shape.tensors().items()}
+def _allocate(shape: LlamaShape, shared: bool = False) -> dict[str, np.ndarray]:
+    """One page-aligned allocation per tensor (``shared``: from hixl's pool, which the shm
+    transport can map), every page touched now (not inside a timed pull)."""
+    out = {name: empty(dims, np.float16, shared=shared) for name, dims in shape.tensors().items()}
     for array in out.values():
         array.view(np.uint8).fill(0)
     return out
@@ -167,7 +169,7 @@ class PublisherSide:
         self.bare_engine = Engine("127.0.0.1:0")
         self.bare = Publisher(self.bare_engine, lease=TIMEOUT, mode="zero-copy", checksums=False)
         self.live: dict[Any, int] = {}  # zero-copy publisher -> the version of the tensors it still serves
-        self.weights = _allocate(shape)
+        self.weights = _allocate(shape, shared=True)  # pool memory: zero-copy versions can go over shm too
         for array in self.weights.values():
             fill_pattern(array, SALT)
         self.world = world
