@@ -42,7 +42,9 @@ class ConnectorConfig:
     ``transport``: ``"auto"``, ``"cma"`` or ``"tcp"``; ``whole_below_bytes``:
     under ``"layerwise"``, a request whose KV on a decode rank is smaller than
     this is pulled whole — one transfer of every layer, inline, before the
-    forward starts — as a sync load would (0: every request layer-wise). Decode takes the lease
+    forward starts — as a sync load would (0: every request layer-wise); ``records``: a file decode
+    appends one JSON line to per request and rank it loaded or failed to (its id and the client's,
+    bytes, times, transport, outcome: docs/vllm.md, "Follow one request"; empty: none). Decode takes the lease
     figures from the prefill's ``kv_transfer_params``, not from its own settings.
     """
 
@@ -56,6 +58,7 @@ class ConnectorConfig:
     transport: str = "auto"
     # Below this a copy is shorter than the layer-wise path's per-layer hand-offs and wake-ups (docs/vllm.md).
     whole_below_bytes: int = 4 << 20
+    records: str = ""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -78,6 +81,7 @@ class ConnectorConfig:
                 release_timeout=float(extra.get("release_timeout", cls.release_timeout)),
                 transport=str(extra.get("transport", cls.transport)),
                 whole_below_bytes=int(extra.get("whole_below_bytes", cls.whole_below_bytes)),
+                records=str(extra.get("records", cls.records)),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad hixl connector setting: {exc}") from exc

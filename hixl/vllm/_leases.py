@@ -314,8 +314,9 @@ class _Answer(enum.Enum):
 @dataclass
 class _Link:
     state: LinkState = LinkState.LINKING
-    attempts: int = 0
+    attempts: int = 0  # failed in a row
     next_try: float = 0.0
+    tries: int = 0  # attempts ended, ever (what relink waits on)
 
 
 @dataclass
@@ -335,6 +336,7 @@ class LeaseKeeper:
     One thread, whatever the number of prefills and requests. The worker calls
     :meth:`watch` / :meth:`drop` with each step's orders, :meth:`usable` and
     :meth:`linked` before a pull, :meth:`check` after a failed one,
+    :meth:`relink` and :meth:`confirm` before retrying a pull whose link broke,
     :meth:`ready` to report links to the scheduler.
     """
 
@@ -405,8 +407,49 @@ class LeaseKeeper:
         with self._cond:
             link = self._links.get(endpoint)
             if link is not None and link.state is LinkState.UP:
-                self._links[endpoint] = _Link()
+                link.state, link.attempts, link.next_try = LinkState.LINKING, 0, 0.0
                 self._cond.notify_all()
+
+    def relink(self, endpoint: Endpoint, timeout: float) -> bool:
+        """A pull from ``endpoint`` broke on its link: link again now and wait up to ``timeout`` for it;
+        True once the link is up.
+
+        The attempt is the keeper thread's, as every link is (one thread links, so no two
+        attempts at one prefill race), made at once rather than after its backoff: a prefill
+        found down a moment ago gets one more attempt, which a refused connection fails fast.
+        """
+        deadline = self._clock() + timeout
+        with self._cond:
+            link = self._links.setdefault(endpoint, _Link())
+            tried = link.tries
+            link.state, link.next_try = LinkState.LINKING, 0.0
+            self._cond.notify_all()
+            while not self._closed and self._links.get(endpoint) is link and link.tries == tried:
+                left = deadline - self._clock()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return self._links.get(endpoint) is link and link.state is LinkState.UP
+
+    def confirm(self, request_id: str, endpoint: Endpoint, timeout: float) -> bool:
+        """Extend the request's lease at ``endpoint`` now and wait up to ``timeout`` for prefill's answer:
+        True only if prefill accepted it.
+
+        An accepted extension is prefill's word that it still holds the request's blocks for
+        another lease (a prefill that freed them, or a new process at that address, holds no
+        such lease and refuses it): what a pull retried after a relink reads under.
+        """
+        with self._cond:
+            kept = self._kept.get(request_id, {}).get(endpoint)
+            if kept is None or kept.release:
+                return False
+        sent = self._clock()
+        answer = self._notify(endpoint, LeaseMessage(LeaseOp.EXTEND, kept.lease.remote.transfer_id), set(), max(0.001, timeout))
+        if answer is not _Answer.ACCEPTED:
+            return False
+        with self._cond:
+            kept.basis = max(kept.basis, sent)
+        return True
 
     def wait_for_link(self, timeout: float) -> None:
         """Sleep up to ``timeout`` or until a link comes up (at once if none is being made): paces an
@@ -467,13 +510,14 @@ class LeaseKeeper:
             link = self._links.get(endpoint)
             if link is None:
                 return
+            link.tries += 1
+            self._cond.notify_all()  # for relink, whichever way it went
             if status in (LLMStatusCode.SUCCESS, LLMStatusCode.ALREADY_LINK):
                 log.info(
                     "hixl: linked to prefill %s (cluster %d) in %.1f ms, after %d failed attempts",
                     endpoint.ip_info, endpoint.cluster_id, (self._clock() - started) * 1e3, link.attempts,
                 )
                 link.state, link.attempts = LinkState.UP, 0
-                self._cond.notify_all()
                 return
             link.attempts += 1
             pause = min(_LINK_BACKOFF_S[1], _LINK_BACKOFF_S[0] * 2 ** (link.attempts - 1))
@@ -532,9 +576,9 @@ class LeaseKeeper:
                 if not parts:
                     del self._kept[kept.lease.request_id]
 
-    def _notify(self, endpoint: Endpoint, message: LeaseMessage, slow: set[Endpoint]) -> _Answer:
+    def _notify(self, endpoint: Endpoint, message: LeaseMessage, slow: set[Endpoint], timeout: float = _NOTIFY_TIMEOUT_S) -> _Answer:
         try:
-            self.datadist.engine.send_notify(endpoint.ip_info, NotifyDesc(LEASE_NOTIFY, message.encode()), _NOTIFY_TIMEOUT_S)
+            self.datadist.engine.send_notify(endpoint.ip_info, NotifyDesc(LEASE_NOTIFY, message.encode()), timeout)
             return _Answer.ACCEPTED
         except AccessDenied:
             return _Answer.REFUSED  # prefill holds no such lease (not yet, or no more): this extension does not count

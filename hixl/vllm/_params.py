@@ -180,12 +180,19 @@ class RemotePrefill:
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Pull ``remote_blocks`` of a prefilled request into this instance's ``local_blocks``."""
+    """Pull ``remote_blocks`` of a prefilled request into this instance's ``local_blocks``.
+
+    ``trace_headers``: the request's W3C trace context, where vLLM traces (``Request.trace_headers``);
+    ``arrived``: when decode's scheduler got the request (``time.monotonic()``). Both only for following
+    the request (:mod:`._follow`).
+    """
 
     request_id: str
     remote: RemotePrefill
     remote_blocks: list[int]
     local_blocks: list[int]
+    trace_headers: dict[str, str] | None = None
+    arrived: float | None = None
 
 
 @dataclass(frozen=True)

@@ -128,15 +128,20 @@ class SchedulerSide:
         # prefill may already have freed the blocks, so it recomputes instead.
         assert params is not None
         params["do_remote_prefill"] = False
-        if self._waiting.pop(request.request_id, None) is not None and num_external_tokens <= 0:
+        lease = self._waiting.pop(request.request_id, None)
+        if lease is not None and num_external_tokens <= 0:
             self._drop.append(request.request_id)  # nothing to pull after all: let prefill free it
         if num_external_tokens <= 0:
             return
         # Local prefix-cache hits are whole blocks, so the loaded range starts on one.
         first, last = (end - num_external_tokens) // self.block_size, _cdiv(end, self.block_size)
         local = blocks.get_block_ids()[0]
+        headers = dict(request.trace_headers) if request.trace_headers else None
         self._loads.append(
-            LoadSpec(request.request_id, remote, remote.block_ids[first:last], list(local[first:last]))
+            LoadSpec(
+                request.request_id, remote, remote.block_ids[first:last], list(local[first:last]), headers,
+                lease.arrived if lease is not None else None,
+            )
         )
 
     # -- prefill -----------------------------------------------------------------------------

@@ -10,8 +10,8 @@ metrics (``build_prom_metrics``), which vLLM's ``/metrics`` serves. So
 :class:`HixlPromMetrics` registers its series once, with vLLM's labels
 (``model_name``, ``engine``).
 
-Decode records each pull (bytes, transfer time, first layer usable) and each
-failed pull; prefill records each request whose blocks it released: pulled by
+Decode records each pull (bytes, transfer time, first layer usable), each
+failed pull and each pull retried after its link broke; prefill records each request whose blocks it released: pulled by
 decode (or never read: a TP rank holding only replicas), or unpulled — decode
 released the lease, the lease ran out, or it reached ``release_timeout``.
 """
@@ -38,7 +38,7 @@ __all__ = ["SECONDS_BUCKETS", "HixlKVConnectorStats", "HixlPromMetrics"]
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 _PER_PULL = ("pull_bytes", "pull_seconds", "first_layer_seconds")  # one entry per successful pull
-_COUNTS = ("failed_pulls", "released", "expired")
+_COUNTS = ("failed_pulls", "retried_pulls", "released", "expired")
 
 
 @dataclass
@@ -61,6 +61,11 @@ class HixlKVConnectorStats(KVConnectorStats):
     def record_failed_pull(self) -> None:
         """Decode: one request's pull failed (its blocks were reported to vLLM as load errors)."""
         self.data["failed_pulls"] += 1
+
+    def record_retry(self) -> None:
+        """Decode: one request's pull broke on its link and was retried after relinking (if the retry failed
+        too, it is a failed pull as well)."""
+        self.data["retried_pulls"] += 1
 
     def record_release(self, expired: bool) -> None:
         """Prefill: one request's blocks were released, pulled by decode or (``expired``) unpulled: decode released
@@ -107,6 +112,7 @@ class HixlKVConnectorStats(KVConnectorStats):
             "Avg first layer usable (ms)": ms(first),
             "Throughput (MiB/s)": round(mib / seconds.sum(), 3) if seconds.sum() > 0 else 0.0,
             "Num failed pulls": self.data["failed_pulls"],
+            "Num retried pulls": self.data["retried_pulls"],
             "Num released": self.data["released"],
             "Num released unpulled": self.data["expired"],
         }
@@ -145,6 +151,11 @@ class HixlPromMetrics(KVConnectorPromMetrics):
         self.failed_pulls = per_engine(
             counter, "vllm:hixl_failed_pulls", "KV pulls that failed; their blocks went to vLLM as load errors."
         )
+        self.retried_pulls = per_engine(
+            counter,
+            "vllm:hixl_retried_pulls",
+            "KV pulls that broke on their link and were retried once after relinking (failed_pulls counts those that failed again).",
+        )
         self.released = per_engine(
             counter, "vllm:hixl_released_requests", "Prefill: requests whose blocks were released after decode pulled them."
         )
@@ -162,6 +173,7 @@ class HixlPromMetrics(KVConnectorPromMetrics):
         for seconds, first in zip(data["pull_seconds"], data["first_layer_seconds"]):
             self.pull_seconds[engine_idx].observe(seconds)
             self.first_layer_seconds[engine_idx].observe(first)
-        for metric, key in ((self.failed_pulls, "failed_pulls"), (self.released, "released"), (self.expired, "expired")):
+        counts = ((self.failed_pulls, "failed_pulls"), (self.retried_pulls, "retried_pulls"), (self.released, "released"), (self.expired, "expired"))
+        for metric, key in counts:
             if data[key]:
                 metric[engine_idx].inc(data[key])

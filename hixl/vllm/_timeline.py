@@ -1,9 +1,13 @@
 """Per-request timelines of decode's loads: where a request's KV load time goes.
 
 Off by default, and then free: the worker holds ``None`` and tests it once per
-call. On when the ``vllm.hixl`` logger is at DEBUG (one log line per request)
-and/or when :data:`ENV` names a file (one JSON line per request and decode
-rank appended to it: what ``hixl bench --scenario vllm --timeline`` reads).
+call. On when the ``vllm.hixl`` logger is at DEBUG (one log line per request),
+when the connector's ``records`` setting names a file (one JSON line per
+request and decode rank appended to it, failed loads too: the per-request
+export), when vLLM traces to an OTLP endpoint (each record becomes spans of
+the request's trace, :mod:`._follow`), and/or when :data:`ENV` names a file
+(the records, each with a reference pull timed too: what ``hixl bench
+--scenario vllm --timeline`` reads).
 
 Every time is ``time.monotonic()``, system-wide on Linux, so the records of
 several processes compare. A record (:class:`Trace`, as a dict):
@@ -17,8 +21,13 @@ several processes compare. A record (:class:`Trace`, as a dict):
 * ``step_end`` — ``wait_for_save``: the step's forward is over;
 * ``usable`` — the last layer landed: the end of the load, as the bench
   compares connectors (start to usable);
-* ``sync_ref`` — file mode only: seconds one ``transfer_sync`` of the same
-  bytes between the same processes took, timed after the step.
+* ``sync_ref`` — :data:`ENV`'s file only: seconds one ``transfer_sync`` of the
+  same bytes between the same processes took, timed after the step;
+* ``client_id`` — the request's ``X-Request-Id`` (:func:`~._follow.client_id`),
+  ``request`` being vLLM's id for it; ``transport`` — what carried the bytes
+  (``cma``, ``shm``, ``tcp``; one per prefill rank read, joined by ``,``);
+  ``outcome`` — ``ok``, or why the load failed; ``retried`` — its link broke
+  and it was pulled again after relinking.
 
 A layer's ``noticed - max(landed, asked)`` is time spent waiting for the
 interpreter — the worker thread woken, or its turn on a core that vLLM's
@@ -33,7 +42,10 @@ import os
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._follow import Spans
 
 __all__ = ["ENV", "Timeline", "Trace", "phases"]
 
@@ -56,6 +68,10 @@ class Trace:
     step_end: float | None = None
     usable: float | None = None
     sync_ref: float | None = None
+    client_id: str = ""
+    transport: str = ""
+    outcome: str = "ok"
+    retried: bool = False
 
     def asked(self, layer: int, asked: float, noticed: float) -> None:
         """vLLM waited for ``layer`` from ``asked`` to ``noticed``."""
@@ -85,26 +101,38 @@ class Trace:
 
 
 class Timeline:
-    """Where a worker's traces go: the debug log, the :data:`ENV` file, or both."""
+    """Where a worker's traces go: the debug log, a JSON-lines file, spans (see the module docstring)."""
 
-    def __init__(self, log: logging.Logger, path: str | None) -> None:
+    def __init__(self, log: logging.Logger, path: str | None, reference: bool = False, spans: Spans | None = None) -> None:
         self._log = log
         self.path = path
-        """The file traces are appended to (None: the log only); with one, workers also time ``sync_ref``."""
+        """The file traces are appended to (None: none)."""
+        self.reference = reference
+        """Workers also time ``sync_ref`` (:data:`ENV`'s file: measuring, it costs a second pull)."""
+        self._spans = spans
 
     @classmethod
-    def open(cls, log: logging.Logger) -> Timeline | None:
-        """A timeline if ``log`` is at DEBUG or :data:`ENV` is set, else None (the worker then records nothing)."""
-        path = os.environ.get(ENV) or None
-        if path is None and not log.isEnabledFor(logging.DEBUG):
+    def open(cls, log: logging.Logger, records: str | None = None, spans: Spans | None = None) -> Timeline | None:
+        """A timeline if ``log`` is at DEBUG, ``records`` names a file, ``spans`` are wanted or :data:`ENV` is
+        set, else None (the worker then records nothing)."""
+        bench = os.environ.get(ENV) or None
+        if bench is None and records is None and spans is None and not log.isEnabledFor(logging.DEBUG):
             return None
-        return cls(log, path)
+        return cls(log, bench or records, bench is not None, spans)
 
-    def write(self, trace: Trace) -> None:
-        """Log ``trace`` at DEBUG and append it to the file (one line: appends of processes do not interleave)."""
+    def write(self, trace: Trace, trace_headers: Mapping[str, str] | None = None, arrived: float | None = None) -> None:
+        """Log ``trace`` at DEBUG, append it to the file (one line: appends of processes do not interleave), and
+        make it spans of the request's trace (``trace_headers``; ``arrived``: when decode's scheduler got it)."""
         self._log.debug("hixl: timeline of %s", trace.describe())
         if self.path is not None:
             append(self.path, asdict(trace))
+        if self._spans is not None:
+            self._spans.emit(trace, trace_headers, arrived)
+
+    def close(self) -> None:
+        """Export the spans not exported yet."""
+        if self._spans is not None:
+            self._spans.close()
 
 
 def append(path: str, record: Mapping[str, Any]) -> None:

@@ -51,11 +51,13 @@ from ..datadist import (
     LLMConfig,
     LLMDataDist,
     LLMException,
+    LLMLinkError,
     LLMRole,
     LLMStatusCode,
 )
 from ._affinity import unpinned
 from ._config import ConnectorConfig, LoadMode
+from ._follow import Spans, client_id
 from ._heads import HeadRead, is_read, notifiers, plan_reads, rank_heads
 from ._leases import LEASE_NOTIFY, LeaseKeeper, LeaseTable
 from ._params import Endpoint, KvSpec, LinkReport, LoadSpec, StepMetadata
@@ -81,7 +83,10 @@ class _Pull:
     spec: LoadSpec
     started: float
     whole: bool = False  # one transfer of every layer, landed before start() returns
-    tasks: list[CacheTask] = field(default_factory=list)  # layer-wise pulls only
+    tasks: list[CacheTask] = field(default_factory=list)  # layer-wise pulls only: one per part issued
+    issued: int = 0  # parts (prefill ranks read from) issued so far
+    retried: bool = False  # its link broke and it was relinked for a retry (once a request)
+    retired: list[CacheTask] = field(default_factory=list)  # tasks a retry replaced: their landed layers count
     notify: list[Endpoint] = field(default_factory=list)  # prefill ranks this rank tells the request is done
     sources: list[Endpoint] = field(default_factory=list)  # prefill ranks it reads from
     reads: list[HeadRead] = field(default_factory=list)  # what it reads from each of them
@@ -93,7 +98,8 @@ class _Pull:
 class WorkerSide:
     """One worker's (TP rank's) DataDist instance, its in-flight pulls and kept leases, and its held sends.
 
-    ``barrier`` waits for every TP rank of this instance (None with TP = 1).
+    ``barrier`` waits for every TP rank of this instance (None with TP = 1); ``spans``: where its loads go
+    as OpenTelemetry spans (None: nowhere, see :mod:`._follow`).
     """
 
     def __init__(
@@ -105,6 +111,7 @@ class WorkerSide:
         kv: KvSpec,
         tp_rank: int = 0,
         barrier: Callable[[], None] | None = None,
+        spans: Spans | None = None,
     ) -> None:
         self.config = config
         self.serves_kv = serves_kv
@@ -138,7 +145,8 @@ class WorkerSide:
         if self.leases is not None:
             self.datadist.engine.handle_notifies(LEASE_NOTIFY, self.leases.on_notify)
         self.stats = HixlKVConnectorStats()  # vLLM takes it after each step (HixlConnector.get_kv_connector_stats)
-        self.timeline = Timeline.open(log) if pulls_kv else None  # None unless asked for: then it costs nothing
+        # None unless asked for: then it costs nothing.
+        self.timeline = Timeline.open(log, config.records or None, spans) if pulls_kv else None
 
     # -- set-up ------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -174,6 +182,8 @@ class WorkerSide:
         """Stop keeping leases, finalize DataDist: links and registrations go."""
         if self.keeper is not None:
             self.keeper.close()
+        if self.timeline is not None:
+            self.timeline.close()
         self.datadist.finalize()
 
     # -- every step --------------------------------------------------------------------------
@@ -222,11 +232,12 @@ class WorkerSide:
                     raise ValueError(f"prefill's and decode's KV caches differ ({'; '.join(mismatches)}): nothing pulled")
                 pull.reads = plan_reads(prefill_heads, self.heads)
                 pull.sources = [remote.ranks[read.prefill_rank] for read in pull.reads]
-                self._check_pullable(spec, pull.sources)
-                for read, endpoint in zip(pull.reads, pull.sources):
-                    task = self._pull_part(spec, endpoint, read, pull.whole)
-                    if task is not None:
-                        pull.tasks.append(task)
+                try:
+                    self._issue(pull)
+                except LLMLinkError as exc:
+                    if not self._relinked(pull, pull.sources[pull.issued :], exc):
+                        raise
+                    self._issue(pull)  # the parts not issued yet, again
                 if pull.whole:
                     pull.ended = time.monotonic()
                 if pull.trace is not None:
@@ -238,6 +249,55 @@ class WorkerSide:
         """Bytes of the request's KV this rank pulls (all its heads, every layer)."""
         desc = self._local_cache().cache_desc
         return len(spec.local_blocks) * desc.row_bytes * desc.num_tensors
+
+    def _issue(self, pull: _Pull) -> None:
+        """Pull every part not issued yet: whole (landed on return) or layer-wise (a task each)."""
+        todo = list(zip(pull.reads, pull.sources))[pull.issued :]
+        self._check_pullable(pull.spec, [endpoint for _, endpoint in todo])
+        for read, endpoint in todo:
+            task = self._pull_part(pull.spec, endpoint, read, pull.whole, self._left(pull))
+            if task is not None:
+                pull.tasks.append(task)
+            pull.issued += 1
+
+    def _budget(self, spec: LoadSpec) -> float:
+        """Seconds a request's pull may take: a usable lease is held at least half a lease more."""
+        return min(self.config.transfer_timeout, spec.remote.lease_s / 2)
+
+    def _left(self, pull: _Pull) -> float:
+        """What is left of the pull's time (:meth:`_budget` from its start)."""
+        return pull.started + self._budget(pull.spec) - time.monotonic()
+
+    def _relinked(self, pull: _Pull, endpoints: list[Endpoint], exc: LLMLinkError) -> bool:
+        """The pull broke on its link to ``endpoints``: relink to each and have it confirm the request's
+        lease, once a request and within its time; True if the pull may be retried.
+
+        The confirmation (:meth:`~._leases.LeaseKeeper.confirm`: an extension prefill accepted just now)
+        is what makes reading again safe: prefill holds the blocks for at least another lease, and a
+        prefill that freed them, or a new process at its address, refuses it. A timeout, bad
+        parameters or a lease prefill no longer holds are not link errors and are never retried.
+        """
+        assert self.keeper is not None, "a pull on a worker that does not pull KV"
+        request = pull.spec.request_id
+        if pull.retried:
+            return False
+        pull.retried = True
+        self.stats.record_retry()
+        began = time.monotonic()
+        log.warning("hixl: request %s: its pull broke on the link (%s); relinking to retry it once", request, exc)
+        for endpoint in dict.fromkeys(endpoints):
+            if self._left(pull) <= 0:
+                why = "its time ran out"
+            elif not self.keeper.relink(endpoint, self._left(pull)):
+                why = f"relinking to prefill {endpoint.ip_info} failed"
+            elif not self.keeper.confirm(request, endpoint, self._left(pull)):
+                why = f"prefill {endpoint.ip_info} no longer holds its lease"
+            else:
+                continue
+            log.warning("hixl: request %s: not retried: %s after %.1f ms", request, why, (time.monotonic() - began) * 1e3)
+            return False
+        log.info("hixl: request %s: relinked and its lease confirmed in %.1f ms; pulling again", request, (time.monotonic() - began) * 1e3)
+        return True
 
     def _check_pullable(self, spec: LoadSpec, sources: list[Endpoint]) -> None:
         """Raise unless the links to the prefill ranks read from are up and the blocks surely still held."""
@@ -251,12 +311,14 @@ class WorkerSide:
                 LLMStatusCode.KV_CACHE_NOT_EXIST,
             )
 
-    def _pull_part(self, spec: LoadSpec, endpoint: Endpoint, read: HeadRead, whole: bool) -> CacheTask | None:
-        """Pull ``read``'s heads of the request's blocks from one prefill rank: whole (landed on return),
-        or layer-wise (the task)."""
-        args = (BlocksCacheKey(endpoint.cluster_id), self._local_cache(), spec.remote_blocks, spec.local_blocks)
-        # A usable lease is held at least half a lease more: the pull must end within it.
-        timeout = min(self.config.transfer_timeout, spec.remote.lease_s / 2)
+    def _pull_part(
+        self, spec: LoadSpec, endpoint: Endpoint, read: HeadRead, whole: bool, timeout: float, layers: range | None = None
+    ) -> CacheTask | None:
+        """Pull ``read``'s heads of the request's blocks (``layers``: all by default) from one prefill
+        rank within ``timeout``: whole (landed on return), or layer-wise (the task)."""
+        if timeout <= 0:
+            raise LLMException(f"request {spec.request_id}'s pull ran out of time", LLMStatusCode.TIMEOUT)
+        args = (BlocksCacheKey(endpoint.cluster_id), self._local_cache(), spec.remote_blocks, spec.local_blocks, layers, layers)
         kwargs: dict[str, Any] = {
             "tensor_num_per_layer": _TENSORS_PER_LAYER, "src_heads": read.src_heads, "dst_heads": read.dst_heads, "timeout": timeout,
         }
@@ -273,14 +335,37 @@ class WorkerSide:
             return
         for pull in self._pulls:
             asked = time.monotonic() if pull.trace is not None else 0.0
-            for task in pull.tasks:
+            for part in range(len(pull.tasks)):
                 if pull.error is None:
-                    try:
-                        task.wait_layer(layer)
-                    except LLMException as exc:
-                        pull.error = exc
+                    self._wait_part(pull, part, layer)
             if pull.trace is not None:
                 pull.trace.asked(layer, asked, time.monotonic())
+
+    def _wait_part(self, pull: _Pull, part: int, layer: int) -> None:
+        """Wait for ``layer`` of one part of a layer-wise pull; if its link broke, pull that part again
+        from this layer on (once, after relinking: see :meth:`_relinked`), or record the failure."""
+        try:
+            pull.tasks[part].wait_layer(layer)
+            return
+        except LLMLinkError as exc:
+            if not self._relinked(pull, [pull.sources[part]], exc):
+                pull.error = exc
+                return
+        except LLMException as exc:
+            pull.error = exc
+            return
+        broken = pull.tasks[part]
+        broken.cancel()  # no byte of it lands from now on: only the retry writes these blocks
+        pull.retired.append(broken)
+        try:
+            retry = self._pull_part(
+                pull.spec, pull.sources[part], pull.reads[part], False, self._left(pull), range(layer, len(self.layers))
+            )
+            assert retry is not None
+            pull.tasks[part] = retry
+            retry.wait_layer(layer)
+        except (HixlError, ValueError) as exc:
+            pull.error = exc
 
     def loading_blocks(self) -> list[int]:
         """Local block ids this step's pulls write into."""
@@ -304,13 +389,15 @@ class WorkerSide:
             if pull.error is not None:
                 self._failed_blocks.update(pull.spec.local_blocks)
                 self.stats.record_failed_pull()
-                log.warning("hixl: pull of request %s failed: %s", pull.spec.request_id, pull.error)
+                log.warning(
+                    "hixl: pull of request %s failed: %s (client request id %s)", pull.spec.request_id, pull.error, client_id(pull.spec.request_id)
+                )
                 for endpoint in pull.sources:
                     self.keeper.check(endpoint)
             else:
                 self._record(pull)
-                if pull.trace is not None and self.timeline is not None:
-                    self._trace(pull, pull.trace, self.timeline)
+            if pull.trace is not None and self.timeline is not None:
+                self._trace(pull, pull.trace, self.timeline)
             # Stop extending: the completion below frees the blocks, pulled or not.
             self.keeper.drop([pull.spec.request_id], release=False)
         if self._barrier is not None:
@@ -335,8 +422,7 @@ class WorkerSide:
     def _record(self, pull: _Pull) -> None:
         """Log the pull's figures: its KV transfer time and when its first layer was usable (on all parts)."""
         if pull.tasks:
-            first = max(t.landed_at(t.layers[0]) or pull.started for t in pull.tasks)
-            last = max(t.landed_at(t.layers[-1]) or pull.started for t in pull.tasks)
+            first, last = _landed(pull, 0), _landed(pull, len(self.layers) - 1)
         else:
             first = last = pull.ended or pull.started  # a sync pull is usable all at once
         desc = self._local_cache().cache_desc
@@ -344,29 +430,46 @@ class WorkerSide:
         nbytes, seconds, first_seconds = blocks * desc.row_bytes * desc.num_tensors, last - pull.started, first - pull.started
         self.stats.record_pull(nbytes, seconds, first_seconds)
         log.info(
-            "hixl: pulled request %s: %d blocks, %.2f MiB from %d prefill rank(s) in %.2f ms (%s), first layer usable after %.2f ms",
+            "hixl: pulled request %s: %d blocks, %.2f MiB from %d prefill rank(s) in %.2f ms (%s), first layer usable after %.2f ms"
+            " over %s (client request id %s)%s",
             pull.spec.request_id, blocks, nbytes / 2**20, len(pull.sources), seconds * 1e3, _mode(pull, self.config),
-            first_seconds * 1e3,
+            first_seconds * 1e3, self._transports(pull), client_id(pull.spec.request_id),
+            "; retried after relinking" if pull.retried else "",
         )
 
+    def _transports(self, pull: _Pull) -> str:
+        """The transports that carried the pull: one name per prefill rank read, duplicates once."""
+        names = []
+        for endpoint in pull.sources:
+            try:
+                names.append(self.datadist.engine.transport_of(endpoint.ip_info))
+            except HixlError:  # the link went since (its reader found it dead)
+                names.append("?")
+        return ",".join(dict.fromkeys(names))
+
     def _trace(self, pull: _Pull, trace: Trace, timeline: Timeline) -> None:
-        """Complete a landed pull's trace and write it; for the bench's file, time a whole pull of the same bytes too."""
-        if pull.tasks:
-            trace.landed(max(t.landed_at(layer) or pull.started for t in pull.tasks) for layer in pull.tasks[0].layers)
+        """Complete a pull's trace (landed or failed) and write it; for the bench's file, time a whole pull of the
+        same bytes too."""
+        trace.client_id, trace.retried = client_id(pull.spec.request_id), pull.retried
+        trace.transport = self._transports(pull)
+        if pull.error is not None:
+            trace.outcome = f"failed: {pull.error}"
+        elif pull.tasks:
+            trace.landed(_landed(pull, layer) for layer in range(len(self.layers)))
         else:
             trace.landed([pull.ended] * len(self.layers))
-        if timeline.path is not None:
+        if timeline.reference and pull.error is None:
             # The reference the bench holds the load against: the same bytes between the same processes, in
             # one transfer_sync (pull_blocks). It rewrites the same bytes, before prefill may free them.
             began = time.monotonic()
             try:
                 for read, endpoint in zip(pull.reads, pull.sources):
-                    self._pull_part(pull.spec, endpoint, read, whole=True)
+                    self._pull_part(pull.spec, endpoint, read, True, self._budget(pull.spec))
             except (HixlError, ValueError) as exc:
                 log.warning("hixl: timeline's reference pull of request %s failed: %s", pull.spec.request_id, exc)
             else:
                 trace.sync_ref = time.monotonic() - began
-        timeline.write(trace)
+        timeline.write(trace, pull.spec.trace_headers, pull.spec.arrived)
 
     def _local_cache(self) -> Cache:
         if self._cache is None:
@@ -390,6 +493,13 @@ class WorkerSide:
         for why in due.values():
             self.stats.record_release(expired=not why.pulled)
         return set(due)
+
+
+def _landed(pull: _Pull, layer: int) -> float:
+    """When ``layer`` of a layer-wise pull had landed from every prefill rank (a part retried from a later
+    layer on landed the earlier ones by its first task)."""
+    times = [t.landed_at(layer) for t in (*pull.tasks, *pull.retired) if layer in t.layers]
+    return max((at for at in times if at is not None), default=pull.started)
 
 
 def _mode(pull: _Pull, config: ConnectorConfig) -> str:

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ._config import ConnectorConfig
+from ._follow import Spans
 from ._params import Endpoint, KvSpec, StepMetadata
 from ._scheduler import SchedulerSide
 from ._stats import HixlKVConnectorStats, HixlPromMetrics
@@ -74,6 +75,7 @@ class HixlConnector(KVConnectorBase_V1):
                 kv,
                 tp.rank_in_group,
                 tp.barrier if tp.world_size > 1 else None,
+                Spans.open(vllm_config, "decode") if transfer.is_kv_consumer else None,
             )
 
     @property

@@ -13,6 +13,10 @@ request; this connector reads it at every layer it waits for:
   which on this machine can be before attention reaches layer 1 — and then
   prefill would rightly free the blocks at once, and the test would show
   nothing.
+* ``droplink`` — close this worker's connections to the prefill ranks of the
+  step's first pull just before it starts, as a link declared dead does
+  (DataDist and the lease keeper still count it up), then clear the file: the
+  fault strikes once.
 * anything else — behave.
 """
 
@@ -48,8 +52,14 @@ class FaultyConnector(HixlConnector):
         return self.fault_file.read_text().strip() if self.fault_file.exists() else ""
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._fault() == "die":
+        fault = self._fault()
+        if fault == "die":
             self.worker.datadist.engine.send_notify = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        loads = self._get_connector_metadata().loads  # type: ignore[attr-defined]
+        if fault == "droplink" and loads:
+            for rank in loads[0].remote.ranks:
+                self.worker.datadist.engine.disconnect(rank.ip_info)
+            self.fault_file.write_text("")
         super().start_load_kv(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

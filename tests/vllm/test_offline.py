@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 # Not just "vllm": where vLLM is missing, this folder itself would import under that name.
 pytest.importorskip("vllm.distributed.kv_transfer")
 pytest.importorskip("transformers")
+psutil = pytest.importorskip("psutil")
 
 from instances import Instance, prefill_params, started_together  # noqa: E402
 from tiny_model import BLOCK_SIZE, build, words  # noqa: E402
@@ -72,6 +74,8 @@ def vllms(tmp_path_factory: pytest.TempPathFactory, fault_file: Path, timeline_f
             "decode", 1, {"connector": "FaultyConnector", "module": "faulty_connector", "fault_file": str(fault_file), "whole_below_bytes": 0},
         ),  # fmt: skip
         "reference": ("reference", 1, {}),
+        # A second prefill, SIGKILLed by a test.
+        "victim": ("prefill", 0, {"lease_s": LEASE_S, "release_timeout": RELEASE_TIMEOUT}),
     }
     with started_together(model, logs, specs) as started:
         yield started
@@ -188,6 +192,43 @@ def test_failed_pull_recomputes_under_recompute_policy(vllms: dict[str, Instance
     dead = dict(params, remote_ranks=[{"engine": "127.0.0.1:1", "cluster_id": 7, "heads": [0, 2]}])
     (out,) = vllms["decode_sync"].generate(PROMPTS[4:], MAX_TOKENS, [dead])
     assert out["token_ids"] == reference[4]["token_ids"]
+
+
+def test_a_pull_whose_link_broke_is_retried_after_relinking(
+    vllms: dict[str, Instance], reference: list[dict[str, Any]], fault_file: Path
+) -> None:
+    """Decode's link to prefill is closed just before the pull (as when a starved prefill is declared dead):
+    the connector relinks, prefill confirms the request's lease, the pull runs again and the request gets
+    the reference's tokens instead of failing."""
+    params = prefill(vllms, PROMPTS[4:])
+    fault_file.write_text("droplink")
+    (out,) = vllms["faulty"].generate(PROMPTS[4:], MAX_TOKENS, params)
+    assert fault_file.read_text() == ""  # the fault struck
+    assert out["token_ids"] == reference[4]["token_ids"]
+    assert out["num_cached_tokens"] == out["prompt_tokens"] - 1  # from the connector, not recomputed
+    faulty = vllms["faulty"]
+    faulty.wait_for_log(r"hixl: request \S+: its pull broke on the link .*; relinking to retry it once", 5)
+    faulty.wait_for_log(r"hixl: request \S+: relinked and its lease confirmed in [\d.]+ ms; pulling again", 5)
+    faulty.wait_for_log(r"hixl: pulled request \S+: 4 blocks, .*; retried after relinking", 5)
+    vllms["prefill"].wait_for_log(rf"request {re.escape(params[0]['remote_request_id'])} was pulled by decode", LEASE_S / 2)
+
+
+def test_a_killed_prefill_still_fails_the_request_fast(vllms: dict[str, Instance], reference: list[dict[str, Any]]) -> None:
+    """A prefill SIGKILLed after it prefilled (decode linked to it by an earlier request): the retry's one
+    relink is refused at once, so the request fails within a fraction of the lease, as before; nothing hangs."""
+    victim, decode = vllms["victim"], vllms["decode"]
+    (out,) = decode.generate(PROMPTS[1:2], MAX_TOKENS, prefill_params(victim, PROMPTS[1:2]))
+    assert out["token_ids"] == reference[1]["token_ids"]  # linked, and it serves
+    params = prefill_params(victim, PROMPTS[4:])
+    failed_before = decode.log().count("hixl: pull of request")
+    for proc in [*psutil.Process(victim.proc.pid).children(recursive=True), psutil.Process(victim.proc.pid)]:
+        proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    started = time.monotonic()
+    (out,) = decode.generate(PROMPTS[4:], MAX_TOKENS, params)
+    assert time.monotonic() - started < LEASE_S / 2
+    assert len(out["token_ids"]) < MAX_TOKENS  # failed (policy fail), not answered
+    assert decode.log().count("hixl: pull of request") == failed_before + 1, decode.log_tail()
 
 
 def test_decode_dying_mid_pull_leaves_prefill_healthy(vllms: dict[str, Instance], reference: list[dict[str, Any]], fault_file: Path) -> None:

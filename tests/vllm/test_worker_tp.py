@@ -248,3 +248,98 @@ def test_an_abort_at_decode_releases_every_prefill_rank_at_once(made: list[Ranks
     for w in prefill.workers:
         assert w.leases is not None and w.leases.due() == {} and len(w.leases) == 1  # req13 is untouched
     assert all(w.keeper is not None and w.keeper.usable("d13") and not w.keeper.usable("d12") for w in decode.workers)
+
+
+def break_link(decode: Ranks, prefill: Ranks) -> None:
+    """Close every decode rank's connection to every prefill rank, as a link declared dead does: DataDist
+    still lists the links, and the keepers still count them up."""
+    for d in decode.workers:
+        for p in prefill.workers:
+            endpoint = p.endpoint()
+            assert endpoint is not None
+            d.datadist.engine.disconnect(endpoint.ip_info)
+
+
+def assert_pulled(decode: Ranks, prefill: Ranks, blocks: list[tuple[int, int]]) -> None:
+    for w, cache in zip(decode.workers, decode.caches):
+        for layer, tensor in cache.items():
+            for src, dst in blocks:
+                for i, model_head in enumerate(w.heads):
+                    assert torch.equal(tensor[dst, i], prefill.head(model_head, layer, src))
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "load_mode"),
+    [(1, 1, LoadMode.LAYERWISE), (1, 1, LoadMode.SYNC), (2, 1, LoadMode.LAYERWISE), (1, 2, LoadMode.SYNC)],
+    ids=lambda v: v.value if isinstance(v, LoadMode) else str(v),
+)
+def test_a_pull_whose_link_broke_is_retried_after_relinking(made: list[Ranks], prefill_tp: int, decode_tp: int, load_mode: LoadMode) -> None:
+    """The link to prefill broke before the pull (its connection closed, the keeper not yet aware): the
+    worker relinks, prefill confirms the lease, and the pull lands — once per decode rank, counted."""
+    prefill = Ranks(spec(2, prefill_tp), True, 10000, seed=10)
+    decode = Ranks(spec(2, decode_tp), False, 11000, seed=11, load_mode=load_mode)
+    made += [prefill, decode]
+    for w in prefill.workers:
+        w.hold({14: "req14"})
+    remote = transfer(prefill, 14)
+    watched(decode, remote, "d14")
+    break_link(decode, prefill)
+    run_step(decode, LoadSpec("d14", remote, [1, 3], [0, 5]))
+    for w in decode.workers:
+        assert not w.take_failed_blocks()
+        assert w.stats.data["retried_pulls"] == 1 and w.stats.data["failed_pulls"] == 0 and len(w.stats.data["pull_bytes"]) == 1
+    assert_pulled(decode, prefill, [(1, 0), (3, 5)])
+    for w in prefill.workers:  # told it was pulled: free at once, not a lease later
+        assert released_soon(w, "req14") < 5
+
+
+def test_a_retry_never_reads_blocks_prefill_no_longer_holds(made: list[Ranks]) -> None:
+    """The link broke and prefill has let the request's blocks go meanwhile (here: a completion it took for
+    this transfer): it refuses the confirmation, so the load fails and not a byte is read."""
+    prefill = Ranks(spec(2, 1), True, 12000, seed=12)
+    decode = Ranks(spec(2, 1), False, 13000, seed=13)
+    made += [prefill, decode]
+    prefill.workers[0].hold({15: "req15"})
+    remote = transfer(prefill, 15)
+    watched(decode, remote, "d15")
+    assert prefill.workers[0].leases is not None
+    prefill.workers[0].leases.pulled([15])  # its blocks are free at prefill (vLLM may reuse them)
+    assert due_soon(prefill.workers[0], 1) == {"req15": Ending.PULLED}
+    before = {name: t.clone() for name, t in decode.caches[0].items()}
+    break_link(decode, prefill)
+    run_step(decode, LoadSpec("d15", remote, [1, 3], [0, 5]))
+    w = decode.workers[0]
+    assert w.take_failed_blocks() == {0, 5}
+    assert w.stats.data["retried_pulls"] == 1 and w.stats.data["failed_pulls"] == 1
+    assert all(torch.equal(before[n], t) for n, t in decode.caches[0].items())  # nothing read
+
+
+def test_a_layerwise_pull_that_breaks_mid_way_is_pulled_again_from_that_layer(made: list[Ranks], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer 0 landed, then the link broke (injected: the connection closed and the task's later layers
+    failed with the link error its readers raise): the worker relinks and pulls layers 1 on, and only them."""
+    from hixl.datadist import LLMException, LLMStatusCode
+
+    prefill = Ranks(spec(2, 1), True, 14000, seed=14)
+    decode = Ranks(spec(2, 1), False, 15000, seed=15)
+    made += [prefill, decode]
+    prefill.workers[0].hold({16: "req16"})
+    remote = transfer(prefill, 16)
+    watched(decode, remote, "d16")
+    manager = decode.workers[0].datadist.cache_manager
+    real, ranges = manager.pull_blocks_async, []
+
+    def breaking(*args: object, **kwargs: object) -> object:
+        task = real(*args, **kwargs)  # type: ignore[arg-type]
+        ranges.append(args[4])  # src_layer_range
+        if len(ranges) == 1:
+            task.wait_layer(0)
+            break_link(decode, prefill)
+            task._fail_from(1, LLMException("the link broke", LLMStatusCode.LINK_FAILED))
+        return task
+
+    monkeypatch.setattr(manager, "pull_blocks_async", breaking)
+    run_step(decode, LoadSpec("d16", remote, [1, 3], [0, 5]))
+    w = decode.workers[0]
+    assert not w.take_failed_blocks() and w.stats.data["retried_pulls"] == 1
+    assert ranges == [None, range(1, LAYERS)]
+    assert_pulled(decode, prefill, [(1, 0), (3, 5)])
