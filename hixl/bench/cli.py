@@ -12,7 +12,7 @@ from typing import Any
 
 from .._tools import plot as _plot
 from ..testing.hosts import hosts_unavailable
-from . import fleet_bench, kv_bench, ps_bench, soak_bench, vllm_bench, weights_bench, weights_vllm_bench
+from . import fleet_bench, kv_bench, prefix_bench, ps_bench, soak_bench, vllm_bench, weights_bench, weights_vllm_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
 from .peers import ENGINES, PeerResult, default_peers_dir, not_installed, read_peer_json, run_peer
 from .progress import Progress
@@ -107,6 +107,15 @@ first token generated with the new weights, hixl's update_weights against
 vLLM's own reload_weights from a safetensors checkpoint in the temp dir (ratio:
 hixl / reload, lower is faster); every token is checked against transformers'.
 A minute or two, most of it vLLM's start-up.
+
+--scenario prefix serves a chat workload (system prompts shared between
+chats, and multi-turn chats: half the prompt tokens a shared prefix) on two
+prefill and one decode vLLM servers with hixl's connector, once with hixl
+proxy routing by load and once by cached prefix (--kv-events), the same
+requests in the same order on fresh servers, and reports per policy the
+prefill tokens computed, the prefix-cache hit rate (from the prefills'
+/metrics) and time to first token; prefix's rows have load's as baseline (target:
+at most 0.6 of its prefill tokens computed). --model as for vllm. Needs the 'vllm' extra.
 """
 
 
@@ -358,7 +367,9 @@ def _header(config: BenchConfig, scenarios: tuple[str, ...]) -> str:
         parts.append(ps_bench.describe(config))
     if "weights-vllm" in scenarios:
         parts.append(weights_vllm_bench.describe(config))
-    if set(scenarios) - {"soak", "fleet", "vllm"}:
+    if "prefix" in scenarios:
+        parts.append(prefix_bench.describe(config))
+    if set(scenarios) - {"soak", "fleet", "vllm", "prefix"}:
         parts.append(f"median of {config.repeat} (+{config.warmup} warm-up)")
     if "engine" in scenarios:
         parts.append(f"latency over {config.iterations} calls")

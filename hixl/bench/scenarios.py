@@ -12,14 +12,15 @@ the ``soak`` scenario's ``soak_*`` (:mod:`hixl.bench.soak_bench`), the ``fleet``
 scenario's ``fleet_*`` (:mod:`hixl.bench.fleet_bench`), and the ``vllm`` scenario's ``vllm_*``
 (:mod:`hixl.bench.vllm_bench`: vLLM servers with hixl's connector and NIXL's), the ``weights``
 scenario's ``weights_*`` (:mod:`hixl.bench.weights_bench`) and the ``ps`` scenario's ``ps_rows``
-(:mod:`hixl.bench.ps_bench`); ``weights-vllm`` (:mod:`hixl.bench.weights_vllm_bench`) has no knobs.
+(:mod:`hixl.bench.ps_bench`); ``weights-vllm`` (:mod:`hixl.bench.weights_vllm_bench`) has no knobs, and the
+``prefix`` scenario's are ``prefix_*`` (:mod:`hixl.bench.prefix_bench`: ``hixl proxy`` routing by prefix and by load).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import engine_bench, fleet_bench, kv_bench, ps_bench, soak_bench, vllm_bench, weights_bench, weights_vllm_bench
+from . import engine_bench, fleet_bench, kv_bench, prefix_bench, ps_bench, soak_bench, vllm_bench, weights_bench, weights_vllm_bench
 from .config import BenchConfig
 from .progress import Progress
 from .results import ScenarioResult
@@ -38,6 +39,7 @@ SCENARIOS: dict[str, Scenario] = {
     "weights": weights_bench.run,
     "ps": ps_bench.run,
     "weights-vllm": weights_vllm_bench.run,
+    "prefix": prefix_bench.run,
 }
 
 DEFAULT_SCENARIO = "engine"
@@ -51,6 +53,7 @@ DEFAULT_TRANSPORTS: dict[str, tuple[str, ...]] = {
     "weights": ("cma", "shm", "tcp"),
     "ps": ("cma", "shm", "tcp"),
     "weights-vllm": vllm_bench.AUTO,
+    "prefix": vllm_bench.AUTO,
 }
 """What each scenario measures unless ``--transport`` says: shm needs the peer's memory to come from the
 shared pool, which only the engine scenario's target allocates (and hixl.weights' slots and tables)."""

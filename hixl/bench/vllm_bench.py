@@ -54,12 +54,10 @@ with hixl alone. Needs vLLM
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -68,10 +66,12 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
+from .._tools.groups import stop_groups
 from .config import BenchConfig
 from .progress import Progress
 from .results import Row, ScenarioResult, median, percentile
@@ -261,12 +261,15 @@ class Deployment:
     """A shape's prefills, decodes and the proxy for one connector, each in its own process group; logs in ``folder``.
 
     ``max_len``: the servers' ``--max-model-len``; ``tiny``: the model is the tiny Llama (its positions are
-    raised to fit). Each decode appends its loads' timelines to :meth:`timeline`.
+    raised to fit); ``flags``: given the deployment (its ports chosen, nothing started), more arguments for some
+    of its processes (``prefill0``, ..., ``proxy``), after their own.
+    Each decode appends its loads' timelines to :meth:`timeline`.
     """
 
     def __init__(
-        self, connector: Connector, shape: Shape, model: str, folder: Path, max_len: int = MAX_MODEL_LEN, tiny: bool = False
-    ) -> None:
+        self, connector: Connector, shape: Shape, model: str, folder: Path, max_len: int = MAX_MODEL_LEN, tiny: bool = False,
+        flags: Callable[[Deployment], dict[str, list[str]]] | None = None,
+    ) -> None:  # fmt: skip
         self.connector, self.shape, self.folder = connector, shape, folder
         servers = shape.instances()
         self.ports = {name: _free_port() for name, _ in servers} | {"proxy": _free_port()}
@@ -285,6 +288,8 @@ class Deployment:
         for name, _ in servers:
             proxy += [f"--{name.rstrip('0123456789')}", self.url(name)]
         commands["proxy"] = (proxy, {})
+        for name, more in (flags(self) if flags else {}).items():
+            commands[name][0].extend(more)
         self._logs: list[IO[bytes]] = []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         try:
@@ -335,16 +340,7 @@ class Deployment:
 
     def close(self) -> None:
         """SIGTERM each process group, SIGKILL what is left after 30 s."""
-        for proc in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_groups(self.procs.values())
         for log in self._logs:
             log.close()
 

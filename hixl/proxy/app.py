@@ -3,7 +3,9 @@
 How a request is routed, and what happens when an upstream fails:
 
 - Each hop goes to the upstream of its role with the fewest outstanding
-  requests, skipping those marked down (``upstreams.Pool``); background health
+  requests, skipping those marked down (``upstreams.Pool``) — or, where the
+  instances' KV events are followed, to the one with the longest cached prefix
+  of the prompt, weighed against its load (``routing``); background health
   checks mark them down and up again (``health``). No upstream of a role up:
   a 503 at once.
 - An *attempt* is a prefill hop, then a decode hop. When either fails before
@@ -51,10 +53,12 @@ from typing import Any
 
 from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, TCPConnector, hdrs, web
 
+from . import follow
 from .body import BadBody, parse
 from .health import watch
 from .metrics import CONTENT_TYPE, Outcome, ProxyMetrics
 from .options import ProxyOptions
+from .routing import PrefixRouter
 from .upstreams import Pool, Role, Upstream, describe
 
 __all__ = ["create_app"]
@@ -68,9 +72,11 @@ _FORWARDED_HEADERS = (hdrs.AUTHORIZATION, "X-Request-Id")
 
 def create_app(prefill: Sequence[str], decode: Sequence[str], options: ProxyOptions | None = None) -> web.Application:
     """The proxy for these prefill and decode base URLs (e.g. ``http://127.0.0.1:8100``); ``server.serve``
-    serves it, holding its clients to their deadlines."""
-    proxy = _Proxy(Pool(Role.PREFILL, prefill), Pool(Role.DECODE, decode), options or ProxyOptions())
+    serves it, holding its clients to their deadlines. ValueError if ``options.kv_events`` names another URL."""
+    prefills, decodes, options = Pool(Role.PREFILL, prefill), Pool(Role.DECODE, decode), options or ProxyOptions()
+    proxy = _Proxy(prefills, decodes, options, PrefixRouter(options, [(prefills, prefill), (decodes, decode)]))
     app = web.Application()
+    follow.install(app, options.otlp_traces_endpoint)
     app.cleanup_ctx.append(proxy.lifetime)
     app.router.add_post("/v1/completions", proxy.disaggregated)
     app.router.add_post("/v1/chat/completions", proxy.disaggregated)
@@ -112,18 +118,18 @@ class _Hop:
 
 
 class _Proxy:
-    """The handlers and what they share: the pools, the options, the metrics, the HTTP client session."""
+    """The handlers and what they share: the pools, the router, the options, the metrics, the HTTP client session."""
 
     _session: ClientSession  # from lifetime()'s start to its end
 
-    def __init__(self, prefills: Pool, decodes: Pool, options: ProxyOptions) -> None:
-        self.prefills, self.decodes, self.options = prefills, decodes, options
-        self.metrics = ProxyMetrics([*prefills.upstreams, *decodes.upstreams])
+    def __init__(self, prefills: Pool, decodes: Pool, options: ProxyOptions, router: PrefixRouter) -> None:
+        self.prefills, self.decodes, self.options, self.router = prefills, decodes, options, router
+        self.metrics = ProxyMetrics([*prefills.upstreams, *decodes.upstreams], router.families)
         # For hops that end with one answer; decode's streams get the session's per-read limit only.
         self._bounded = ClientTimeout(total=options.timeout, connect=options.connect_timeout)
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
-        """The client session and the health checks, from the app's start to its cleanup."""
+        """The client session, the health checks and the KV events followed, from the app's start to its cleanup."""
         o = self.options
         # No connection limit: a request queued inside the pool would wait with no timeout of
         # its own and still count as outstanding, so only the routing decides who waits.
@@ -133,7 +139,9 @@ class _Proxy:
         )
         upstreams = [*self.prefills.upstreams, *self.decodes.upstreams]
         checks = asyncio.create_task(watch(self._session, upstreams, o.health_interval, o.health_timeout, o.down_after))
+        await self.router.start()
         yield
+        await self.router.stop()
         checks.cancel()
         with suppress(asyncio.CancelledError):
             await checks
@@ -148,11 +156,12 @@ class _Proxy:
         failed: set[Upstream] = set()
         last: _Failed | None = None
         attempts = self.options.retries + 1
+        tokens = await self.router.prompt_tokens(self._session, body, lambda up: _forwarded(request, up))
         for attempt in range(1, attempts + 1):
             if last is not None:
                 self.metrics.retries.inc(last.upstream.role.value)
             try:
-                return await self._attempt(request, body, failed)
+                return await self._attempt(request, body, failed, tokens)
             except _Failed as exc:
                 log.warning("attempt %d of %d failed: %s", attempt, attempts, exc)
                 if not exc.answered:
@@ -196,23 +205,24 @@ class _Proxy:
         """``GET /metrics``: Prometheus's text format."""
         return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def _attempt(self, request: web.Request, body: dict[str, Any], failed: set[Upstream]) -> web.StreamResponse:
-        with self._hop(self._pick(self.prefills, failed)) as hop:
+    async def _attempt(
+        self, request: web.Request, body: dict[str, Any], failed: set[Upstream], tokens: list[int] | None
+    ) -> web.StreamResponse:
+        with self._hop(self._pick(self.prefills, failed, tokens)) as hop:
             answer = await self._prefill(hop, request, body)
         if isinstance(answer, web.Response):
             return answer
         kv_params = answer.get("kv_transfer_params")
         if kv_params is None:
             log.warning("prefill returned no kv_transfer_params: decode computes the prompt itself")
-        with self._hop(self._pick(self.decodes, failed)) as hop:
+        with self._hop(self._pick(self.decodes, failed, tokens)) as hop:
             return await self._decode(hop, request, {**body, "kv_transfer_params": kv_params})
 
-    @staticmethod
-    def _pick(pool: Pool, failed: set[Upstream]) -> Upstream:
+    def _pick(self, pool: Pool, failed: set[Upstream], tokens: list[int] | None) -> Upstream:
         # One that failed this request but is still up (it answered) is taken again if no
         # other is left: a decode's 5xx may have been its prefill's fault, and the retry
         # comes through a fresh prefill.
-        up = pool.pick(exclude=failed) or pool.pick()
+        up = self.router.pick(pool, failed, tokens) or self.router.pick(pool, (), tokens)
         if up is None:
             raise _NoneUp(pool.role)
         return up
@@ -222,7 +232,7 @@ class _Proxy:
         """Lease ``up`` for one request (taken before any ``await``: see ``Pool.pick``), time it, count its outcome."""
         hop = _Hop(up)
         started = time.monotonic()
-        with up.lease():
+        with up.lease(), follow.hop(up.role.value, up.name):
             try:
                 yield hop
             except asyncio.CancelledError:
@@ -329,7 +339,7 @@ def _forwarded(request: web.Request, up: Upstream) -> dict[str, str]:
     # A request has one Authorization header: where the operator gave credentials for this upstream
     # (sent as ``auth=up.auth``), theirs go, not the client's.
     names = [h for h in _FORWARDED_HEADERS if not (up.auth and h == hdrs.AUTHORIZATION)]
-    return {h: request.headers[h] for h in names if h in request.headers}
+    return {h: request.headers[h] for h in names if h in request.headers} | follow.outgoing()
 
 
 def _relay(resp: ClientResponse, payload: bytes) -> web.Response:

@@ -8,15 +8,17 @@ import logging
 from dataclasses import fields
 from typing import Any
 
-from .options import ProxyOptions
+from .options import EventsSource, ProxyOptions, unknown_sources
 
 __all__ = ["add_parser"]
 
 DESCRIPTION = """\
 An OpenAI-compatible front door for prefill/decode-disaggregated vLLM (the hixl connector): each
 completion or chat request goes to a prefill instance, then to a decode instance. With several of
-each, every request goes to the one serving the fewest requests; instances are health-checked,
-one that fails is skipped and the request retried, and GET /metrics reports it all."""
+each, every request goes to the one serving the fewest requests — or, with --kv-events for every
+instance of a role, to the one with the longest cached prefix of its prompt, weighed against its
+load; instances are health-checked, one that fails is skipped and the request retried, and
+GET /metrics reports it all."""
 
 
 #: The deadlines a client is held to (``server``): option -> what it bounds.
@@ -56,7 +58,36 @@ def add_parser(subparsers: Any) -> None:
     )
     for name, meaning in _CLIENT_DEADLINES.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name), metavar="S", help=f"{meaning} (default %(default)s)")
+    parser.add_argument(
+        "--kv-events", action="append", type=_events_source, default=[], metavar="URL=ENDPOINT,REPLAY",
+        help="follow the KV-cache events of the instance at URL (as given to --prefill/--decode) from its ZMQ PUB ENDPOINT "
+        "and its REPLAY endpoint (vLLM's --kv-events-config endpoint and replay_endpoint, as the proxy reaches them); "
+        "repeatable. A role whose instances all have them is routed by cached prefix",
+    )
+    parser.add_argument(
+        "--prefix-load-weight", type=float, default=d.prefix_load_weight, metavar="TOKENS",
+        help="prompt tokens each outstanding request on an instance weighs against its cached prefix (default %(default)s)",
+    )
+    parser.add_argument(
+        "--events-timeout", type=float, default=d.events_timeout, metavar="S",
+        help="seconds without an event or an answer from an instance's replay socket before its role is routed by load (default %(default)s)",
+    )
+    parser.add_argument(
+        "--tokenize-timeout", type=float, default=d.tokenize_timeout, metavar="S",
+        help="seconds an instance's /tokenize may take for a text prompt before the request is routed by load (default %(default)s)",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint", metavar="URL",
+        help="send each request's spans (the request, each hop) here over OTLP, as vLLM's option of this name; off by default",
+    )
     parser.set_defaults(run=_main)
+
+
+def _events_source(text: str) -> EventsSource:
+    try:
+        return EventsSource.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -74,5 +105,16 @@ def _main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hixl proxy: {exc}")
         return 2
+    unknown = unknown_sources(options.kv_events, [*args.prefill, *args.decode])
+    if unknown:
+        print(f"hixl proxy: --kv-events names no --prefill or --decode instance: {', '.join(unknown)}")
+        return 2
+    if options.kv_events:
+        try:
+            import msgspec  # noqa: F401
+            import zmq  # noqa: F401  (what following KV events takes: both come with vLLM)
+        except ImportError:
+            print("hixl proxy --kv-events needs pyzmq and msgspec: pip install pyzmq msgspec")
+            return 2
     asyncio.run(run(args.prefill, args.decode, options, args.host, args.port))
     return 0

@@ -117,9 +117,9 @@ class Histogram(_Family):
 
 
 class ProxyMetrics:
-    """The proxy's series (see docs/vllm.md, "/metrics"), over these upstreams."""
+    """The proxy's series (see docs/vllm.md, "/metrics"), over these upstreams; ``extra``: other owners' families, rendered after."""
 
-    def __init__(self, upstreams: Sequence[Upstream]) -> None:
+    def __init__(self, upstreams: Sequence[Upstream], extra: Sequence[_Family] = ()) -> None:
         names = [(u.url, u.role.value) for u in upstreams]
         roles = [(r.value,) for r in Role]
         self.requests = Counter(
@@ -164,6 +164,7 @@ class ProxyMetrics:
                 ("upstream", "role"),
                 lambda: [((u.url, u.role.value), float(u.outstanding)) for u in upstreams],
             ),
+            *extra,
         ]
 
     def hop(self, up: Upstream, outcome: Outcome, seconds: float) -> None:

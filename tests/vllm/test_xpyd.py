@@ -32,6 +32,8 @@ from typing import Any
 
 import pytest
 
+from hixl._tools.groups import stop_groups
+
 # Not just "vllm": where vLLM is missing, this folder itself would import under that name.
 pytest.importorskip("vllm.distributed.kv_transfer")
 
@@ -132,16 +134,7 @@ class Fleet:
         os.killpg(self.procs[name].pid, sig)
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGCONT)  # a stopped one, too, must see the SIGTERM
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_groups(self.procs.values())
 
 
 @pytest.fixture(scope="module")
