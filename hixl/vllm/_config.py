@@ -56,8 +56,9 @@ class ConnectorConfig:
     lease_s: float = 30.0
     release_timeout: float = 300.0
     transport: str = "auto"
-    # Below this a copy is shorter than the layer-wise path's per-layer hand-offs and wake-ups (docs/vllm.md).
-    whole_below_bytes: int = 4 << 20
+    # Below this, on CPU, the copy is shorter than the layer-wise path's planning, hand-offs and wake-ups, and
+    # the forward gains nothing from starting early: it shares the cores with the copy (docs/vllm.md).
+    whole_below_bytes: int = 32 << 20
     records: str = ""
 
     @classmethod

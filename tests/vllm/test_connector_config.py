@@ -22,7 +22,7 @@ def test_public_surface() -> None:
 
 def test_defaults_need_no_settings() -> None:
     a, b = ConnectorConfig.from_extra({}), ConnectorConfig.from_extra(None)
-    assert (a.host, a.port, a.load_mode, a.transport, a.whole_below_bytes) == ("127.0.0.1", 0, LoadMode.LAYERWISE, "auto", 4 << 20)
+    assert (a.host, a.port, a.load_mode, a.transport, a.whole_below_bytes) == ("127.0.0.1", 0, LoadMode.LAYERWISE, "auto", 32 << 20)
     assert a.cluster_id > 0 and a.cluster_id != b.cluster_id  # random: two instances never share one
 
 
