@@ -255,6 +255,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--readers", type=_positive_int, metavar="N", help="fleet: peers reading at once (default: 64; --quick: 8)"
     )
     parser.add_argument(
+        "--turns", type=_positive_int, metavar="N", help="prefix: turns of each chat (default: 6; --quick: 2)"
+    )
+    parser.add_argument(
         "--target-netns",
         action="store_true",
         help="engine scenario: also measure TCP with the target in another network namespace, over a veth pair "
@@ -344,6 +347,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         "weights_subscribers": args.subscribers,
         "ps_rows": args.rows,
         "vllm_timeline": args.timeline,
+        "prefix_turns": args.turns,
     }
     config = replace(config, extra={**config.extra, **{k: v for k, v in knobs.items() if v is not None}})
     return config

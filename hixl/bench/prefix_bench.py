@@ -52,7 +52,7 @@ from .vllm_bench import _TOKEN_IDS, CONNECTORS, MAX_MODEL_LEN, REQUEST_TIMEOUT, 
 
 __all__ = ["POLICIES", "describe", "knobs", "run", "workload"]
 
-DEFAULTS = {"prefix_systems": 4, "prefix_chats": 16, "prefix_turns": 4, "prefix_turn_tokens": 64, "vllm_max_tokens": 8}
+DEFAULTS = {"prefix_systems": 4, "prefix_chats": 16, "prefix_turns": 6, "prefix_turn_tokens": 64, "vllm_max_tokens": 8}
 QUICK = {"prefix_systems": 2, "prefix_chats": 4, "prefix_turns": 2, "prefix_turn_tokens": 32, "vllm_max_tokens": 4}
 POLICIES = ("load", "prefix")  # the baseline first
 SHAPE = SHAPES["2p1d"]
