@@ -12,7 +12,7 @@ from typing import Any
 
 from .._tools import plot as _plot
 from ..testing.hosts import hosts_unavailable
-from . import fleet_bench, kv_bench, prefix_bench, ps_bench, soak_bench, vllm_bench, weights_bench, weights_vllm_bench
+from . import fleet_bench, kv_bench, overlap_bench, prefix_bench, ps_bench, soak_bench, vllm_bench, weights_bench, weights_vllm_bench
 from .config import TRANSPORTS, BenchConfig, format_size, parse_size
 from .peers import ENGINES, PeerResult, default_peers_dir, not_installed, read_peer_json, run_peer
 from .progress import Progress
@@ -87,6 +87,14 @@ extra; each connector's servers take a minute or more to start. --shape
 measures other deployments the same way (2p1d, 1p2d: several instances behind
 the proxy; tp2-1, tp1-2: prefill TP != decode TP; all: every one); a shape
 NIXL cannot serve is measured with hixl alone, NIXL's error in a note.
+--overlap measures instead how much of the KV transfer shows in the time to
+first token: per prompt length (--lengths, default 256,1024,2048; --quick:
+256) and --requests (5; --quick: 1), a wider random Llama (16 layers, 4 KV
+heads x 128) served alone (one server, no connector), then 1P1D with hixl
+pulling, hixl pushing (mode push; --kv-mode push on the proxy) and NIXL;
+rows: each TTFT, the exposed transfer (TTFT - alone's) in layers' transfers
+(one layer's KV in one transfer_sync; target for push: <= 1.5), and one
+layer's compute (alone's TTFT / layers).
 
 --scenario weights publishes about 1 GiB of Llama-shaped fp16 tensors (101;
 --quick: a few MiB) with hixl.weights and times until each of --subscribers
@@ -221,6 +229,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--timeline", action="store_true", default=None, help="vllm: where a median request's KV load time goes, per connector"
     )
     parser.add_argument(
+        "--overlap",
+        action="store_true",
+        default=None,
+        help="vllm: the KV transfer left in the time to first token, by prompt length: alone, hixl pull and push, NIXL",
+    )
+    parser.add_argument(
+        "--lengths",
+        type=_positive_ints,
+        metavar="N[,N]",
+        help="vllm --overlap: prompt lengths in tokens (default: 256,1024,2048; --quick: 256)",
+    )
+    parser.add_argument(
         "--subscribers",
         type=_positive_ints,
         metavar="N[,N]",
@@ -347,6 +367,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         "weights_subscribers": args.subscribers,
         "ps_rows": args.rows,
         "vllm_timeline": args.timeline,
+        "vllm_overlap": args.overlap,
+        "vllm_lengths": args.lengths,
         "prefix_turns": args.turns,
     }
     config = replace(config, extra={**config.extra, **{k: v for k, v in knobs.items() if v is not None}})
@@ -410,6 +432,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and "engine" not in scenarios:
         print("hixl bench: error: --plot draws the engine scenario: add --scenario engine", file=sys.stderr)
         return 2
+    if args.overlap and args.transport is not None and "vllm" in scenarios:
+        # The connectors pick their own transports, and the layer's reference transfer is timed on the one hixl picks.
+        print("hixl bench: error: --overlap: the connectors pick their transports; --transport does not apply", file=sys.stderr)
+        return 2
     if (args.compare or args.peer_json) and "engine" not in scenarios:
         print(
             "hixl bench: error: --compare and --peer-json apply to the engine scenario: add --scenario engine",
@@ -425,7 +451,9 @@ def run(args: argparse.Namespace) -> int:
         for name in scenarios:
             if name in kv_bench.PRESETS:
                 kv_bench.shape_of(config, name)
-        if "vllm" in scenarios:
+        if "vllm" in scenarios and config.extra.get("vllm_overlap"):
+            overlap_bench.knobs(config)
+        elif "vllm" in scenarios:
             vllm_bench.knobs(config)
             vllm_bench.contenders(config)
             vllm_bench.shapes(config)

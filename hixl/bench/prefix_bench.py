@@ -41,14 +41,13 @@ import json
 import random
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import BenchConfig
 from .progress import Progress
 from .results import Row, ScenarioResult, Target, median, percentile
-from .vllm_bench import _TOKEN_IDS, CONNECTORS, MAX_MODEL_LEN, REQUEST_TIMEOUT, SHAPES, Deployment, _tiny_model, scrape
+from .vllm_bench import _TOKEN_IDS, CONNECTORS, MAX_MODEL_LEN, SHAPES, Deployment, _tiny_model, first_token, scrape
 
 __all__ = ["POLICIES", "describe", "knobs", "run", "workload"]
 
@@ -135,10 +134,10 @@ def _measure(
         with progress.step(f"prefix {policy}: {len(prompts)} requests"):
             # Warm-ups first, as many per prefill as asked (each instance pays for its first link), prompts of their own.
             for w in range(warmup * len(SHAPE.prefills)):
-                _first_token(deployment.url("proxy"), model, _tokens(f"warm-up {w}", len(prompts[0])), max_tokens)
+                first_token(deployment.url("proxy"), model, _tokens(f"warm-up {w}", len(prompts[0])), max_tokens)
             prefills = deployment.names("prefill")
             before = [scrape(deployment.url(name), CACHE) for name in prefills]
-            ttfts = [_first_token(deployment.url("proxy"), model, prompt, max_tokens) for prompt in prompts]
+            ttfts = [first_token(deployment.url("proxy"), model, prompt, max_tokens) for prompt in prompts]
             after = [scrape(deployment.url(name), CACHE) for name in prefills]
     finally:
         deployment.close()
@@ -154,22 +153,6 @@ def _wait_following(deployment: Deployment) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the proxy does not follow the prefills' KV events:\n{deployment.log_tail('proxy')}")
         time.sleep(0.5)
-
-
-def _first_token(proxy: str, model: str, prompt: list[int], max_tokens: int) -> float:
-    """A streamed completion through the proxy, read to its end; seconds from sending it to its first token."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    request = urllib.request.Request(proxy + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    start = time.perf_counter()
-    first = None
-    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as reply:
-        for raw in reply:
-            line = raw.decode().strip()
-            if first is None and line.startswith("data: {") and json.loads(line[len("data: ") :])["choices"][0].get("text"):
-                first = time.perf_counter()
-    if first is None:
-        raise RuntimeError("prefix: the proxy's stream had no token")
-    return first - start
 
 
 def _values(f: Figures) -> dict[str, tuple[float, str]]:

@@ -50,6 +50,10 @@ the other connectors and shapes go on: a shape NIXL cannot serve is measured
 with hixl alone. Needs vLLM
 (the ``vllm`` extra). The model: ``vllm_model`` in ``BenchConfig.extra``
 (``--model``), else the tests' tiny Llama, built in a temporary folder.
+
+``vllm_overlap`` (``--overlap``) runs another measurement instead, on these
+servers: how much of the KV transfer still shows in the time to first token,
+by prompt length (:mod:`.overlap_bench`).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ from .results import Row, ScenarioResult, median, percentile
 
 __all__ = [
     "AUTO", "CONNECTORS", "DEFAULT_SHAPE", "SERVER_FLAGS", "SHAPES", "Connector", "Shape", "contenders", "cpu_binds",
-    "describe", "knobs", "nixl_missing", "run", "shapes",
+    "describe", "first_token", "knobs", "nixl_missing", "prompt", "run", "shapes",
 ]  # fmt: skip
 
 MAX_MODEL_LEN = 1024  # the servers' --max-model-len, unless a request needs more
@@ -215,12 +219,19 @@ def knobs(config: BenchConfig) -> dict[str, int]:
 
 def describe(config: BenchConfig) -> str:
     """A few words for the run's header line."""
+    if config.extra.get("vllm_overlap"):
+        return _overlap().describe(config)
     chosen = knobs(config)
     model = config.extra.get("vllm_model") or "the tiny test Llama"
     return (
         f"vllm {','.join(s.label for s in shapes(config))} on {model}: {chosen['vllm_requests']} requests of {chosen['vllm_prompt_tokens']} prompt "
         f"+ {chosen['vllm_max_tokens']} generated tokens"
     )
+
+
+def prompt(tokens: int, seed: int) -> list[int]:
+    """``tokens`` token ids; prompts of different seeds (0 to 479) share no prefix-cache block."""
+    return [_TOKEN_IDS[(7 * i + 13 * seed) % len(_TOKEN_IDS)] for i in range(tokens)]
 
 
 def _free_port() -> int:
@@ -260,34 +271,44 @@ def _server_flags(tp: int, max_len: int, tiny: bool) -> list[str]:
 class Deployment:
     """A shape's prefills, decodes and the proxy for one connector, each in its own process group; logs in ``folder``.
 
-    ``max_len``: the servers' ``--max-model-len``; ``tiny``: the model is the tiny Llama (its positions are
-    raised to fit); ``flags``: given the deployment (its ports chosen, nothing started), more arguments for some
-    of its processes (``prefill0``, ..., ``proxy``), after their own.
-    Each decode appends its loads' timelines to :meth:`timeline`.
+    ``connector`` None: the shape's servers with no KV connector and no proxy (a prefill alone, asked
+    directly). ``max_len``: the servers' ``--max-model-len``; ``tiny``: the model is the tiny Llama (its
+    positions are raised to fit); ``flags``: given the deployment (its ports chosen, nothing started), more
+    arguments for some of its processes (``prefill0``, ..., ``proxy``), after their own; ``binds``: each
+    server's ``VLLM_CPU_OMP_THREADS_BIND`` (default: this process's CPUs shared out, :func:`cpu_binds`).
+    Each decode appends its loads' timelines to :meth:`timeline`, unless ``timeline`` is False: the
+    timeline's reference pull runs inside decode's step, before its first token.
     """
 
     def __init__(
-        self, connector: Connector, shape: Shape, model: str, folder: Path, max_len: int = MAX_MODEL_LEN, tiny: bool = False,
-        flags: Callable[[Deployment], dict[str, list[str]]] | None = None,
+        self, connector: Connector | None, shape: Shape, model: str, folder: Path, max_len: int = MAX_MODEL_LEN,
+        tiny: bool = False, flags: Callable[[Deployment], dict[str, list[str]]] | None = None, timeline: bool = True,
+        binds: list[str] | None = None,
     ) -> None:  # fmt: skip
         self.connector, self.shape, self.folder = connector, shape, folder
+        self.label = connector.name if connector is not None else "alone"
+        """Who the deployment is, in its errors."""
         servers = shape.instances()
-        self.ports = {name: _free_port() for name, _ in servers} | {"proxy": _free_port()}
-        binds = cpu_binds([tp for _, tp in servers], sorted(os.sched_getaffinity(0)))
+        self.ports = {name: _free_port() for name, _ in servers} | ({"proxy": _free_port()} if connector else {})
+        if binds is None:
+            binds = cpu_binds([tp for _, tp in servers], sorted(os.sched_getaffinity(0)))
         commands: dict[str, tuple[list[str], dict[str, str]]] = {}
         for (name, tp), bind in zip(servers, binds):
             env = {"VLLM_CPU_OMP_THREADS_BIND": bind}
-            if connector.side_channel:
+            if connector is not None and connector.side_channel:
                 env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
-            if name.startswith("decode"):
+            if timeline and name.startswith("decode"):
                 env[_timeline().ENV] = str(self.timeline(name))
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.ports[name])]
-            config = connector.transfer_config(name.startswith("prefill"))
-            commands[name] = ([*cmd, *_server_flags(tp, max_len, tiny), "--kv-transfer-config", config], env)
-        proxy = [sys.executable, "-m", "hixl.cli", "proxy", "--port", str(self.ports["proxy"]), *PROXY_FLAGS]
-        for name, _ in servers:
-            proxy += [f"--{name.rstrip('0123456789')}", self.url(name)]
-        commands["proxy"] = (proxy, {})
+            cmd += _server_flags(tp, max_len, tiny)
+            if connector is not None:
+                cmd += ["--kv-transfer-config", connector.transfer_config(name.startswith("prefill"))]
+            commands[name] = (cmd, env)
+        if connector is not None:
+            proxy = [sys.executable, "-m", "hixl.cli", "proxy", "--port", str(self.ports["proxy"]), *PROXY_FLAGS]
+            for name, _ in servers:
+                proxy += [f"--{name.rstrip('0123456789')}", self.url(name)]
+            commands["proxy"] = (proxy, {})
         for name, more in (flags(self) if flags else {}).items():
             commands[name][0].extend(more)
         self._logs: list[IO[bytes]] = []
@@ -333,9 +354,9 @@ class Deployment:
         for name, proc in self.procs.items():
             while not _healthy(self.url(name)):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{self.connector.name} {name} exited ({proc.returncode}):\n{self.log_tail(name)}")
+                    raise RuntimeError(f"{self.label} {name} exited ({proc.returncode}):\n{self.log_tail(name)}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.connector.name} {name} not ready after {timeout:.0f} s:\n{self.log_tail(name)}")
+                    raise RuntimeError(f"{self.label} {name} not ready after {timeout:.0f} s:\n{self.log_tail(name)}")
                 time.sleep(1)
 
     def close(self) -> None:
@@ -395,6 +416,7 @@ def _grown(before: dict[str, tuple[float, ...]], after: dict[str, tuple[float, .
 
 def one_request(deployment: Deployment, model: str, prompt: list[int], max_tokens: int) -> Sample:
     """A streamed completion through the proxy; its KV transfer time from the decodes' histograms."""
+    assert deployment.connector is not None, "one_request times a KV transfer: a deployment with a connector"
     metric = deployment.connector.metric
     histogram = (metric + "_sum", metric + "_count")
     decodes, prefills = deployment.names("decode"), deployment.names("prefill")
@@ -423,12 +445,12 @@ def one_request(deployment: Deployment, model: str, prompt: list[int], max_token
             tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
     end = time.perf_counter()  # (the stream may deliver its tokens in one burst: timed to its end)
     if first is None or last is None or tokens < 2:
-        raise RuntimeError(f"{deployment.connector.name}: the proxy's stream had {tokens} tokens")
+        raise RuntimeError(f"{deployment.label}: the proxy's stream had {tokens} tokens")
     # The stats reach /metrics with the step's output, by the first token; allow for a slow scrape.
     deadline = time.monotonic() + 10
     while (decode := _grown(before, after := {n: scrape(deployment.url(n), histogram) for n in decodes}, 1)) == "?":
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{deployment.connector.name}: no decode's {metric} counted the request's transfer")
+            raise RuntimeError(f"{deployment.label}: no decode's {metric} counted the request's transfer")
         time.sleep(0.1)
     prefill = _grown(served, {n: scrape(deployment.url(n), (FINISHED,)) for n in served}, 0) if served else prefills[0]
     transfer, entries = (after[decode][i] - before[decode][i] for i in range(2))
@@ -441,12 +463,34 @@ def one_request(deployment: Deployment, model: str, prompt: list[int], max_token
     )  # fmt: skip
 
 
+def first_token(url: str, model: str, tokens: list[int], max_tokens: int) -> float:
+    """A streamed completion from ``url`` (the proxy or a server), read to its end; seconds from sending it to its
+    first token. RuntimeError quoting the stream's error where it sent one instead (vLLM's ``{"error": ...}``)."""
+    body = {"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    first = None
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as reply:
+        for raw in reply:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "choices" not in chunk:
+                raise RuntimeError(f"the stream of {url} sent {line[:300]}")
+            if first is None and chunk["choices"] and chunk["choices"][0].get("text"):
+                first = time.perf_counter()
+    if first is None:
+        raise RuntimeError(f"the stream of {url} had no token")
+    return first - start
+
+
 def _new_records(deployment: Deployment, decode: str, seen: int, deadline: float) -> list[dict[str, Any]]:
     """The timeline records ``decode`` wrote for the request (after the first ``seen``): one per rank."""
     ranks = deployment.shape.decodes[deployment.names("decode").index(decode)]
     while len(records := deployment.timelines(decode)[seen:]) < ranks:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{deployment.connector.name}: {decode} wrote {len(records)} of {ranks} timeline records")
+            raise RuntimeError(f"{deployment.label}: {decode} wrote {len(records)} of {ranks} timeline records")
         time.sleep(0.05)
     return records
 
@@ -457,10 +501,7 @@ def _measure(
 ) -> list[Sample]:  # fmt: skip
     # Warm-ups: as many per instance as asked (the proxy spreads them like the rest); then the measured requests.
     warmups = warmup * max(len(shape.prefills), len(shape.decodes))
-    prompts = [
-        [_TOKEN_IDS[(7 * i + 13 * r) % len(_TOKEN_IDS)] for i in range(knobs["vllm_prompt_tokens"])]
-        for r in range(warmups + knobs["vllm_requests"])
-    ]  # a different prompt each time: no prefix-cache hits
+    prompts = [prompt(knobs["vllm_prompt_tokens"], r) for r in range(warmups + knobs["vllm_requests"])]
     folder.mkdir()
     what = f"vllm {shape.label} {connector.name}"
     with progress.step(f"{what}: start {', '.join(n for n, _ in shape.instances())}, proxy"):
@@ -487,13 +528,15 @@ class ShapeFailed(RuntimeError):
 
 
 def _reason(exc: BaseException, deployment: Deployment) -> str:
-    """What went wrong, in the servers' words where they have some: ``exc``, and the last error of any server's log."""
+    """What went wrong, in the servers' words where they have some: ``exc``, and the last error of any server's log
+    (else the last line of ``exc``'s: an exited process's log tail, such as the proxy's refusal of its arguments)."""
     what = f"{exc} ({exc.read().decode(errors='replace')[:200]})" if isinstance(exc, urllib.error.HTTPError) else str(exc)
     for name in deployment.names("decode") + deployment.names("prefill"):
         errors = [line.strip() for line in deployment.log_tail(name, 50000).splitlines() if _ERROR.search(line)]
         if errors:
             return f"{what.splitlines()[0][:300]}; {name}'s last error: {errors[-1][:400]}"
-    return what.splitlines()[0][:400]
+    lines = [line.strip() for line in what.splitlines() if line.strip()] or [""]
+    return lines[0][:400] + (f" ... {lines[-1][:400]}" if len(lines) > 1 else "")
 
 
 _ERROR = re.compile(r"\bERROR\b|^\s*\w+(Error|Exception): ")  # vLLM's ERROR lines, a traceback's last line
@@ -575,9 +618,12 @@ def contenders(config: BenchConfig) -> tuple[list[Connector], list[str]]:
 
 
 def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
-    """Measure each connector available here; rows per connector, hixl's against NIXL's."""
+    """Measure each connector available here; rows per connector, hixl's against NIXL's (``vllm_overlap``: the
+    overlap's measurement instead, :func:`.overlap_bench.run`)."""
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("the vllm scenario needs vLLM: pip install 'hixl[vllm]' (see the README)")
+    if config.extra.get("vllm_overlap"):
+        return _overlap().run(config, progress)  # type: ignore[no-any-return]
     chosen, measured = knobs(config), shapes(config)
     connectors, notes = contenders(config)
     progress.expect(3 * len(connectors) * len(measured) + 1)
@@ -613,6 +659,11 @@ def _tiny_model(path: Path) -> Path:
     from ..testing.tiny_llama import build
 
     return build(path)
+
+
+def _overlap() -> Any:
+    """:mod:`.overlap_bench`, imported when first needed: it builds on this module's servers and requests."""
+    return importlib.import_module("hixl.bench.overlap_bench")
 
 
 def _timeline() -> Any:
