@@ -204,6 +204,8 @@ class RegionTable:
         """Indices of the ranges ``[addrs[i], addrs[i]+lens[i])`` not inside one merged region."""
         if len(self._starts) == 0 or len(addrs) == 0:
             return np.arange(len(addrs))
+        if len(addrs) == 1 and self.contains(int(addrs[0]), int(lens[0])):
+            return np.arange(0)  # (one range, inside: a bisect, without numpy's per-call costs)
         if len(self._starts) > 1 and len(addrs) < _BULK_FROM:
             return np.flatnonzero(self._search(addrs, lens))
         # One region, or a large batch, which mostly lies in one (a KV cache's blocks, and a word

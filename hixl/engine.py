@@ -34,6 +34,7 @@ from ._exceptions import (
     AlreadyConnected,
     HixlError,
     HixlTimeout,
+    MemoryRangeError,
     NotConnected,
     ParamInvalid,
     ProtocolError,
@@ -529,6 +530,58 @@ class Engine:
         peer, req, op, descs = self._prepare(remote_engine, op, op_descs, timeout)
         peer.channel.run(req, op, merge_adjacent(descs))
         req.wait()
+
+    def read_rows(
+        self,
+        remote_engine: str,
+        local_addr: int,
+        remote_addr: int,
+        stride: int,
+        rows: Any,
+        timeout: float | None = None,
+    ) -> None:
+        """READ rows ``rows`` of the peer's table of ``stride``-byte rows at ``remote_addr`` into
+        consecutive ``stride``-byte slots from ``local_addr`` (row ``rows[i]`` into slot ``i``);
+        return once all have landed.
+
+        A gather — a parameter server's worker fetching a batch of rows — moves exactly what
+        :meth:`transfer_sync` of the descriptors ``(local_addr + i * stride, remote_addr + rows[i] *
+        stride, stride)`` moves, with its guarantees and errors, but is checked as two ranges: the
+        slots here (registered) and the peer's span from the lowest row asked for to the end of the
+        highest (inside one of its regions). A transport may then move it its own way (shm: one
+        copy call under one hold of the link's lease). A batch that passes neither check takes
+        :meth:`transfer_sync`'s path, which names the descriptor outside. ``rows``: integers in an
+        array of one dimension; :class:`ParamInvalid` for anything else, a negative row, a
+        ``stride`` < 1 or ranges past the 64-bit address space.
+        """
+        self._check_open()
+        numbers = np.asarray(rows)
+        if numbers.ndim != 1 or (len(numbers) and numbers.dtype.kind not in "iu"):
+            raise ParamInvalid("rows must be an integer array of one dimension")
+        numbers = np.ascontiguousarray(numbers, dtype=np.int64)
+        if not isinstance(stride, int) or stride < 1:
+            raise ParamInvalid(f"stride must be a positive int, not {stride!r}")
+        if not len(numbers):
+            return
+        lo, hi = int(numbers.min()), int(numbers.max())
+        first, span, nbytes = remote_addr + lo * stride, (hi - lo + 1) * stride, len(numbers) * stride
+        if lo < 0 or min(local_addr, remote_addr) < 0 or max(local_addr + nbytes, first + span) > 1 << 64:
+            raise ParamInvalid(f"rows {lo}..{hi} of {stride} bytes at {remote_addr:#x} into {local_addr:#x} are not addresses")
+        peer = self._peer(remote_engine)
+        limit = float(self.options["transfer_timeout"] if timeout is None else timeout)
+        if not limit > 0:
+            raise ParamInvalid(f"timeout must be positive, not {timeout}")
+        if self._registry.table.writable.contains(local_addr, nbytes):
+            try:
+                peer.channel.check_remote(np.array([first], np.uint64), np.array([span], np.uint64), limit, False)
+            except MemoryRangeError:
+                pass  # rows in several regions (or some outside): transfer_sync's checks tell which
+            else:
+                req = TransferReq(peer.link.remote_engine, Op.READ, len(numbers), nbytes, limit)
+                peer.channel.read_rows(req, local_addr, remote_addr, stride, numbers, (first, span))
+                req.wait()
+                return
+        self.transfer_sync(remote_engine, Op.READ, row_descs(local_addr, remote_addr, stride, numbers), limit)
 
     def transfer_async(
         self, remote_engine: str, op: Op, op_descs: Any, timeout: float | None = None

@@ -7,6 +7,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +54,23 @@ def make_target(request: pytest.FixtureRequest) -> Iterator[Callable[..., Target
         if tp.exitcode is None:
             tp.stop(signal.SIGCONT)  # a frozen child could not exit cleanly
         tp.close()
+
+
+@pytest.fixture
+def gathers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many rows each call of shm's one-call gather (``Engine.read_rows``) copied: a spy on the
+    real ``hixl._accel.gather_rows``, to show a test ran that path."""
+    from hixl.transports import shm
+
+    calls: list[int] = []
+    real = shm._accel.gather_rows
+
+    def counted(dst: int, src: int, stride: int, rows: Any) -> None:
+        calls.append(len(rows))
+        real(dst, src, stride, rows)
+
+    monkeypatch.setattr(shm._accel, "gather_rows", counted)
+    return calls
 
 
 class Resources:

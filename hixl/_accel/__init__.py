@@ -55,6 +55,11 @@ these functions are handed the tables their callers checked and hold current.
   a copy and the checksum of what landed, in one pass (the GIL released for large buffers; the
   choice of hash and its speeds: :mod:`hixl.weights._checks`); :func:`row_hashes` — the hash
   each row of a hixl.weights table carries, for a batch of rows (:mod:`hixl.weights._rows`).
+- :func:`gather_rows` — a batch of a table's rows, by row number, copied from memory mapped here
+  (shm's :meth:`~hixl.transports.shm.ShmChannel.read_rows`) into consecutive slots, a few rows
+  ahead asked of memory while one is copied; :func:`accept_rows` — such a gather of hixl.weights
+  rows checked (sequence word and hash, in one pass) and, if every row is whole, its payloads and
+  versions handed over, or else which rows are torn.
 - :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`
   cheaper (only the pure one has a use for it: numpy's calls want one side back
   to back; C copies in any order at the same speed).
@@ -91,6 +96,7 @@ __all__ = [
     "TCP_SERVE_MAX",
     "TCP_WAIT",
     "TcpSmall",
+    "accept_rows",
     "batch_order",
     "check_small",
     "cma_copy",
@@ -98,6 +104,7 @@ __all__ = [
     "cma_windows",
     "copy_hash",
     "copy_pieces",
+    "gather_rows",
     "mapped_copy",
     "row_hashes",
     "tcp_land",
@@ -159,6 +166,8 @@ tcp_request = _impl.tcp_request
 weights_hash = _impl.weights_hash
 copy_hash = _impl.copy_hash
 row_hashes = _impl.row_hashes
+gather_rows = _impl.gather_rows
+accept_rows = _impl.accept_rows
 TCP_WAIT: int = _impl.TCP_WAIT
 TCP_EOF: int = _impl.TCP_EOF
 TCP_LOWAT: int = _impl.TCP_LOWAT

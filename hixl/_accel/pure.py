@@ -1071,3 +1071,75 @@ def row_hashes(rows: object, width: int, out: object) -> None:
     keys = _mix64(np.arange(1, width, dtype=np.uint64) * _GOLDEN)  # [0]: the sequence word's
     payload = _mix64(words[:, 2:] ^ keys[1:])
     dst.view(np.uint64)[:] = payload.sum(axis=1, dtype=np.uint64) + _mix64(words[:, 0] ^ keys[0])
+
+
+def _i64_array(obj: object, writable: bool, what: str) -> np.ndarray:
+    """``obj`` as a numpy int64 array, refused as the C twin refuses it (the same buffer request)."""
+    view = memoryview(obj)  # type: ignore[arg-type]
+    if (
+        view.itemsize != 8
+        or view.format.lstrip("<=@") not in ("q", "l")
+        or view.ndim != 1
+        or not view.c_contiguous
+        or (writable and view.readonly)
+    ):
+        raise TypeError(f"{what} must be a C-contiguous{' writable' if writable else ''} int64 array of one dimension")
+    return np.frombuffer(view, dtype=np.int64) if len(view) else np.empty(0, dtype=np.int64)
+
+
+def gather_rows(dst: int, src: int, stride: int, rows: object) -> None:
+    """Copy row ``rows[i]`` of the table of ``stride``-byte rows at address ``src`` (``rows[i] *
+    stride`` bytes on, in 64-bit arithmetic) to address ``dst + i * stride``, for every ``i``.
+    ValueError, nothing copied, if a row number is negative or ``stride`` is not positive. Nothing
+    else is checked: see the C twin."""
+    dst, src, stride = operator.index(dst), operator.index(src), operator.index(stride)
+    if dst < 0 or src < 0 or dst >= 1 << 64 or src >= 1 << 64:
+        raise OverflowError("gather_rows: addresses are unsigned 64-bit integers")
+    if stride < 1:
+        raise ValueError(f"gather_rows: stride must be positive, not {stride}")
+    numbers = _i64_array(rows, False, "rows")
+    negative = np.flatnonzero(numbers < 0)
+    if len(negative):
+        i = int(negative[0])
+        raise ValueError(f"gather_rows: row {i} is {int(numbers[i])}: row numbers are >= 0")
+    if not len(numbers):
+        return
+    srcs = (np.uint64(src) + numbers.astype(np.uint64) * np.uint64(stride)).astype(np.uint64)
+    dsts = np.uint64(dst) + np.arange(len(numbers), dtype=np.uint64) * np.uint64(stride)
+    copy_many(dsts, srcs, np.full(len(numbers), stride, dtype=np.uint64))
+
+
+def accept_rows(words: object, width: int, row_bytes: int, out: object, versions: object, torn: object) -> int:
+    """Check a gather of table rows (``words``: C-contiguous native uint64, ``width`` words a row: the
+    sequence word, the hash word, the payload) and, if every row is whole, hand them over. Returns
+    how many rows are not (an odd sequence word, or a hash word other than :func:`row_hashes` of
+    the row); their positions, ascending, in ``torn`` (int64, one a row). If that is 0, each row's
+    first ``row_bytes`` payload bytes are in ``out`` and its version (the sequence word halved) in
+    ``versions``; else ``out`` and ``versions`` are as they were. ValueError, nothing written, if
+    the sizes disagree."""
+    width, row_bytes = operator.index(width), operator.index(row_bytes)
+    if not 2 <= width <= _ROW_MAX_WORDS or not 0 <= row_bytes <= 8 * (width - 2):
+        raise ValueError(
+            f"accept_rows: {row_bytes} payload bytes do not fit rows of {width} words (2 to {_ROW_MAX_WORDS})"
+        )
+    data = _hash_buffer(words, False, "words")
+    landing = _hash_buffer(out, True, "out")
+    seen = _i64_array(versions, True, "versions")
+    positions = _i64_array(torn, True, "torn")
+    n = len(positions)
+    if len(data) != 8 * width * n or len(landing) != row_bytes * n or len(seen) != n:
+        raise ValueError(
+            f"accept_rows: {n} rows (torn) need {8 * width * n} bytes of words, {row_bytes * n} of out and "
+            f"{8 * n} of versions, not {len(data)}, {len(landing)}, {8 * len(seen)}"
+        )
+    if not n:
+        return 0
+    rows = data.view(np.uint64).reshape(n, width)
+    hashes = np.empty(n, dtype=np.uint64)
+    row_hashes(rows, width, hashes)
+    bad = np.flatnonzero((rows[:, 0] & np.uint64(1)).astype(bool) | (hashes != rows[:, 1]))
+    positions[: len(bad)] = bad
+    if not len(bad):
+        landing.reshape(n, row_bytes)[:] = data.reshape(n, 8 * width)[:, 16 : 16 + row_bytes]
+        seen[:] = (rows[:, 0] >> np.uint64(1)).astype(np.int64)
+    return len(bad)

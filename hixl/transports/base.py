@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from .._memory import merge_adjacent
 from .._protocol.frames import FrameType, ReadRequest, WriteRequest
 from .._session.contract import ServedSession
 from .._types import MemType, Op
@@ -40,7 +41,17 @@ if TYPE_CHECKING:
     from .._session.initiator import LinkState, Pending
     from .._session.peer_regions import PeerRegions
 
-__all__ = ["Capabilities", "Channel", "LinkSession", "ServedSession", "Transport"]
+__all__ = ["Capabilities", "Channel", "LinkSession", "ServedSession", "Transport", "row_descs"]
+
+
+def row_descs(local_addr: int, remote_addr: int, stride: int, rows: np.ndarray) -> np.ndarray:
+    """The ``(N, 3)`` uint64 descriptors a gather of rows ``rows`` stands for (see
+    :meth:`hixl.Engine.read_rows`): row ``rows[i]`` of ``stride`` bytes into slot ``i``."""
+    descs = np.empty((len(rows), 3), dtype=np.uint64)
+    descs[:, 0] = np.arange(len(rows), dtype=np.uint64) * np.uint64(stride) + np.uint64(local_addr)
+    descs[:, 1] = rows.astype(np.uint64) * np.uint64(stride) + np.uint64(remote_addr)
+    descs[:, 2] = stride
+    return descs
 
 
 class LinkSession(Protocol):
@@ -181,6 +192,18 @@ class Channel(abc.ABC):
         The default has no fast path.
         """
         return False
+
+    def read_rows(
+        self, req: TransferReq, local_addr: int, remote_addr: int, stride: int, rows: np.ndarray, span: tuple[int, int]
+    ) -> None:
+        """Move a gather the engine checked (:meth:`hixl.Engine.read_rows`), for a caller that waits for ``req``.
+
+        ``rows``: int64, each >= 0; ``span``: the peer's ``(start, length)`` they all lie in,
+        found inside its regions; the slots here are registered. The default moves the
+        descriptors it stands for through :meth:`run`; a transport that can gather in one step
+        overrides it, under the same rules as :meth:`start`.
+        """
+        self.run(req, Op.READ, merge_adjacent(row_descs(local_addr, remote_addr, stride, rows)))
 
     def latency_path(self, registry: Registry) -> Callable[[Op, object], bool] | None:
         """``transfer_sync``'s whole latency path to this peer in one call, or None (the default).

@@ -361,6 +361,39 @@ class ShmChannel(Channel):
         else:
             req.complete()
 
+    def read_rows(
+        self, req: TransferReq, local_addr: int, remote_addr: int, stride: int, rows: np.ndarray, span: tuple[int, int]
+    ) -> None:
+        """A gather whose span lies in one mapping: one :func:`~hixl._accel.gather_rows` call under
+        one hold of the lease (as one window of the general path, so at most ``CHUNK`` bytes a lane);
+        anything else as the descriptors it stands for.
+
+        A parameter server's batch is a thousand rows of a few hundred bytes: per descriptor, the
+        general path's steps (pieces, order, translation) cost several times the copy. Here the
+        span is found in the mappings once, and the C call finds each row from its number.
+        """
+        memory, link = self._memory, self.link
+        if len(rows) * stride <= self._small_max and not (self._over_tcp and self._tcp_unfinished()):
+            try:
+                link.ensure_alive()
+                if not memory.in_step():  # (as the general path: catch up first, outside the locks)
+                    memory.sync(req.remaining())
+                link.poll_input()  # (a REVOKE waiting on the socket is taken first)
+                with req.io_lock:
+                    if req.cancelled:
+                        return
+                    with link.regions.lease.shared(req.deadline):
+                        here = memory.maps.find(*span, False) if memory.alive() and memory.in_step() else -1
+                        if here >= 0:  # (where row 0 would be mapped, modulo 2**64: rows start at span's)
+                            _accel.gather_rows(local_addr, (here - span[0] + remote_addr) % (1 << 64), stride, rows)
+            except HixlError as exc:
+                req.fail(exc)
+                return
+            if here >= 0:
+                req.complete()
+                return
+        super().read_rows(req, local_addr, remote_addr, stride, rows, span)
+
     def _over_tcp_start(self, req: TransferReq, op: Op, descs: np.ndarray, wait: bool) -> None:
         with self._over_tcp_lock:
             self._over_tcp = [r for r in self._over_tcp if not r.done()]

@@ -30,6 +30,7 @@ from .._exceptions import (
     AlreadyConnected,
     HixlError,
     HixlTimeout,
+    MemoryRangeError,
     NotConnected,
     ParamInvalid,
     PeerDisconnected,
@@ -42,7 +43,7 @@ from ._errors import ManifestError, Superseded, TornRows
 from ._lanes import spread
 from ._manifest import Manifest, within
 from ._plan import BytePlan, make_plan
-from ._rows import HEAD_WORDS, TableInfo, check_name, torn
+from ._rows import TableInfo, accept, check_name
 from ._tensors import byte_array, view_of
 
 __all__ = ["Subscriber"]
@@ -301,7 +302,9 @@ class Subscriber:
         mid-update are read again (one batched READ for all of them), up to 16 READs in all, then
         :class:`TornRows` is raised with ``out`` untouched. ``versions``, if given (int64, one per
         index), receives each row's version (the table update that last wrote it). Returns the
-        newest of them.
+        newest of them. :class:`ParamInvalid` (nothing read or written) for indices that are not
+        integers in ``[0, rows)`` in one dimension, or a wrong ``out`` or ``versions``;
+        :class:`~hixl.MemoryRangeError` if the table is no longer served (closed, or made again).
         """
         deadline = self._deadline(timeout)
         with self._lock:
@@ -310,7 +313,7 @@ class Subscriber:
             rows = np.asarray(indices)
             if rows.ndim != 1 or (len(rows) and rows.dtype.kind not in "iu"):
                 raise ParamInvalid("indices must be a 1-D sequence of row numbers")
-            rows = rows.astype(np.int64)
+            rows = np.ascontiguousarray(rows, dtype=np.int64)
             if len(rows) and (rows.min() < 0 or rows.max() >= info.rows):
                 raise ParamInvalid(f"row numbers must be in [0, {info.rows}) for table {name!r}")
             dest = view_of(out)
@@ -319,39 +322,56 @@ class Subscriber:
                     f"out must be C-contiguous {info.dtype} of shape {(len(rows), *info.row_shape)}, "
                     f"not {dest.dtype} {dest.shape}"
                 )
-            if versions is not None and (versions.shape != (len(rows),) or versions.dtype != np.int64):
-                raise ParamInvalid(f"versions must be an int64 array of shape ({len(rows)},)")
+            if versions is not None and (
+                not isinstance(versions, np.ndarray) or versions.shape != (len(rows),) or versions.dtype != np.int64
+                or not versions.flags.c_contiguous
+            ):
+                raise ParamInvalid(f"versions must be a contiguous int64 array of shape ({len(rows)},)")
             if not len(rows):
                 return 0
-            words = self._gather(info, rows, deadline)
-            payload = words[:, HEAD_WORDS:].view(np.uint8)[:, : info.row_bytes]
-            byte_array(out).reshape(len(rows), info.row_bytes)[:] = payload
-            seen = (words[:, 0] >> np.uint64(1)).astype(np.int64)
-            if versions is not None:
-                versions[:] = seen
+            seen = np.empty(len(rows), dtype=np.int64) if versions is None else versions
+            landing = out.view(np.uint8) if isinstance(out, np.ndarray) else byte_array(out)  # (checked above)
+            try:
+                self._gather(info, rows, landing, seen, deadline)
+            except MemoryRangeError as exc:
+                del self._tables[info.name]  # (a table made again under the name is looked up anew)
+                raise MemoryRangeError(
+                    f"table {info.name!r} is no longer served by {self.address} (closed, or made again): {exc}"
+                ) from exc
             return int(seen.max())
 
-    def _gather(self, info: TableInfo, rows: np.ndarray, deadline: float) -> np.ndarray:
-        """Rows ``rows`` of ``info``'s table, each accepted (see :mod:`._rows`), as uint64 words."""
+    def _gather(self, info: TableInfo, rows: np.ndarray, out: np.ndarray, versions: np.ndarray, deadline: float) -> None:
+        """Rows ``rows`` of ``info``'s table, each accepted (see :mod:`._rows`): payloads into ``out``,
+        versions into ``versions``; both untouched if some row stays torn (:class:`TornRows`).
+
+        The common case is two calls: one READ of the batch (:meth:`hixl.Engine.read_rows`, checked
+        as two ranges, not a descriptor per row) and one pass over it that checks every row and,
+        if all are whole, hands them over (:func:`._rows.accept`).
+        """
         stride = info.stride
         scratch = self._scratch_of(len(rows) * stride)
-        words = scratch[: len(rows) * stride].view(np.uint64).reshape(len(rows), stride // 8)
+        words = scratch[: len(rows) * stride].view(np.uint64)
         base = int(scratch.ctypes.data)
-        pending = np.arange(len(rows), dtype=np.int64)
+        self.engine.read_rows(self.address, base, info.region.addr, stride, rows, self._left(deadline))
+        torn = np.empty(len(rows), dtype=np.int64)
         for attempt in range(_ROW_TRIES):
-            if attempt:  # let the update in progress finish: 50 us, doubling, at most 1 ms
-                time.sleep(min(_ROW_PAUSE * 2 ** (attempt - 1), 0.001))
-            descs = np.empty((len(pending), 3), dtype=np.uint64)
+            count = accept(words, stride // 8, info.row_bytes, out, versions, torn)
+            if not count:
+                return
+            if attempt == _ROW_TRIES - 1:
+                break
+            # Let the update in progress finish (50 us, doubling, at most 1 ms), then read the torn
+            # rows again, into their own slots.
+            time.sleep(min(_ROW_PAUSE * 2**attempt, 0.001))
+            pending = torn[:count]
+            descs = np.empty((count, 3), dtype=np.uint64)
             descs[:, 0] = base + pending * stride
             descs[:, 1] = info.region.addr + rows[pending] * stride
             descs[:, 2] = stride
             self.engine.transfer_sync(self.address, Op.READ, descs, self._left(deadline))
-            pending = pending[torn(words[pending])]
-            if not len(pending):
-                return words
         raise TornRows(
-            f"{len(pending)} row(s) of table {info.name!r} were being updated on each of {_ROW_TRIES} reads",
-            [int(i) for i in pending],
+            f"{count} row(s) of table {info.name!r} were being updated on each of {_ROW_TRIES} reads",
+            [int(i) for i in torn[:count]],
         )
 
     def _table(self, name: str, deadline: float) -> TableInfo:

@@ -2,13 +2,19 @@
 pulled from a peer, and ``copy_hash`` (a publisher's snapshot copy), over ranges of any length and
 alignment — what the call reads and writes is exactly the range it is handed (the guards around it,
 and the rest of the buffer, are compared too); and ``row_hashes`` of table rows a subscriber
-gathered, any width, count, alignment and size of ``out`` (a mismatch refused alike)."""
+gathered, any width, count, alignment and size of ``out`` (a mismatch refused alike); ``gather_rows``
+(a batch of a table's rows by number, from memory mapped here) and ``accept_rows`` (such a batch
+checked, and handed over only if every row is whole), any stride, width and mix of torn rows."""
 
 from __future__ import annotations
 
 import zlib
 from types import ModuleType
 from typing import Any
+
+import numpy as np
+
+from hixl._accel import pure
 
 from .harness import Memory, outcome
 
@@ -71,4 +77,60 @@ class RowHashes:
         pass
 
 
-TARGETS = (WeightsHash, RowHashes)
+class GatherRows:
+    """``gather_rows`` of the case's row numbers (each taken into the table, but for the negative
+    ones, which must be refused) of a table of ``stride`` bytes a row at ``src`` into ``dst``; a
+    stride below 1 or row numbers not int64 refused alike, nothing copied."""
+
+    name = "gather_rows"
+
+    def __init__(self) -> None:
+        self.memory = Memory(table=_SIZE, slots=_SIZE)
+
+    def run(self, impl: ModuleType, case: dict[str, Any]) -> Any:
+        stride = case["stride"] % 1100 - 20  # (some below 1: refused)
+        at, to = case["src"] % 4096, case["dst"] % 4096
+        table_rows = (_SIZE - at) // max(stride, 1)
+        numbers = [-1 - (-r % 5) if r < 0 else r % table_rows for r in case["rows"]][: (_SIZE - to) // max(stride, 1)]
+        rows = np.array(numbers, dtype=np.int64 if case["int64"] else np.int32)
+        self.memory.reset()
+        answer = outcome(impl.gather_rows, self.memory.addr("slots", to), self.memory.addr("table", at), stride, rows)
+        return answer, zlib.crc32(self.memory.buffers["slots"]), zlib.crc32(self.memory.buffers["table"])
+
+    def close(self) -> None:
+        pass
+
+
+class AcceptRows:
+    """``accept_rows`` of ``rows`` rows of ``width`` words made whole from the case's bytes (an even
+    sequence word, the right hash), then torn where the case says (a sequence word made odd, a word
+    changed), handed ``row_bytes`` of payload a row and an ``out`` ``extra`` bytes off its size (a
+    wrong size or width refused alike, nothing written)."""
+
+    name = "accept_rows"
+
+    def run(self, impl: ModuleType, case: dict[str, Any]) -> Any:
+        width = case["width"] % 80 - 2  # (some below 2: refused)
+        n = case["rows"] % 300
+        row_bytes = case["row_bytes"] % (8 * max(width - 2, 0) + 3)  # (some past the payload: refused)
+        data = bytes.fromhex(case["data"]) or b"\0"
+        words = np.frombuffer((data * (8 * max(width, 1) * n // len(data) + 1))[: 8 * max(width, 1) * n], np.uint64)
+        words = words.copy().reshape(n, max(width, 1))
+        if width >= 2 and n:
+            words[:, 0] &= ~np.uint64(1)
+            hashes = np.empty(n, np.uint64)
+            pure.row_hashes(words, width, hashes)
+            words[:, 1] = hashes
+            for row, word, flip in case["tear"]:
+                words[row % n, word % width] ^= np.uint64(flip % (1 << 64))
+        extra, short = max(-2, min(2, case["extra"])), max(-2, min(2, case["short"]))
+        out = np.full(max(n * row_bytes + extra, 0), 0xA5, np.uint8)
+        versions, torn = np.full(n, -7, np.int64), np.full(max(n + short, 0), -9, np.int64)
+        answer = outcome(impl.accept_rows, words, width, row_bytes, out, versions, torn)
+        return answer, out.tobytes(), versions.tobytes(), torn.tobytes()
+
+    def close(self) -> None:
+        pass
+
+
+TARGETS = (WeightsHash, RowHashes, GatherRows, AcceptRows)

@@ -191,6 +191,15 @@ class Side:
         """Leave row ``row`` of table ``name`` as if an update had stopped halfway (its seq word odd)."""
         self.tables[name]._words[row, 0] |= np.uint64(1)
 
+    def mix_row(self, name: str, row: int) -> None:
+        """Leave row ``row`` of table ``name`` as a copy mixing two updates would be (its seq word even,
+        one payload word not the one its hash was made with)."""
+        self.tables[name]._words[row, -1] ^= np.uint64(1 << 40)
+
+    def close_table(self, name: str) -> None:
+        """Stop serving table ``name`` (its memory deregistered: every peer has confirmed when this returns)."""
+        self.tables.pop(name).close()
+
     # -- subscriber -----------------------------------------------------------------------------
     def pull(self, words: dict[str, int], version: int | None, stop: bool = False) -> int:
         """Pull into fresh patterned-size arrays (kept as ``last``); with ``stop``, freeze before reading."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import hixl
-from hixl.weights import Subscriber, TornRows
+from hixl.weights import ManifestError, Subscriber, TornRows
 
 from .peer_main import row_pattern
 from .peers import Peer
@@ -71,20 +71,74 @@ def test_a_row_that_stays_torn_is_refused(server: Peer) -> None:
         worker.close()
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["odd", "mixed"])
+def test_a_torn_row_is_refused_on_every_transport(server: Peer, transport: str, gathers: list[int], mixed: bool) -> None:
+    """Whichever way the batch is read (on shm: one gather call, then one check of every row), a
+    row mid-update (odd) or mixing two updates (its hash) is refused; ``out``, ``versions`` untouched."""
+    name = f"torn-{transport}-{mixed}"
+    server.do("table", name, 16, 4)
+    server.do("mix_row" if mixed else "tear_row", name, 5)
+    with hixl.Engine("127.0.0.1", {"transport": transport}) as engine:
+        worker = Subscriber(engine, server.address)
+        out, versions = np.full((3, 4), 9, np.uint64), np.full(3, 9, np.int64)
+        with pytest.raises(TornRows, match="1 row") as caught:
+            worker.pull_rows(name, [4, 5, 6], out, versions=versions, timeout=10)
+        assert caught.value.rows == [1] and (out == 9).all() and (versions == 9).all()
+        assert gathers == ([3] if transport == "shm" else [])  # (the re-reads are of the torn rows alone)
+        assert worker.pull_rows(name, [6, 4], out[:2], timeout=10) == 1
+        assert np.array_equal(out[:2], row_pattern(np.array([6, 4]), 1, 4))
+        worker.close()
+
+
+def test_a_closed_table_is_refused_clearly(server: Peer, transport: str) -> None:
+    name = f"closed-{transport}"
+    server.do("table", name, 64, 32)
+    with hixl.Engine("127.0.0.1", {"transport": transport}) as engine:
+        worker = Subscriber(engine, server.address)
+        out = np.full((2, 32), 9, np.uint64)
+        worker.pull_rows(name, [1, 2], out, timeout=10)
+        server.do("close_table", name)
+        out[:] = 9
+        with pytest.raises(hixl.MemoryRangeError, match=f"table '{name}' is no longer served by"):
+            worker.pull_rows(name, [1, 2], out, timeout=10)
+        assert (out == 9).all()
+        with pytest.raises(ManifestError, match="not its registered region"):  # looked up anew: gone
+            worker.pull_rows(name, [1, 2], out, timeout=10)
+        worker.close()
+
+
 @pytest.mark.parametrize(
     ("indices", "out", "error"),
     [
         ([100_000], np.zeros((1, 32), np.uint64), r"row numbers must be in \[0, 100000\)"),
         ([-1], np.zeros((1, 32), np.uint64), "row numbers must be in"),
+        (np.array([1 << 63], np.uint64), np.zeros((1, 32), np.uint64), "row numbers must be in"),
         ([[1]], np.zeros((1, 32), np.uint64), "1-D sequence"),
+        ([1.0], np.zeros((1, 32), np.uint64), "1-D sequence"),
+        ([True], np.zeros((1, 32), np.uint64), "1-D sequence"),
+        (["1"], np.zeros((1, 32), np.uint64), "1-D sequence"),
         ([1, 2], np.zeros((1, 32), np.uint64), r"out must be C-contiguous uint64 of shape \(2, 32\)"),
         ([1], np.zeros((1, 32), np.float64), "out must be"),
         ([1, 2], np.zeros((32, 2), np.uint64).T, "out must be C-contiguous"),
     ],
 )
-def test_a_wrong_gather_is_refused(server: Peer, indices: list, out: np.ndarray, error: str) -> None:
-    with hixl.Engine("127.0.0.1") as engine:
+def test_a_wrong_gather_is_refused(server: Peer, indices: list, out: np.ndarray, error: str, gathers: list[int]) -> None:
+    out = out.copy(order="K")
+    out.fill(9)
+    with hixl.Engine("127.0.0.1", {"transport": "shm"}) as engine:
         worker = Subscriber(engine, server.address)
         with pytest.raises(hixl.ParamInvalid, match=error):
             worker.pull_rows("big", indices, out, timeout=10)
+        assert (out == 9).all() and gathers == []  # nothing read, nothing written
+        worker.close()
+
+
+@pytest.mark.parametrize("versions", [np.zeros(2, np.int32), np.zeros(4, np.int64)[::2], [0, 0]])
+def test_wrong_versions_are_refused(server: Peer, versions: object) -> None:
+    with hixl.Engine("127.0.0.1") as engine:
+        worker = Subscriber(engine, server.address)
+        out = np.full((2, 32), 9, np.uint64)
+        with pytest.raises(hixl.ParamInvalid, match="versions must be"):
+            worker.pull_rows("big", [1, 2], out, versions=versions, timeout=10)  # type: ignore[arg-type]
+        assert (out == 9).all()
         worker.close()
