@@ -333,6 +333,18 @@ class _Snapshot(NamedTuple):
     table: RemoteRegions
 
 
+class OwnView:
+    """This engine's own view of its registrations (:attr:`Registry.own`): where its transfers may read
+    from (every registration) and land (those registered ``rw``, and those registered ``r`` whose
+    buffer is itself writable: ``r`` keeps *peers* from writing, not this engine from reading into
+    its own memory). ``table`` is replaced, never mutated, on each change."""
+
+    __slots__ = ("table",)
+
+    def __init__(self) -> None:
+        self.table = RemoteRegions(_NO_ROWS)
+
+
 class Registry:
     """This engine's registrations; thread-safe, notifies listeners on every change.
 
@@ -348,6 +360,8 @@ class Registry:
         self._next_id = 1
         self._max = max_registrations
         self._snapshot = _Snapshot(0, RemoteRegions(_NO_ROWS))
+        self._landable: set[int] = set()  # ids of "r" registrations whose buffers are writable
+        self.own = OwnView()
         # (generation, added rows, removed rows) of the latest changes, oldest first.
         self._log: deque[tuple[int, list[tuple[int, int, int]], list[tuple[int, int, int]]]] = deque(maxlen=CHANGE_LOG)
         self.listeners: list[Any] = []
@@ -398,6 +412,7 @@ class Registry:
         if access not in ACCESS_MODES:
             raise ParamInvalid(f"access must be 'rw' (peers may read and write) or 'r' (read only), not {access!r}")
         addr, nbytes, keepalive = buffer_range(buf, mem_type, writable=access == "rw")
+        landable = access == "rw" or _writable_buffer(buf, mem_type)
         key = (addr, nbytes, mem_type)
         with self._lock:
             handle = self._by_range.get(key)
@@ -410,18 +425,30 @@ class Registry:
                 self._next_id += 1
                 self._by_range[key] = handle
                 self._keepalive[handle.id] = keepalive
+                if landable:
+                    self._landable.add(handle.id)
                 self._rebuild([_row_of(handle)], [])
         return handle
 
     def deregister(self, handle: MemHandle) -> None:
         """Forget a registration; an unknown handle is a :class:`ParamInvalid`."""
+        self.deregister_many([handle])
+
+    def deregister_many(self, handles: Sequence[MemHandle]) -> None:
+        """Forget several registrations as one change (one generation); if any handle is unknown (or
+        named twice), :class:`ParamInvalid` and none is forgotten."""
         with self._lock:
-            key = (handle.addr, handle.len, handle.mem_type)
-            if self._by_range.get(key) != handle:
-                raise ParamInvalid(f"{handle!r} is not registered")
-            del self._by_range[key]
-            del self._keepalive[handle.id]
-            self._rebuild([], [_row_of(handle)])
+            keys = [(h.addr, h.len, h.mem_type) for h in handles]
+            for handle, key in zip(handles, keys):
+                if self._by_range.get(key) != handle:
+                    raise ParamInvalid(f"{handle!r} is not registered")
+            if len(set(keys)) != len(keys):
+                raise ParamInvalid("a handle is named twice")
+            for handle, key in zip(handles, keys):
+                del self._by_range[key]
+                del self._keepalive[handle.id]
+                self._landable.discard(handle.id)
+            self._rebuild([], [_row_of(h) for h in handles])
 
     def clear(self) -> None:
         """Drop every registration (used by ``finalize``)."""
@@ -429,6 +456,7 @@ class Registry:
             removed = self.regions()
             self._by_range.clear()
             self._keepalive.clear()
+            self._landable.clear()
             self._rebuild([], removed)
 
     def regions(self) -> list[tuple[int, int, int]]:
@@ -439,8 +467,20 @@ class Registry:
         generation = self._snapshot.generation + 1
         self._log.append((generation, added, removed))
         self._snapshot = _Snapshot(generation, RemoteRegions(_rows(self.regions())))
+        self.own.table = RemoteRegions(
+            _rows([(h.addr, h.len, int(h.id in self._landable)) for h in self._by_range.values()])
+        )
         for listener in list(self.listeners):
             listener(self._snapshot.table, generation)
+
+
+def _writable_buffer(buf: Any, mem_type: MemType) -> bool:
+    """Whether this engine may land bytes in ``buf`` (a raw :class:`MemDesc` is the caller's word that it may)."""
+    try:
+        buffer_range(buf, mem_type, writable=True)
+    except ParamInvalid:
+        return False
+    return True
 
 
 def _row_of(handle: MemHandle) -> tuple[int, int, int]:

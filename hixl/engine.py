@@ -41,7 +41,7 @@ from ._exceptions import (
     ResourceExhausted,
     Unsupported,
 )
-from ._memory import Registry, as_desc_array, merge_adjacent
+from ._memory import OwnView, Registry, as_desc_array, merge_adjacent
 from ._options import DEFAULT_OPTIONS, EngineOptions, is_loopback
 from ._protocol.connection import Connection, Role
 from ._request import TransferReq
@@ -62,7 +62,7 @@ from ._types import (
 )
 from .discovery import MetadataStore, open_store
 from .transports import default_transports
-from .transports.base import Channel, Transport
+from .transports.base import Channel, Transport, row_descs
 
 __all__ = ["DEFAULT_OPTIONS", "ENGINES_PREFIX", "Engine"]
 
@@ -84,7 +84,7 @@ class _Peer:
     """What the engine keeps per connected target: link, channel, async queue."""
 
     def __init__(
-        self, link: PeerLink, channel: Channel, transport: Transport, max_inflight: int, registry: Registry
+        self, link: PeerLink, channel: Channel, transport: Transport, max_inflight: int, registry: OwnView
     ) -> None:
         self.link = link
         self.channel = channel
@@ -289,7 +289,9 @@ class Engine:
         ``buf`` is a numpy array, a torch CPU tensor, a bytearray/memoryview/mmap,
         or a :class:`MemDesc`. ``access="r"`` lets peers only READ it (a WRITE into
         it is refused with :class:`AccessDenied`, on every transport) and accepts
-        read-only buffers; this engine may still WRITE *from* it. Idempotent for
+        read-only buffers; this engine may still WRITE *from* it, and READ *into*
+        it unless the buffer itself is read-only (a raw :class:`MemDesc` counts
+        as writable: the caller's word). Idempotent for
         the same range. Peers already connected see the new region too. The
         caller keeps ``buf`` alive while it is registered (hixl holds a
         reference for objects, not for a raw :class:`MemDesc`).
@@ -306,13 +308,28 @@ class Engine:
         requests this engine is serving in the range (TCP) are waited for, or cut
         off (their connection closed) once the timeout has passed.
         """
+        self.deregister_mems([handle])
+
+    def deregister_mems(self, handles: Sequence[MemHandle]) -> None:
+        """Withdraw several registrations at once, with :meth:`deregister_mem`'s guarantee for each.
+
+        One change of the registrations and one round of confirmations from the
+        peers, however many handles: withdrawing a hundred small ranges costs
+        about what withdrawing one does. All or nothing: if one handle is not
+        registered (or is named twice), :class:`ParamInvalid` and none is
+        withdrawn. An empty list does nothing.
+        """
         self._check_open()
-        if not isinstance(handle, MemHandle):
-            raise ParamInvalid(f"expected a MemHandle, got {type(handle).__name__}")
-        self._registry.deregister(handle)
+        handles = list(handles)
+        for handle in handles:
+            if not isinstance(handle, MemHandle):
+                raise ParamInvalid(f"expected MemHandles, got a {type(handle).__name__}")
+        if not handles:
+            return
+        self._registry.deregister_many(handles)
         if self._server is not None:
             self._server.revoke(
-                self._registry.generation, [(handle.addr, handle.len)], float(self.options["deregister_timeout"])
+                self._registry.generation, [(h.addr, h.len) for h in handles], float(self.options["deregister_timeout"])
             )
 
     def _regions_changed(self, table: object, generation: int) -> None:
@@ -411,7 +428,7 @@ class Engine:
         elsewhere = link.welcome.get("boot_id") != _boot_id()
         if not transport.capabilities.one_sided and (said_two_sided or elsewhere):
             wire.idle_ping = float(self.options["idle_ping_interval"])
-        return _Peer(link, channel, transport, int(self.options["max_inflight"]), self._registry)
+        return _Peer(link, channel, transport, int(self.options["max_inflight"]), self._registry.own)
 
     def _hello_info(self) -> dict[str, Any]:
         """What this initiator tells a target about itself once proven: who it is, its host, and
@@ -520,9 +537,9 @@ class Engine:
                     # A READ writes into local memory, a WRITE into the peer's: those sides must be writable.
                     checked = peer.link.regions.table
                     if op is _WRITE:
-                        local, remote = self._registry.table.readable, checked.writable
+                        local, remote = self._registry.own.table.readable, checked.writable
                     else:
-                        local, remote = self._registry.table.writable, checked.readable
+                        local, remote = self._registry.own.table.writable, checked.readable
                     total = _accel.check_small(small, *local.intervals, *remote.intervals)
                     limit = float(self.options["transfer_timeout"]) if timeout is None else timeout
                     if total is not None and peer.channel.run_small(op, small, total, limit, checked):
@@ -571,7 +588,7 @@ class Engine:
         limit = float(self.options["transfer_timeout"] if timeout is None else timeout)
         if not limit > 0:
             raise ParamInvalid(f"timeout must be positive, not {timeout}")
-        if self._registry.table.writable.contains(local_addr, nbytes):
+        if self._registry.own.table.writable.contains(local_addr, nbytes):
             try:
                 peer.channel.check_remote(np.array([first], np.uint64), np.array([span], np.uint64), limit, False)
             except MemoryRangeError:
@@ -643,7 +660,7 @@ class Engine:
         if timeout <= 0:
             raise ParamInvalid(f"timeout must be positive, not {timeout}")
         descs = as_desc_array(op_descs)
-        self._registry.table.check(
+        self._registry.own.table.check(
             descs[:, 0], descs[:, 2], op is Op.READ, "local", hint="did you register it with register_mem?"
         )
         peer.channel.check_remote(descs[:, 1], descs[:, 2], timeout, op is Op.WRITE)

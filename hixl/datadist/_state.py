@@ -129,8 +129,10 @@ class DataDistState:
             engine.finalize()
 
     # -- this instance's caches and catalog --------------------------------------------------
-    def add_cache(self, desc: CacheDesc, addrs: list[int], keys: list[Any], is_blocks: bool, tensors: Sequence[Any]) -> Cache:
-        """Register a cache's memory, record it and publish the new catalog."""
+    def add_cache(
+        self, desc: CacheDesc, addrs: list[int], keys: list[Any], is_blocks: bool, tensors: Sequence[Any], access: str = "rw"
+    ) -> Cache:
+        """Register a cache's memory (``access``: as :meth:`Engine.register_mem`'s), record it and publish the new catalog."""
         with self._lock:
             for other in self._caches.values():
                 clash = [k for k in keys if k is not None and k in other.keys]
@@ -139,7 +141,7 @@ class DataDistState:
             with translate_errors("register cache"):
                 # Per-layer tensors are often views into one storage: register the
                 # covering spans once, not each view.
-                handles = [self.engine.register_mem(MemDesc(a, n)) for a, n in _spans(addrs, desc.tensor_bytes)]
+                handles = [self.engine.register_mem(MemDesc(a, n), access=access) for a, n in _spans(addrs, desc.tensor_bytes)]
             cache = Cache(self._next_id, desc, addrs, is_blocks, keys, keepalive=list(tensors))
             self._next_id += 1
             self._caches[cache.cache_id] = cache

@@ -86,14 +86,25 @@ class CacheManager:
         return self._register(cache_desc, tensors_or_addrs, keys, is_blocks=False)
 
     def register_blocks_cache(
-        self, cache_desc: CacheDesc, tensors_or_addrs: Sequence[Any], blocks_cache_key: BlocksCacheKey | None = None
+        self,
+        cache_desc: CacheDesc,
+        tensors_or_addrs: Sequence[Any],
+        blocks_cache_key: BlocksCacheKey | None = None,
+        *,
+        access: str = "rw",
     ) -> Cache:
-        """Register a paged cache (``shape[0]`` = number of blocks) under ``blocks_cache_key``."""
+        """Register a paged cache (``shape[0]`` = number of blocks) under ``blocks_cache_key``.
+
+        ``access="r"``: peers may pull from it but never push into it (a WRITE is
+        refused with :class:`~hixl.AccessDenied`, on every transport) except where
+        the owner registers a writable window over part of it with the engine
+        (``engine.register_mem(MemDesc(addr, len), access="rw")``).
+        """
         if blocks_cache_key is not None and not isinstance(blocks_cache_key, BlocksCacheKey):
             raise TypeError("blocks_cache_key must be a BlocksCacheKey")
-        return self._register(cache_desc, tensors_or_addrs, [blocks_cache_key] if blocks_cache_key else [], True)
+        return self._register(cache_desc, tensors_or_addrs, [blocks_cache_key] if blocks_cache_key else [], True, access)
 
-    def _register(self, desc: CacheDesc, tensors: Sequence[Any], keys: list[Any], is_blocks: bool) -> Cache:
+    def _register(self, desc: CacheDesc, tensors: Sequence[Any], keys: list[Any], is_blocks: bool, access: str = "rw") -> Cache:
         if not isinstance(desc, CacheDesc):
             raise TypeError(f"cache_desc must be a CacheDesc, not {type(desc).__name__}")
         if desc.placement is not Placement.HOST:
@@ -101,7 +112,7 @@ class CacheManager:
         if isinstance(tensors, (str, bytes)) or len(tensors) != desc.num_tensors:
             raise ValueError(f"expected {desc.num_tensors} tensors or addresses, got {len(tensors)}")
         addrs = [_tensor_addr(t, desc, i) for i, t in enumerate(tensors)]
-        return self._state.add_cache(desc, addrs, keys, is_blocks, tensors)
+        return self._state.add_cache(desc, addrs, keys, is_blocks, tensors, access)
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a cache; peers can no longer reach it."""
@@ -203,11 +214,44 @@ class CacheManager:
         *,
         req_id: int | None = None,
         timeout: float | None = None,
+        src_heads: range | None = None,
+        dst_heads: range | None = None,
     ) -> None:
-        """Write blocks of the local ``src_cache`` into the remote blocks cache ``dst_key``."""
+        """Write blocks of the local ``src_cache`` into the remote blocks cache ``dst_key``.
+
+        ``src_heads`` / ``dst_heads`` (both or neither): only that range of each
+        block's KV heads, into that range of the destination's, as in :meth:`pull_blocks`.
+        """
         timeout = self._timeout(timeout)
-        plan = self._blocks_plan(Op.WRITE, dst_key, src_cache, dst_blocks, src_blocks, dst_layer_range, src_layer_range, tensor_num_per_layer, timeout=timeout)
+        plan = self._blocks_plan(Op.WRITE, dst_key, src_cache, dst_blocks, src_blocks, dst_layer_range, src_layer_range, tensor_num_per_layer, timeout=timeout, remote_heads=dst_heads, local_heads=src_heads)
         self._run(plan, req_id, timeout, "push_blocks")
+
+    def push_blocks_async(
+        self,
+        dst_key: BlocksCacheKey,
+        src_cache: Cache,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+        *,
+        timeout: float | None = None,
+        src_heads: range | None = None,
+        dst_heads: range | None = None,
+    ) -> CacheTask:
+        """:meth:`push_blocks` layer by layer: returns at once, every layer of the ranges on its way.
+
+        For a pusher that computes its layers one at a time: push each one as it
+        is computed (a one-layer range) and wait for the task later. Before it
+        returns, the destination's catalog generation is read (one small round
+        trip, as :meth:`push_blocks` does): a write must never start into caches
+        the destination re-registered since, so this check cannot ride behind
+        the data as a pull's does.
+        """
+        timeout = self._timeout(timeout)
+        plan = self._blocks_plan(Op.WRITE, dst_key, src_cache, dst_blocks, src_blocks, dst_layer_range, src_layer_range, tensor_num_per_layer, timeout=timeout, remote_heads=dst_heads, local_heads=src_heads)
+        return self._run_async(plan, None, timeout)
 
     def push_cache(
         self,
@@ -446,19 +490,24 @@ class CacheManager:
         control = TaskControl(plan.layers, timeout)
         engine = self._state.engine
         per_layer = len(plan.descs) // len(plan.layers)
-        # The catalog check rides in the same ordered queue just ahead of layer 0,
-        # rather than costing a round trip before the first layer may start.
-        guard, current = self._state.generation_read(plan.catalog)
-        head = np.concatenate([np.array([guard], dtype=np.uint64), plan.layer_slice(0)])
-        # Two engine calls: layer 0 is queued (and starts copying) while the rest
-        # are still being validated; each call validates its layers in one pass.
-        with translate_errors("pull"):
-            guard_req, first = engine.transfer_async_split(plan.remote_engine, plan.op, head, [1, per_layer], timeout)
-        control.guard(guard_req, current)
+        what = "pull" if plan.op is Op.READ else "push"
+        if plan.op is Op.READ:
+            # The catalog check rides in the same ordered queue just ahead of layer 0,
+            # rather than costing a round trip before the first layer may start.
+            guard, current = self._state.generation_read(plan.catalog)
+            head = np.concatenate([np.array([guard], dtype=np.uint64), plan.layer_slice(0)])
+            # Two engine calls: layer 0 is queued (and starts copying) while the rest
+            # are still being validated; each call validates its layers in one pass.
+            with translate_errors(what):
+                guard_req, first = engine.transfer_async_split(plan.remote_engine, plan.op, head, [1, per_layer], timeout)
+            control.guard(guard_req, current)
+        else:  # a write's plan was verified before it was made (see push_blocks_async)
+            with translate_errors(what):
+                (first,) = engine.transfer_async_split(plan.remote_engine, plan.op, plan.layer_slice(0), [per_layer], timeout)
         control.submit(plan.layers[0], [first])
         if len(plan.layers) > 1:
             try:
-                with translate_errors("pull"):
+                with translate_errors(what):
                     rest = engine.transfer_async_split(
                         plan.remote_engine, plan.op, plan.descs[per_layer:], [per_layer] * (len(plan.layers) - 1), timeout
                     )

@@ -3,7 +3,8 @@
 Each completion or chat-completion request goes first to a prefill instance
 with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``;
 the ``kv_transfer_params`` that comes back is sent with the original request
-to a decode instance, whose answer (streamed or not) is the client's answer.
+to a decode instance, whose answer (streamed or not) is the client's answer
+(``--kv-mode push``: to both at once, see ``push``).
 Several of each are load-balanced (fewest outstanding requests), health-checked
 and retried around (see ``app``); ``GET /metrics`` reports it in Prometheus's
 text format. Clients are not trusted: each is held to deadlines for sending

@@ -25,6 +25,16 @@ How a request is routed, and what happens when an upstream fails:
   blocks are freed by the failed decode's pull, its release of their lease,
   or when the lease runs out (the connector's ``lease_s`` after the failed
   decode's last extension).
+- Push mode (``kv_mode="push"``, see ``push``): an attempt sends the request
+  to the prefill and to the decode at once, with one push id; decode's answer
+  is the client's. A prefill the proxy knows nothing of yet gets a pull-mode
+  attempt instead (its answer teaches the proxy where its KV lives). A prefill
+  that fails (unreachable, a 5xx, a broken answer) fails the attempt and
+  closes decode's request, unless decode already sent the client a byte (the
+  push landed): nothing then waits for a push that will not come. A failed
+  push attempt, on either side, makes the proxy forget what it knew of that
+  prefill, so the retry pulls and learns afresh (a restarted prefill listens
+  on new endpoints). A prefill's 4xx is passed through, decode's request closed.
 - After the first byte of decode's answer went to the client nothing is
   retried (the client has part of an answer): an upstream failure then ends
   the stream with an OpenAI-shaped error event and no ``[DONE]``.
@@ -58,6 +68,7 @@ from .body import BadBody, parse
 from .health import watch
 from .metrics import CONTENT_TYPE, Outcome, ProxyMetrics
 from .options import ProxyOptions
+from .push import PULL_PREFILL_PARAMS, KvSources, decode_params, new_push_id, prefill_params
 from .routing import PrefixRouter
 from .upstreams import Pool, Role, Upstream, describe
 
@@ -65,8 +76,6 @@ __all__ = ["create_app"]
 
 log = logging.getLogger("hixl.proxy")
 
-#: What prefill is asked to do with a request: compute the prompt's KV, keep it for decode.
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 _FORWARDED_HEADERS = (hdrs.AUTHORIZATION, "X-Request-Id")
 
 
@@ -115,6 +124,7 @@ class _Hop:
 
     upstream: Upstream
     outcome: Outcome = Outcome.ERROR
+    streaming: bool = False  # decode: the client has its first bytes (nothing can be retried)
 
 
 class _Proxy:
@@ -125,6 +135,7 @@ class _Proxy:
     def __init__(self, prefills: Pool, decodes: Pool, options: ProxyOptions, router: PrefixRouter) -> None:
         self.prefills, self.decodes, self.options, self.router = prefills, decodes, options, router
         self.metrics = ProxyMetrics([*prefills.upstreams, *decodes.upstreams], router.families)
+        self.sources = KvSources()  # push mode: where each prefill's KV lives, from its answers
         # For hops that end with one answer; decode's streams get the session's per-read limit only.
         self._bounded = ClientTimeout(total=options.timeout, connect=options.connect_timeout)
 
@@ -208,15 +219,62 @@ class _Proxy:
     async def _attempt(
         self, request: web.Request, body: dict[str, Any], failed: set[Upstream], tokens: list[int] | None
     ) -> web.StreamResponse:
-        with self._hop(self._pick(self.prefills, failed, tokens)) as hop:
-            answer = await self._prefill(hop, request, body)
+        prefill = self._pick(self.prefills, failed, tokens)
+        source = self.sources.of(prefill) if self.options.kv_mode == "push" else None
+        if source is not None:
+            return await self._push(request, body, failed, tokens, prefill, source)
+        with self._hop(prefill) as hop:
+            answer = await self._prefill(hop, request, body, PULL_PREFILL_PARAMS)
         if isinstance(answer, web.Response):
             return answer
         kv_params = answer.get("kv_transfer_params")
+        self.sources.learn(prefill, kv_params)
         if kv_params is None:
             log.warning("prefill returned no kv_transfer_params: decode computes the prompt itself")
         with self._hop(self._pick(self.decodes, failed, tokens)) as hop:
             return await self._decode(hop, request, {**body, "kv_transfer_params": kv_params})
+
+    async def _push(
+        self, request: web.Request, body: dict[str, Any], failed: set[Upstream], tokens: list[int] | None,
+        prefill: Upstream, source: dict[str, Any],
+    ) -> web.StreamResponse:
+        """A push-mode attempt: prefill and decode at once, one push id; decode's answer for the client."""
+        push_id = new_push_id()
+        with self._hop(prefill) as prefill_hop, self._hop(self._pick(self.decodes, failed, tokens)) as decode_hop:
+            prefilled = asyncio.create_task(self._prefill(prefill_hop, request, body, prefill_params(push_id)))
+            decoded = asyncio.create_task(self._decode(decode_hop, request, {**body, "kv_transfer_params": decode_params(source, push_id)}))
+            try:
+                await asyncio.wait((prefilled, decoded), return_when=asyncio.FIRST_COMPLETED)
+                if prefilled.done() and not decoded.done() and not decode_hop.streaming:
+                    answer = await self._settled(prefilled, prefill)
+                    if isinstance(answer, web.Response):  # prefill refused the request: so would decode
+                        return answer
+                try:
+                    out = await decoded
+                except _Failed:
+                    self.sources.forget(prefill)  # its push may have gone to endpoints that are no more
+                    raise
+                # Decode took the push. Prefill's answer, due about now, only refreshes what the proxy knows.
+                with suppress(_Failed):
+                    await self._settled(prefilled, prefill)
+                return out
+            finally:
+                for task, hop in ((prefilled, prefill_hop), (decoded, decode_hop)):
+                    if not task.done():
+                        task.cancel()  # closes its connection: vLLM aborts the request there
+                        hop.outcome = Outcome.CANCELLED
+                await asyncio.gather(prefilled, decoded, return_exceptions=True)
+
+    async def _settled(self, prefilled: asyncio.Task[web.Response | dict[str, Any]], prefill: Upstream) -> web.Response | dict[str, Any]:
+        """Prefill's answer in a push attempt, learned from; a failure makes the proxy forget the prefill."""
+        try:
+            answer = await prefilled
+        except _Failed:
+            self.sources.forget(prefill)
+            raise
+        if not isinstance(answer, web.Response):
+            self.sources.learn(prefill, answer.get("kv_transfer_params"))
+        return answer
 
     def _pick(self, pool: Pool, failed: set[Upstream], tokens: list[int] | None) -> Upstream:
         # One that failed this request but is still up (it answered) is taken again if no
@@ -242,11 +300,13 @@ class _Proxy:
             finally:
                 self.metrics.hop(up, hop.outcome, time.monotonic() - started)
 
-    async def _prefill(self, hop: _Hop, request: web.Request, body: dict[str, Any]) -> web.Response | dict[str, Any]:
+    async def _prefill(
+        self, hop: _Hop, request: web.Request, body: dict[str, Any], kv_params: dict[str, Any]
+    ) -> web.Response | dict[str, Any]:
         """Prefill's JSON answer, or a non-200 answer to give the client; raises :class:`_Failed`."""
         up = hop.upstream
         try:
-            headers, sent = _forwarded(request, up), _prefill_body(body)
+            headers, sent = _forwarded(request, up), _prefill_body(body, kv_params)
             async with self._session.post(up.url + request.path, json=sent, headers=headers, auth=up.auth, timeout=self._bounded) as resp:
                 payload = await resp.read()
         except (ClientError, asyncio.TimeoutError) as exc:
@@ -290,6 +350,7 @@ class _Proxy:
         """Relay decode's stream from its first chunk on; no failure from here is retried, none escapes."""
         out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
         chunk, seen = first, b""
+        hop.streaming = True
         try:
             await out.prepare(request)
             while chunk:
@@ -320,9 +381,9 @@ _DONE = b"data: [DONE]"
 """The event that ends an OpenAI-style stream: once relayed, the client has the whole answer."""
 
 
-def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request as prefill gets it: one token, not streamed, KV kept for decode."""
-    out = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS}
+def _prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The request as prefill gets it: one token, not streamed, KV for decode as ``kv_params`` say."""
+    out = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": kv_params}
     out.pop("stream_options", None)  # only valid with stream=True
     if "max_completion_tokens" in out:  # the chat API's newer name for max_tokens
         out["max_completion_tokens"] = 1

@@ -8,7 +8,7 @@ import logging
 from dataclasses import fields
 from typing import Any
 
-from .options import EventsSource, ProxyOptions, unknown_sources
+from .options import KV_MODES, EventsSource, ProxyOptions, unknown_sources
 
 __all__ = ["add_parser"]
 
@@ -18,7 +18,9 @@ completion or chat request goes to a prefill instance, then to a decode instance
 each, every request goes to the one serving the fewest requests — or, with --kv-events for every
 instance of a role, to the one with the longest cached prefix of its prompt, weighed against its
 load; instances are health-checked, one that fails is skipped and the request retried, and
-GET /metrics reports it all."""
+GET /metrics reports it all. With --kv-mode push (the instances' connectors in push mode too),
+each request goes to prefill and decode at once, and prefill writes each layer of the prompt's KV
+into decode's blocks as it computes it."""
 
 
 #: The deadlines a client is held to (``server``): option -> what it bounds.
@@ -75,6 +77,11 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--tokenize-timeout", type=float, default=d.tokenize_timeout, metavar="S",
         help="seconds an instance's /tokenize may take for a text prompt before the request is routed by load (default %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-mode", choices=KV_MODES, default=d.kv_mode,
+        help="pull: prefill first, then decode pulls its KV; push: both at once, prefill writes each layer into decode's "
+        "blocks as it computes it (needs the instances' kv_connector_extra_config mode push) (default %(default)s)",
     )
     parser.add_argument(
         "--otlp-traces-endpoint", metavar="URL",

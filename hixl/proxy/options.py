@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["EventsSource", "ProxyOptions", "unknown_sources"]
+__all__ = ["KV_MODES", "EventsSource", "ProxyOptions", "unknown_sources"]
+
+#: The values of ``ProxyOptions.kv_mode`` (``hixl proxy --kv-mode``).
+KV_MODES = ("pull", "push")
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,10 @@ class ProxyOptions:
 
     #: Where the proxy sends its spans (OTLP, as vLLM's ``--otlp-traces-endpoint``); None: no tracing (``follow``).
     otlp_traces_endpoint: str | None = None
+    #: How a request's KV goes from prefill to decode: ``"pull"`` (prefill first, then decode pulls) or ``"push"``
+    #: (both at once; prefill writes each layer into blocks decode granted: the instances' connectors must be in
+    #: push mode too). See ``push``.
+    kv_mode: str = "pull"
 
     def __post_init__(self) -> None:
         timeouts = (
@@ -83,6 +90,8 @@ class ProxyOptions:
         for name in timeouts:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)!r}")
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, not {self.kv_mode!r}")
         if self.retries < 0 or self.down_after < 1:
             raise ValueError(f"retries must be >= 0 and down_after >= 1, not {self.retries!r} and {self.down_after!r}")
         if not 0 <= self.prefix_load_weight < float("inf"):

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from .. import _protocol as proto
     from .._iov import IovCursor
-    from .._memory import Registry, RemoteRegions
+    from .._memory import OwnView, RemoteRegions
     from .._request import TransferReq
     from .._session.initiator import LinkState, Pending
     from .._session.peer_regions import PeerRegions
@@ -205,7 +205,7 @@ class Channel(abc.ABC):
         """
         self.run(req, Op.READ, merge_adjacent(row_descs(local_addr, remote_addr, stride, rows)))
 
-    def latency_path(self, registry: Registry) -> Callable[[Op, object], bool] | None:
+    def latency_path(self, registry: OwnView) -> Callable[[Op, object], bool] | None:
         """``transfer_sync``'s whole latency path to this peer in one call, or None (the default).
 
         A transport whose small copy is one system call offers a callable taking ``(op,

@@ -76,7 +76,7 @@ from .base import Capabilities, Channel, Transport
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .._memory import Registry
+    from .._memory import OwnView
     from .._request import TransferReq
     from .base import LinkSession, ServedSession
 
@@ -209,7 +209,7 @@ class CmaChannel(Channel):
             if stop not in (_accel.CMA_STALE, _accel.CMA_REVOKING):
                 raise _errno_error(-stop, self.pid)
 
-    def latency_path(self, registry: Registry) -> Callable[[Op, object], bool]:
+    def latency_path(self, registry: OwnView) -> Callable[[Op, object], bool]:
         """One call of hixl._accel per small ``transfer_sync``: both sides' region checks, the
         lease, the generation and liveness checks and the syscall (see :class:`hixl._accel.CmaSmall`);
         one descriptor of up to a page through the peer's ``/proc/<pid>/mem`` where the probe

@@ -7,7 +7,7 @@ connector API is experimental and changes between releases). Importing this
 package imports vLLM; ``import hixl`` does not import it.
 """
 
-from ._config import ConnectorConfig, LoadMode
+from ._config import ConnectorConfig, LoadMode, Mode
 from .connector import HixlConnector
 
-__all__ = ["ConnectorConfig", "HixlConnector", "LoadMode"]
+__all__ = ["ConnectorConfig", "HixlConnector", "LoadMode", "Mode"]

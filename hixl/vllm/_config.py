@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["ConnectorConfig", "LoadMode"]
+__all__ = ["ConnectorConfig", "LoadMode", "Mode"]
+
+
+class Mode(enum.Enum):
+    """Which side moves a request's KV."""
+
+    PULL = "pull"  # decode READs prefill's blocks once prefill has finished the prompt
+    PUSH = "push"  # prefill WRITEs each layer into decode's blocks as soon as it is computed
 
 
 class LoadMode(enum.Enum):
@@ -39,6 +46,10 @@ class ConnectorConfig:
     ``release_timeout``: the hard cap — the longest prefill holds a request's
     blocks however often decode extends the lease (a decode that keeps
     extending and never pulls ties up blocks at most this long);
+    ``mode``: ``"pull"`` (decode reads a prefilled request's blocks) or ``"push"`` (prefill writes each
+    layer into blocks decode granted, while it computes the next: docs/vllm.md, "Push mode"; both instances
+    and the proxy must agree); ``push_timeout``: seconds decode waits for a granted push to land before the
+    request's load fails (its grant withdrawn first);
     ``transport``: ``"auto"``, ``"cma"`` or ``"tcp"``; ``whole_below_bytes``:
     under ``"layerwise"``, a request whose KV on a decode rank is smaller than
     this is pulled whole — one transfer of every layer, inline, before the
@@ -48,6 +59,7 @@ class ConnectorConfig:
     figures from the prefill's ``kv_transfer_params``, not from its own settings.
     """
 
+    mode: Mode = Mode.PULL
     host: str = "127.0.0.1"
     port: int = 0
     cluster_id: int = 0
@@ -60,6 +72,7 @@ class ConnectorConfig:
     # the forward gains nothing from starting early: it shares the cores with the copy (docs/vllm.md).
     whole_below_bytes: int = 32 << 20
     records: str = ""
+    push_timeout: float = 30.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -71,6 +84,7 @@ class ConnectorConfig:
             raise ValueError(f"unknown hixl connector settings {unknown}; known: {sorted(known)}")
         try:
             config = cls(
+                mode=Mode(extra.get("mode", Mode.PULL.value)),
                 host=str(extra.get("host", cls.host)),
                 port=int(extra.get("port", cls.port)),
                 # Random rather than fixed: two instances must never share an id, and
@@ -83,6 +97,7 @@ class ConnectorConfig:
                 transport=str(extra.get("transport", cls.transport)),
                 whole_below_bytes=int(extra.get("whole_below_bytes", cls.whole_below_bytes)),
                 records=str(extra.get("records", cls.records)),
+                push_timeout=float(extra.get("push_timeout", cls.push_timeout)),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad hixl connector setting: {exc}") from exc
@@ -90,7 +105,7 @@ class ConnectorConfig:
             raise ValueError(f"hixl connector whole_below_bytes must be 0 or more, not {config.whole_below_bytes}")
         if not 0 <= config.port < 65536 or config.cluster_id < 0:
             raise ValueError(f"bad hixl connector port {config.port} or cluster id {config.cluster_id}")
-        if not (config.transfer_timeout > 0 and config.lease_s > 0 and config.release_timeout > 0):  # NaN too
+        if not (config.transfer_timeout > 0 and config.lease_s > 0 and config.release_timeout > 0 and config.push_timeout > 0):  # NaN too
             raise ValueError("hixl connector timeouts must be positive")
         if config.release_timeout < config.lease_s or config.release_timeout > 86400:
             raise ValueError(

@@ -346,6 +346,7 @@ class LeaseKeeper:
         self._cond = threading.Condition()
         self._links: dict[Endpoint, _Link] = {}
         self._kept: dict[str, dict[Endpoint, _Kept]] = {}  # vLLM request id -> its lease at each prefill rank
+        self._wanted: dict[str, frozenset[Endpoint]] = {}  # links kept for requests without a lease (push mode)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="hixl-vllm-leases", daemon=True)
         self._thread.start()
@@ -372,6 +373,20 @@ class LeaseKeeper:
                 for kept in self._kept.get(request_id, {}).values():
                     kept.release, kept.next_extend = True, 0.0
             self._cond.notify_all()
+
+    def want(self, key: str, endpoints: Iterable[Endpoint]) -> None:
+        """Link to ``endpoints`` and keep them linked until :meth:`unwant` (``key``), with no lease to keep:
+        a pushed request's prefill ranks, which decode tells where to write (:mod:`._push`)."""
+        with self._cond:
+            self._wanted[key] = frozenset(endpoints)
+            for endpoint in self._wanted[key]:
+                self._links.setdefault(endpoint, _Link())
+            self._cond.notify_all()
+
+    def unwant(self, key: str) -> None:
+        """The links :meth:`want` asked for under ``key`` are no longer needed for it."""
+        with self._cond:
+            self._wanted.pop(key, None)
 
     def usable(self, request_id: str) -> bool:
         """True while the request's blocks are surely still held by every prefill rank holding them (see
@@ -593,6 +608,7 @@ class LeaseKeeper:
         """Stop retrying links no waiting request wants (a prefill that is gone); live links stay."""
         with self._cond:
             wanted = {endpoint for parts in self._kept.values() for endpoint in parts}
+            wanted.update(endpoint for endpoints in self._wanted.values() for endpoint in endpoints)
             for endpoint in [e for e, link in self._links.items() if link.state is LinkState.LINKING and e not in wanted]:
                 del self._links[endpoint]
 

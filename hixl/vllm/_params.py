@@ -13,7 +13,12 @@
   until decode reports them pulled, leases to keep alive or release
   (:class:`WatchedLease`, see :mod:`._leases`).
 * :class:`LinkReport` — the worker's answer to its scheduler every step: the
-  prefill endpoints it is linked to, and those it finds down.
+  prefill endpoints it is linked to, and those it finds down (and, on a
+  pushing prefill, the pushes every rank holds decode's grants for).
+* Push mode (``mode: "push"``): :class:`PushSource` — decode's
+  ``kv_transfer_params`` for a request whose KV prefill writes into decode's
+  blocks as it computes; :class:`PushGrant` / :class:`PushStep` — the
+  scheduler's orders to decode's and prefill's workers for it.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ from ._heads import is_read
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["CPU_LAYOUT", "Endpoint", "KvSpec", "LinkReport", "LoadSpec", "RemotePrefill", "StepMetadata", "WatchedLease"]
+__all__ = [
+    "CPU_LAYOUT", "Endpoint", "KvSpec", "LinkReport", "LoadSpec", "PushGrant", "PushSource", "PushStep", "RemotePrefill",
+    "StepMetadata", "WatchedLease",
+]
 
 # vLLM's CPU attention backend: one tensor per layer, K and V interleaved per head inside a block.
 CPU_LAYOUT = "[blocks, kv_heads, block_size, 2*head_size]"
@@ -133,8 +141,7 @@ class RemotePrefill:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_ranks": [{"engine": r.ip_info, "cluster_id": r.cluster_id, "heads": list(r.heads)} for r in self.ranks],
-            "remote_kv": asdict(self.kv),
+            **source_params(self.ranks, self.kv),
             "remote_transfer_id": self.transfer_id,
             "remote_block_ids": list(self.block_ids),
             "remote_num_tokens": self.num_tokens,
@@ -150,20 +157,11 @@ class RemotePrefill:
         if not params or not params.get("do_remote_prefill"):
             return None
         try:
-            ranks = tuple(
-                Endpoint(str(r["engine"]), int(r["cluster_id"]), (int(r["heads"][0]), int(r["heads"][1])))
-                for r in params["remote_ranks"]
-            )
-            if not ranks:
+            source = parse_source(params)
+            if source is None:
                 return None
-            kv = params["remote_kv"]
-            spec = KvSpec(
-                str(kv["model"]), str(kv["dtype"]), int(kv["num_layers"]), int(kv["num_kv_heads"]),
-                int(kv["head_size"]), int(kv["block_size"]), str(kv["layout"]), int(kv["tp_size"]),
-            )
             remote = cls(
-                ranks,
-                spec,
+                *source,
                 int(params["remote_transfer_id"]),
                 [int(b) for b in params["remote_block_ids"]],
                 int(params["remote_num_tokens"]),
@@ -208,6 +206,101 @@ class WatchedLease:
     arrived: float
 
 
+@dataclass(frozen=True)
+class PushSource:
+    """A request whose KV prefill pushes, as decode finds it in ``kv_transfer_params`` (push mode).
+
+    The proxy sends the request to decode and prefill at once, both naming it by
+    ``push_id`` (random, from the proxy); ``ranks`` and ``kv`` are the prefill
+    instance's (its ``remote_ranks`` / ``remote_kv`` as pull mode's params give
+    them, which the proxy remembers from that instance's last answer).
+    """
+
+    ranks: tuple[Endpoint, ...]
+    kv: KvSpec
+    push_id: int
+
+    def to_params(self) -> dict[str, Any]:
+        """The ``kv_transfer_params`` the proxy sends decode for this push."""
+        return {"do_remote_prefill": True, "push_id": self.push_id, **source_params(self.ranks, self.kv)}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> PushSource | None:
+        """Parse decode's ``kv_transfer_params``; None unless they ask for a remote prefill by push and are
+        whole (the push id an int in ``[1, 2**63)``, as random ids are)."""
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        push_id = params.get("push_id")
+        if type(push_id) is not int or not 0 < push_id < 2**63:  # (bool is an int: not accepted)
+            return None
+        try:
+            source = parse_source(params)
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
+        return None if source is None else cls(*source, push_id)
+
+
+def source_params(ranks: tuple[Endpoint, ...], kv: KvSpec) -> dict[str, Any]:
+    """Where a prefill instance's KV lives, as ``kv_transfer_params`` carry it: every TP rank's endpoint and
+    heads, and its :class:`KvSpec` (pull mode's params and push mode's alike)."""
+    return {
+        "remote_ranks": [{"engine": r.ip_info, "cluster_id": r.cluster_id, "heads": list(r.heads)} for r in ranks],
+        "remote_kv": asdict(kv),
+    }
+
+
+def parse_source(params: dict[str, Any]) -> tuple[tuple[Endpoint, ...], KvSpec] | None:
+    """The inverse of :func:`source_params`; None if no rank is listed; KeyError, IndexError, TypeError or
+    ValueError for anything malformed."""
+    ranks = tuple(
+        Endpoint(str(r["engine"]), int(r["cluster_id"]), (int(r["heads"][0]), int(r["heads"][1]))) for r in params["remote_ranks"]
+    )
+    if not ranks:
+        return None
+    kv = params["remote_kv"]
+    spec = KvSpec(
+        str(kv["model"]), str(kv["dtype"]), int(kv["num_layers"]), int(kv["num_kv_heads"]),
+        int(kv["head_size"]), int(kv["block_size"]), str(kv["layout"]), int(kv["tp_size"]),
+    )
+    return ranks, spec
+
+
+@dataclass(frozen=True)
+class PushGrant:
+    """Decode's order to its worker: let prefill write the request's KV into ``local_blocks``.
+
+    ``local_blocks[i]`` receives the prompt's block ``first_block + i`` (blocks
+    before ``first_block`` were prefix-cache hits at decode); ``num_tokens`` is
+    how many prompt tokens decode takes from prefill.
+    """
+
+    request_id: str
+    source: PushSource
+    local_blocks: list[int]
+    first_block: int
+    num_tokens: int
+    trace_headers: dict[str, str] | None = None
+    arrived: float | None = None
+
+
+@dataclass(frozen=True)
+class PushStep:
+    """Prefill's order to its worker for one step of a pushed request's prompt.
+
+    ``block_ids`` are the request's blocks at prefill (the whole prompt's, in
+    order); this step computes prompt tokens ``[start, end)``; ``last``: the
+    step that computes the prompt's last token (after it, decode is told the
+    push is done).
+    """
+
+    request_id: str
+    push_id: int
+    block_ids: list[int]
+    start: int
+    end: int
+    last: bool
+
+
 @dataclass
 class StepMetadata(KVConnectorMetadata):
     """The scheduler's orders to its worker for one step.
@@ -220,6 +313,12 @@ class StepMetadata(KVConnectorMetadata):
     requests that finished at decode unpulled (their leases are released), and
     ``idle`` says the step runs no model (the worker then paces vLLM's loop
     while it only waits: for links on decode, for held blocks on prefill).
+
+    Push mode: on decode, ``grants`` lists requests whose blocks prefill may now
+    write into, ``revokes`` those that finished (aborted) before their push
+    landed: their grants are withdrawn before vLLM may reuse the blocks. On
+    prefill, ``pushes`` lists this step's pushed requests, ``cancels`` the push
+    ids of requests that ended before their last step (decode is told).
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
@@ -227,6 +326,10 @@ class StepMetadata(KVConnectorMetadata):
     watch: list[WatchedLease] = field(default_factory=list)
     drop: list[str] = field(default_factory=list)
     idle: bool = False
+    grants: list[PushGrant] = field(default_factory=list)
+    revokes: list[str] = field(default_factory=list)
+    pushes: list[PushStep] = field(default_factory=list)
+    cancels: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -236,10 +339,12 @@ class LinkReport(KVConnectorWorkerMetadata):
 
     ready: frozenset[Endpoint]
     down: frozenset[Endpoint] = frozenset()
+    granted: frozenset[int] = frozenset()  # prefill, push mode: push ids this worker holds every grant for
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> LinkReport:
         """Several workers (decode TP ranks, each linking to every prefill rank a request needs): an endpoint is
-        ready when every worker is linked to it, down when one finds it down."""
+        ready when every worker is linked to it, down when one finds it down; a push is granted when every
+        worker holds its grants."""
         if not isinstance(other, LinkReport):
             return self
-        return LinkReport(self.ready & other.ready, self.down | other.down)
+        return LinkReport(self.ready & other.ready, self.down | other.down, self.granted & other.granted)

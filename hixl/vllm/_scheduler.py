@@ -24,6 +24,9 @@ releases them, or the lease runs out. With TP > 1 the params list every
 prefill rank's endpoint (``set_xfer_handshake_metadata`` gives one per rank)
 and this instance's :class:`~._params.KvSpec`; every rank's worker holds the
 blocks under a lease of its own, under the same (random) transfer id.
+
+Push mode (``mode: "push"``): requests whose params name a push are
+:class:`~._push_scheduler.PushScheduler`'s on both roles; others go on as above.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._config import ConnectorConfig
+from ._config import ConnectorConfig, Mode
 from ._leases import new_transfer_id
 from ._params import Endpoint, KvSpec, LinkReport, LoadSpec, RemotePrefill, StepMetadata, WatchedLease
+from ._push_scheduler import PushScheduler, push_id_of
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -70,10 +74,13 @@ class SchedulerSide:
         self._down: frozenset[Endpoint] = frozenset()
         self._watch: list[WatchedLease] = []
         self._drop: list[str] = []
+        self.push = PushScheduler(self.block_size, config.push_timeout) if config.mode is Mode.PUSH else None
 
     # -- decode ------------------------------------------------------------------------------
     def arrived(self, request: Request) -> None:
         """vLLM's ``on_new_request``: a request with a remote prefill starts being kept alive and linked for."""
+        if self.push is not None and self.push.arrived(request):
+            return
         remote = RemotePrefill.from_params(request.kv_transfer_params)
         if remote is None:
             return
@@ -86,6 +93,10 @@ class SchedulerSide:
         report = output.kv_connector_worker_meta
         if isinstance(report, LinkReport):
             self._ready, self._down = report.ready, report.down
+        if self.push is not None:
+            self.push.ended(output.finished_recving or set())
+            if isinstance(report, LinkReport):
+                self.push.heard(report.granted)
 
     def loadable_tokens(self, request: Request) -> int:
         """Prompt tokens the remote prefill holds that vLLM may take instead of computing."""
@@ -96,6 +107,18 @@ class SchedulerSide:
         held = min(remote.num_tokens, prompt, len(remote.block_ids) * self.block_size)
         # At least the last prompt token is computed here: its logits give the next token.
         return max(0, min(held, prompt - 1))
+
+    def matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: (tokens, whether they load asynchronously) — a push is
+        asynchronous (the request waits for it in ``WAITING_FOR_REMOTE_KVS``), a pull is not; None while
+        the request waits (pull: for links; push, at prefill: for decode's grants)."""
+        if self.push is not None:
+            pushed = self.push.tokens(request, num_computed_tokens)
+            if pushed is not None:
+                return pushed, pushed > 0
+            if self.push.waits(request):
+                return None, False
+        return self.num_new_matched_tokens(request, num_computed_tokens), False
 
     def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """vLLM's ``get_num_new_matched_tokens``: loadable tokens beyond the locally cached ones,
@@ -118,7 +141,9 @@ class SchedulerSide:
         )
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Queue the pull of the blocks just allocated for the request's remote tokens."""
+        """Queue the pull (or, push mode, the grant) of the blocks just allocated for the request's remote tokens."""
+        if self.push is not None and self.push.grant(request, blocks, num_external_tokens):
+            return
         params = request.kv_transfer_params
         remote = RemotePrefill.from_params(params)
         if remote is None:
@@ -147,9 +172,15 @@ class SchedulerSide:
     # -- prefill -----------------------------------------------------------------------------
     def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished``: keep a prefilled request's blocks for decode, or free them now;
-        on decode, release the lease of a request that finishes unpulled (aborted)."""
+        on decode, release the lease of a request that finishes unpulled (aborted), or revoke the grant of
+        one whose push has not ended (its blocks kept until the workers withdrew it)."""
         from vllm.v1.request import RequestStatus
 
+        if self.push is not None:
+            if self.push.decode_finished(request):
+                return True, None
+            if push_id_of(request.kv_transfer_params) is not None:
+                return False, self.push.prefill_finished(request, self.endpoints, self.kv)
         if self._waiting.pop(request.request_id, None) is not None:
             self._drop.append(request.request_id)
             return False, None
@@ -187,4 +218,6 @@ class SchedulerSide:
         idle = scheduler_output.total_num_scheduled_tokens == 0
         meta = StepMetadata(self._loads, self._sends, self._watch, self._drop, idle)
         self._loads, self._sends, self._watch, self._drop = [], {}, [], []
+        if self.push is not None:
+            self.push.orders(meta, scheduler_output)
         return meta

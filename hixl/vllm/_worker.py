@@ -31,6 +31,12 @@ reads (it holds only replicas of heads a lower rank holds) releases its blocks
 at once. Leases: every decode rank's keeper extends (and, for a request
 dropped unpulled, releases) the lease at every prefill rank that holds one,
 see :mod:`._leases`.
+
+Push mode (``mode: "push"``, :mod:`._push`): the cache is registered read-only
+for peers; decode's worker (a :class:`~._push.Receiver`) opens write windows
+over the blocks it grants and withdraws them before vLLM may reuse the blocks;
+prefill's (a :class:`~._push.Pusher`) writes each layer into them as soon as
+vLLM has computed it (:meth:`WorkerSide.save_layer`).
 """
 
 from __future__ import annotations
@@ -56,11 +62,12 @@ from ..datadist import (
     LLMStatusCode,
 )
 from ._affinity import unpinned
-from ._config import ConnectorConfig, LoadMode
+from ._config import ConnectorConfig, LoadMode, Mode
 from ._follow import Spans, client_id
 from ._heads import HeadRead, is_read, notifiers, plan_reads, rank_heads
 from ._leases import LEASE_NOTIFY, LeaseKeeper, LeaseTable
 from ._params import Endpoint, KvSpec, LinkReport, LoadSpec, StepMetadata
+from ._push import PUSH_NOTIFY, Pusher, Receiver, dispatch
 from ._stats import HixlKVConnectorStats
 from ._timeline import Timeline, Trace
 
@@ -115,6 +122,8 @@ class WorkerSide:
     ) -> None:
         self.config = config
         self.serves_kv = serves_kv
+        if config.mode is Mode.PUSH and pulls_kv and not serves_kv:
+            raise ValueError("in push mode decode's workers listen too (prefill connects to them to write): serves_kv=True")
         self.num_blocks = num_blocks
         self.kv = kv
         self.tp_rank = tp_rank
@@ -147,6 +156,9 @@ class WorkerSide:
         self.stats = HixlKVConnectorStats()  # vLLM takes it after each step (HixlConnector.get_kv_connector_stats)
         # None unless asked for: then it costs nothing.
         self.timeline = Timeline.open(log, config.records or None, spans) if pulls_kv else None
+        # Push mode: made once the cache is registered (register).
+        self.pusher: Pusher | None = None
+        self.receiver: Receiver | None = None
 
     # -- set-up ------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -165,12 +177,25 @@ class WorkerSide:
             )
         desc = CacheDesc(len(tensors), shape, DataType.of(tensors[0]))
         key = BlocksCacheKey(self.cluster_id) if self.serves_kv else None
-        self._cache = self.datadist.cache_manager.register_blocks_cache(desc, tensors, key)
+        push = self.config.mode is Mode.PUSH
+        # Push mode: no peer writes a byte of it, except into the windows decode grants (see _push).
+        self._cache = self.datadist.cache_manager.register_blocks_cache(desc, tensors, key, access="r" if push else "rw")
         self.layers = {name: i for i, name in enumerate(names)}
+        if push:
+            self._start_push(self._cache)
         log.info(
             "hixl: registered %d layers x %d blocks (%s, %d bytes a block) on DataDist %s",
             len(tensors), shape[0], desc.data_type.value, desc.row_bytes, self.endpoint() or "(pull only)",
         )
+
+    def _start_push(self, cache: Cache) -> None:
+        """Push mode: a pusher where this worker serves KV, a receiver where it takes it, and their handler."""
+        if self.serves_kv:
+            self.pusher = Pusher(self.datadist, cache, self.kv, self.cluster_id, self.config.transfer_timeout)
+        endpoint = self.endpoint()
+        if self.keeper is not None and endpoint is not None:
+            self.receiver = Receiver(self.datadist, self.keeper, cache, self.kv, self.tp_rank, endpoint, self.config.push_timeout)
+        self.datadist.engine.handle_notifies(PUSH_NOTIFY, dispatch(self.pusher.grants if self.pusher is not None else None, self.receiver))
 
     def endpoint(self) -> Endpoint | None:
         """Where peers pull from this worker, or None if it only pulls."""
@@ -179,7 +204,9 @@ class WorkerSide:
         return Endpoint(self.datadist.local_ip_info, self.cluster_id, (self.heads.start, self.heads.stop))
 
     def close(self) -> None:
-        """Stop keeping leases, finalize DataDist: links and registrations go."""
+        """Stop keeping leases and pushes, finalize DataDist: links and registrations go."""
+        if self.receiver is not None:
+            self.receiver.close()
         if self.keeper is not None:
             self.keeper.close()
         if self.timeline is not None:
@@ -187,22 +214,61 @@ class WorkerSide:
         self.datadist.finalize()
 
     # -- every step --------------------------------------------------------------------------
+    def take_push_orders(self, meta: StepMetadata) -> None:
+        """Push mode, before the step's forward: open and withdraw grants (decode), start and cancel pushes
+        (prefill).
+
+        Taken when vLLM binds the step's metadata, not in :meth:`take_orders`: vLLM (0.32) starts a step's
+        loads only after its forward unless one of them is synchronous, and by then every layer has been
+        computed (:meth:`save_layer`) — a push started there would write nothing.
+        """
+        if self.receiver is not None:
+            self.receiver.grant(meta.grants)
+            self.receiver.revoke(meta.revokes)
+        if self.pusher is not None:
+            self.pusher.cancel(meta.cancels)
+            self.pusher.start(meta.pushes)
+
     def take_orders(self, meta: StepMetadata) -> None:
-        """This step's orders: hold newly finished requests, keep or release leases, then start pulls."""
+        """This step's orders (:meth:`take_push_orders` aside): hold newly finished requests, keep or release
+        leases, then start pulls."""
         self.hold(meta.sends)
         if self.keeper is not None:
             self.keeper.watch(meta.watch)
             self.keeper.drop(meta.drop, release=True)
             if meta.idle and not meta.loads:
-                self.keeper.wait_for_link(_LINK_PACE_S)
+                self._pace(self.keeper)
         if self.leases is not None and meta.idle and not meta.loads:
             self.leases.wait_for_end(_HOLD_PACE_S)
         self.start(meta.loads)
 
+    def _pace(self, keeper: LeaseKeeper) -> None:
+        """A decode step that runs nothing waits for what its requests wait for, instead of letting vLLM step
+        again at once: a push to end (where pushes are pending: their links are up, so a wait for a link
+        would return at once), else a link to come up."""
+        if self.receiver is None or not self.receiver.wait_for_end(_LINK_PACE_S):
+            keeper.wait_for_link(_LINK_PACE_S)
+
     def link_report(self) -> LinkReport | None:
-        """For the scheduler: the prefill ranks this worker is linked to, and those it finds down
-        (None on a prefill-only worker)."""
-        return LinkReport(self.keeper.ready(), self.keeper.down()) if self.keeper is not None else None
+        """For the scheduler: the prefill ranks this worker is linked to, and those it finds down; on a
+        pushing prefill, the pushes it holds every grant for (None on a pull-mode prefill-only worker)."""
+        granted = self.pusher.granted() if self.pusher is not None else frozenset()
+        if self.keeper is not None:
+            return LinkReport(self.keeper.ready(), self.keeper.down(), granted)
+        return LinkReport(frozenset(), frozenset(), granted) if self.pusher is not None else None
+
+    # -- push mode -----------------------------------------------------------------------------
+    def save_layer(self, layer_name: str) -> None:
+        """Prefill, push mode: ``layer_name`` is computed; start writing it for every push of this step."""
+        layer = self.layers.get(layer_name)
+        if self.pusher is not None and layer is not None:
+            self.pusher.save_layer(layer)
+
+    def finished_pushes(self) -> tuple[set[str], set[str]]:
+        """Decode, push mode: (requests whose grants were withdrawn after they ended here: their blocks may be
+        freed; requests whose push landed or failed, windows withdrawn — the failed ones' blocks in
+        :meth:`take_failed_blocks`)."""
+        return self.receiver.finished() if self.receiver is not None else (set(), set())
 
     # -- decode: pulls -----------------------------------------------------------------------
     def start(self, specs: Iterable[LoadSpec]) -> None:
@@ -372,7 +438,10 @@ class WorkerSide:
         return [b for pull in self._pulls for b in pull.spec.local_blocks]
 
     def end_step(self) -> None:
-        """Settle this step's pulls (timings, or the blocks of those that failed), then tell prefill."""
+        """Settle this step's pulls (timings, or the blocks of those that failed), then tell prefill; wait
+        for this step's pushes (after a request's last step, decode is told)."""
+        if self.pusher is not None:
+            self.pusher.end_step()
         if not self._pulls:
             return
         assert self.keeper is not None, "a pull on a worker that does not pull KV"
@@ -415,8 +484,10 @@ class WorkerSide:
             log.warning("hixl: cannot tell prefill %s that request %s is done: %s", endpoint.ip_info, spec.request_id, exc)
 
     def take_failed_blocks(self) -> set[int]:
-        """Local blocks whose pull failed since the last call (vLLM then fails or recomputes them)."""
+        """Local blocks whose pull (or push) failed since the last call (vLLM then fails or recomputes them)."""
         failed, self._failed_blocks = self._failed_blocks, set()
+        if self.receiver is not None:
+            failed |= self.receiver.take_failed_blocks()
         return failed
 
     def _record(self, pull: _Pull) -> None:

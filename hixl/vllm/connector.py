@@ -5,7 +5,10 @@ TP rank), with a role; each half delegates to :class:`~._scheduler.SchedulerSide
 or :class:`~._worker.WorkerSide`. The scheduler half learns every worker's
 DataDist address and KV heads through vLLM's handshake metadata
 (``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``), so no port
-has to be configured. Prefill and decode may run different TP sizes.
+has to be configured. Prefill and decode may run different TP sizes. In push
+mode (``mode: "push"``) prefill's workers write each layer as vLLM computes it
+(``save_kv_layer``) into blocks decode granted, and decode takes pushed
+requests as asynchronous loads (docs/vllm.md, "Push mode").
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from ._config import ConnectorConfig
+from ._config import ConnectorConfig, Mode
 from ._follow import Spans
 from ._params import Endpoint, KvSpec, StepMetadata
 from ._scheduler import SchedulerSide
@@ -69,7 +72,8 @@ class HixlConnector(KVConnectorBase_V1):
             tp = get_tp_group()
             self._worker = WorkerSide(
                 self.config,
-                transfer.is_kv_producer,
+                # Push mode: decode's workers listen too (prefill connects to them to write).
+                transfer.is_kv_producer or self.config.mode is Mode.PUSH,
                 transfer.is_kv_consumer,
                 kv_cache_config.num_blocks,
                 kv,
@@ -99,6 +103,13 @@ class HixlConnector(KVConnectorBase_V1):
         """This worker's DataDist endpoint and KV heads, for its scheduler (None if it only pulls)."""
         return self.worker.endpoint()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Keep this step's orders; take its push orders now, before the forward computes any layer (vLLM may
+        call :meth:`start_load_kv` only after it)."""
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, StepMetadata)
+        self.worker.take_push_orders(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Take this step's orders: hold finished requests' blocks, keep leases, start pulls."""
         meta = self._get_connector_metadata()
@@ -110,15 +121,24 @@ class HixlConnector(KVConnectorBase_V1):
         self.worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        """Nothing: decode pulls, prefill never pushes."""
+        """Push mode, prefill: the layer is computed; start writing it into decode's blocks (returns at once).
+        Pull mode: nothing (decode pulls)."""
+        if self.config.mode is Mode.PUSH:
+            self.worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """End of the step: settle its pulls."""
+        """End of the step: settle its pulls, and (push mode) wait for its writes."""
         self.worker.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose blocks prefill may free (pulls finish within their step: nothing to report)."""
-        return self.worker.released() or None, None
+        """(Requests whose blocks may be freed: prefill's released ones, decode's revoked pushes withdrawn;
+        decode's pushes that landed or failed.) Pulls finish within their step: nothing to report for them."""
+        sending = self.worker.released()
+        recving: set[str] = set()
+        if self.config.mode is Mode.PUSH:
+            revoked, recving = self.worker.finished_pushes()
+            sending |= revoked
+        return sending or None, recving or None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Tell the scheduler which prefill ranks this worker is linked to (it holds requests back for links)."""
@@ -172,12 +192,13 @@ class HixlConnector(KVConnectorBase_V1):
         self.scheduler.worker_report(connector_output)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Prompt tokens decode takes from prefill, loaded within the step (not async); None while the
-        request waits for its links to prefill (vLLM asks again next step)."""
-        return self.scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+        """Prompt tokens decode takes from prefill: pulled within the step, or (push mode) pushed, async; None
+        while the request waits — for its links to prefill, or at a pushing prefill for decode's grants (vLLM
+        asks again next step)."""
+        return self.scheduler.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Queue the pull into the blocks vLLM just allocated."""
+        """Queue the pull into (or, push mode, the grant of) the blocks vLLM just allocated."""
         self.scheduler.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -186,5 +207,6 @@ class HixlConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Keep a prefilled request's blocks for decode and return where to find them; on decode,
-        release the lease of a request that finished before its pull."""
+        release the lease of a request that finished before its pull, or revoke the grant of one that
+        finished before its push landed (its blocks freed once the workers withdrew it)."""
         return self.scheduler.finished(request, block_ids)

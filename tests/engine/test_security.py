@@ -188,14 +188,29 @@ def test_register_access_modes() -> None:
             eng.register_mem(shared, MemType.HOST, access="rw")
 
 
-def test_a_local_read_into_read_only_memory_is_refused(shared_target: TargetProcess) -> None:
-    with Engine("127.0.0.1") as eng:
-        buf = hixl.empty(4096)
-        eng.register_mem(buf, MemType.HOST, access="r")
-        eng.connect(shared_target.engine)
+def test_a_local_read_lands_in_read_only_registrations_only_where_the_buffer_is_writable(
+    transport: str, make_target: MakeTarget
+) -> None:
+    """``access="r"`` keeps peers from writing; this engine may still READ into its own writable memory
+    (a push-mode KV cache is read-only to peers and still pulled into), never into a read-only buffer."""
+    target = make_target([1 << 20])
+    target.write(0, 0, b"\x07" * 4096)
+    with Engine("127.0.0.1", {"transport": transport}) as eng:
+        mine = hixl.empty(4096)
+        eng.register_mem(mine, MemType.HOST, access="r")
+        frozen = np.zeros(4096, dtype=np.uint8)
+        frozen.flags.writeable = False
+        eng.register_mem(frozen, MemType.HOST, access="r")
+        eng.connect(target.engine)
+        remote = target.addrs[0]
+        eng.transfer_sync(target.engine, Op.READ, [(int(mine.ctypes.data), remote, 4096)])
+        assert (mine == 7).all()
         with pytest.raises(AccessDenied, match="local"):
-            eng.transfer_sync(shared_target.engine, Op.READ, [(int(buf.ctypes.data), shared_target.addrs[0], 16)])
-        eng.transfer_sync(shared_target.engine, Op.WRITE, [(int(buf.ctypes.data), shared_target.addrs[1], 16)])
+            eng.transfer_sync(target.engine, Op.READ, [(int(frozen.ctypes.data), remote, 16)])
+        with pytest.raises(AccessDenied, match="local"):
+            eng.transfer_sync(target.engine, Op.READ, np.array([[int(frozen.ctypes.data), remote, 4096]], np.uint64))
+        assert not frozen.any()
+        eng.transfer_sync(target.engine, Op.WRITE, [(int(frozen.ctypes.data), remote, 16)])
 
 
 def test_peers_may_read_but_not_write_read_only_regions(transport: str, make_target: MakeTarget) -> None:

@@ -84,7 +84,7 @@ class FakeVllm:
     ``bodies``: the completion request bodies received, in order; ``authorizations``: every
     request's Authorization header (None: none), health checks' too; ``required``: when set, the
     Authorization every request must carry, else 401; ``disconnects``: completions that ended
-    because the proxy went away first.
+    because the proxy went away first; ``extra_params``: more ``kv_transfer_params`` a prefill answers with.
     """
 
     def __init__(self, role: str) -> None:
@@ -96,6 +96,7 @@ class FakeVllm:
         self.authorizations: list[str | None] = []
         self.required: str | None = None
         self.disconnects = 0
+        self.extra_params: dict[str, Any] = {}
         self._transfer_ids = itertools.count(1)
         self._stopping = asyncio.Event()
         app = web.Application()
@@ -152,7 +153,7 @@ class FakeVllm:
         if body.get("model") == "missing":
             return web.json_response({"error": {"message": "no such model", "code": 404}}, status=404)
         if self.role == "prefill":
-            params = {"remote_engine": self.url, "remote_transfer_id": next(self._transfer_ids)}
+            params = {"remote_engine": self.url, "remote_transfer_id": next(self._transfer_ids), **self.extra_params}
             return web.json_response({"choices": [{"text": "w0"}], "kv_transfer_params": params})
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": " ".join(WORDS)}]})

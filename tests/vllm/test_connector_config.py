@@ -11,18 +11,19 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer")
 
 import hixl.vllm  # noqa: E402
-from hixl.vllm import ConnectorConfig, LoadMode  # noqa: E402
+from hixl.vllm import ConnectorConfig, LoadMode, Mode  # noqa: E402
 from hixl.vllm._params import CPU_LAYOUT, Endpoint, KvSpec, RemotePrefill  # noqa: E402
 
 
 def test_public_surface() -> None:
-    assert sorted(hixl.vllm.__all__) == ["ConnectorConfig", "HixlConnector", "LoadMode"]
+    assert sorted(hixl.vllm.__all__) == ["ConnectorConfig", "HixlConnector", "LoadMode", "Mode"]
     assert hixl.vllm.HixlConnector.__name__ == "HixlConnector"  # the name vLLM looks up in the module
 
 
 def test_defaults_need_no_settings() -> None:
     a, b = ConnectorConfig.from_extra({}), ConnectorConfig.from_extra(None)
     assert (a.host, a.port, a.load_mode, a.transport, a.whole_below_bytes) == ("127.0.0.1", 0, LoadMode.LAYERWISE, "auto", 32 << 20)
+    assert (a.mode, a.push_timeout) == (Mode.PULL, 30.0)  # push stays opt-in until it is measured better
     assert a.cluster_id > 0 and a.cluster_id != b.cluster_id  # random: two instances never share one
 
 
@@ -32,6 +33,7 @@ def test_settings_are_parsed_and_checked() -> None:
     bad_ones = (
         {"load_mod": "sync"}, {"load_mode": "eager"}, {"port": 70000}, {"transfer_timeout": 0}, {"port": "x"},
         {"lease_s": 0}, {"lease_s": "nan"}, {"lease_s": 10, "release_timeout": 5}, {"release_timeout": 1e9}, {"whole_below_bytes": -1},
+        {"mode": "both"}, {"push_timeout": 0}, {"push_timeout": "nan"},
     )
     for bad in bad_ones:
         with pytest.raises(ValueError):

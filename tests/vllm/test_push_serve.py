@@ -1,0 +1,175 @@
+"""Push mode served: real ``vllm serve`` processes in push mode behind ``hixl proxy --kv-mode push``.
+
+Three vLLM servers, shared by every test here (one start of them all: a
+minute or two on two cores): prefills P1 and P2, decode D1, and two proxies
+over them — **1P1D** (P1 -> D1) and **2P1D** (P1, P2 -> D1). The reference
+text is D1's own, for the same request without ``kv_transfer_params``
+(computed there, no connector involved); the fleet and the request helpers
+are test_xpyd.py's. The tests run in file order: the
+last one kills P2 for good.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Not just "vllm": where vLLM is missing, this folder itself would import under that name.
+pytest.importorskip("vllm.distributed.kv_transfer")
+
+from instances import ROOT  # noqa: E402
+from test_serve import free_ports, healthy  # noqa: E402
+from test_xpyd import FLAGS, STARTUP_TIMEOUT, Fleet, Stream, body, post, reference, send_raw, texts_ok, through  # noqa: E402
+from tiny_model import build, words  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+PUSH_TIMEOUT_S = 30.0
+# name -> (role, the core vLLM binds its OpenMP threads to).
+VLLMS = {"p1": ("kv_producer", 0), "p2": ("kv_producer", 1), "d1": ("kv_consumer", 1)}
+PROXIES = {"proxy_1p1d": (["p1"], ["d1"]), "proxy_2p1d": (["p1", "p2"], ["d1"])}
+LANDED = re.compile(r"hixl: request \S+: push \d+ landed")
+FAILED = re.compile(r"hixl: request \S+: push \d+ failed: (.*)")
+PULL_FAILED = "hixl: pull of request"  # decode's warning for a failed pull
+
+
+class PushFleet(Fleet):
+    """test_xpyd's fleet, of this module's servers: every vLLM in push mode, every proxy ``--kv-mode push``."""
+
+    def __init__(self, model: Path, logs: Path) -> None:  # noqa: PLW0231 - the same parts, other servers
+        self.model, self.logs = model, logs
+        names = [*VLLMS, *PROXIES]
+        self.ports = dict(zip(names, free_ports(len(names))))
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        for name, (role, cpu) in VLLMS.items():
+            config = {
+                "kv_connector": "HixlConnector",
+                "kv_connector_module_path": "hixl.vllm",
+                "kv_role": role,
+                "kv_load_failure_policy": "fail",
+                "kv_connector_extra_config": {"mode": "push", "push_timeout": PUSH_TIMEOUT_S},
+            }
+            cmd = (
+                f"{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model {shlex.quote(str(model))} "
+                f"--port {self.ports[name]} {FLAGS} --kv-transfer-config {shlex.quote(json.dumps(config))}"
+            )
+            self._start(name, f"exec env VLLM_CPU_OMP_THREADS_BIND={cpu} {cmd}", env)
+        for name, (prefills, decodes) in PROXIES.items():
+            ups = " ".join([*(f"--prefill {self.url(p)}" for p in prefills), *(f"--decode {self.url(d)}" for d in decodes)])
+            cmd = f"exec {shlex.quote(sys.executable)} -m hixl.cli proxy {ups} --port {self.ports[name]} --health-interval 1 --kv-mode push"
+            self._start(name, cmd, env)
+
+    def wait_ready(self) -> dict[str, float]:
+        """Until every vLLM and every proxy answers /health; seconds until each vLLM did."""
+        start, ready = time.monotonic(), {}
+        while len(ready) < len(VLLMS) or not all(healthy(self.url(p)) for p in PROXIES):
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({proc.returncode}):\n{self.log(name)[-4000:]}")
+            ready.update({name: time.monotonic() - start for name in VLLMS if name not in ready and healthy(self.url(name))})
+            if time.monotonic() - start > STARTUP_TIMEOUT:
+                raise RuntimeError(f"not ready after {STARTUP_TIMEOUT} s: {sorted(set(VLLMS) - set(ready))}")
+            time.sleep(0.5)
+        return ready
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PushFleet]:
+    model = build(tmp_path_factory.mktemp("model"))
+    running = PushFleet(model, tmp_path_factory.mktemp("push-serve-logs"))
+    try:
+        print("\nvLLM serve start-up, s (3 at once):", {k: round(v, 1) for k, v in running.wait_ready().items()})
+        yield running
+    finally:
+        running.close()
+
+
+def landed(fleet: Fleet) -> int:
+    return len(LANDED.findall(fleet.log("d1")))
+
+
+# Prompt lengths with BOS: 2 (one token pushed), 20 (part of a block), 64 (two blocks), 100 (part of a fourth).
+SHAPES = [(1, 5), (19, 1), (63, 2), (99, 3)]
+
+
+def test_1p1d_pushed_tokens_equal_the_reference(fleet: Fleet) -> None:
+    """The first request teaches the proxy where P1's KV lives (a pull); every one after is pushed."""
+    first = [words(30, offset=0)]
+    texts_ok(fleet, first, through(fleet, "proxy_1p1d", first))
+    assert PULL_FAILED not in fleet.log("d1")  # a push-mode decode pulls the learning request (read-only to peers only)
+    before = landed(fleet)
+    prompts = [words(n, offset=10 + off) for n, off in SHAPES] * 2
+    texts_ok(fleet, prompts, through(fleet, "proxy_1p1d", prompts))
+    assert landed(fleet) - before == len(prompts), fleet.log("d1")[-3000:]
+    assert not FAILED.search(fleet.log("d1"))
+
+
+def test_requests_aborted_mid_push_leave_every_other_answer_right(fleet: Fleet) -> None:
+    """Under concurrent load, clients leave some requests while their pushes are under way (vLLM aborts them
+    at decode, whose grant is revoked, and at prefill): every other answer still equals the reference, and
+    D1 ends with nothing running or waiting."""
+    kept = [words(n, offset=80 + off + i) for i in range(2) for n, off in SHAPES]
+    for prompt in kept:
+        reference(fleet, prompt)
+    aborted = [Stream(send_raw(fleet, "proxy_1p1d", body(fleet, words(99, offset=120 + i), max_tokens=64, stream=True)))
+               for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = pool.submit(through, fleet, "proxy_1p1d", kept)
+        for i, stream in enumerate(aborted):
+            time.sleep(0.02 * i)  # at different points of their pushes
+            stream.sock.close()
+        texts_ok(fleet, kept, answers.result(timeout=300))
+    deadline = time.monotonic() + 30
+    while (busy := _gauges(fleet, "d1")) != (0, 0):
+        assert time.monotonic() < deadline, f"D1 still holds requests {busy}:\n{fleet.log('d1')[-3000:]}"
+        time.sleep(0.2)
+    after = [words(19, offset=140 + i) for i in range(4)]
+    texts_ok(fleet, after, through(fleet, "proxy_1p1d", after))
+
+
+def _gauges(fleet: Fleet, name: str) -> tuple[int, int]:
+    """(running, waiting) requests of vLLM server ``name`` (its /metrics)."""
+    with urllib.request.urlopen(fleet.url(name) + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    running, waiting = (sum(int(float(n)) for n in re.findall(rf"^vllm:num_requests_{kind}\{{[^}}]*\}} (\S+)$", text, re.M)) for kind in ("running", "waiting"))
+    return running, waiting
+
+
+def test_a_prefill_killed_mid_push_fails_decodes_request_fast_and_hangs_nothing(fleet: Fleet) -> None:
+    """P2 stops (SIGSTOP) with a pushed request granted by D1, then is SIGKILLed: D1 fails the request within
+    seconds (the link is dead: not its push_timeout), the client gets an error, and requests through 2P1D
+    still succeed (on P1)."""
+    prompt = words(40, offset=200)
+    status, learned = post(fleet, "p2", body(fleet, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    assert status == 200, learned
+    source = {k: learned["kv_transfer_params"][k] for k in ("remote_ranks", "remote_kv")}
+    fleet.signal("p2", signal.SIGSTOP)
+    push_id = 7_000_001
+    failed_before = len(FAILED.findall(fleet.log("d1")))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        began = time.monotonic()
+        decoded = pool.submit(post, fleet, "d1", body(fleet, prompt, kv_transfer_params={"do_remote_prefill": True, "push_id": push_id, **source}))
+        time.sleep(2.0)  # D1 granted the push: P2 never computes it
+        fleet.signal("p2", signal.SIGKILL)
+        status, answer = decoded.result(timeout=PUSH_TIMEOUT_S)
+    took = time.monotonic() - began
+    assert status != 200 or answer["choices"][0]["finish_reason"] == "error", answer
+    assert took < PUSH_TIMEOUT_S / 2, took
+    failures = FAILED.findall(fleet.log("d1"))[failed_before:]
+    assert failures and "push_timeout" not in failures[0], failures
+    print(f"\nprefill killed: decode's request ended after {took:.1f} s ({failures[0]})")
+    prompts = [words(19, offset=210 + i) for i in range(4)]
+    texts_ok(fleet, prompts, through(fleet, "proxy_2p1d", prompts))
