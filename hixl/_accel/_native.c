@@ -1076,7 +1076,11 @@ row_hash_avx512(const unsigned char *row, Py_ssize_t width, const uint64_t *keys
         x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 27)), m2);
         sum = _mm512_add_epi64(sum, _mm512_xor_si512(x, _mm512_srli_epi64(x, 31)));
     }
-    h += (uint64_t)_mm512_reduce_add_epi64(sum);
+    /* Summed here, unsigned: _mm512_reduce_add_epi64 adds as signed long long, which overflows (UB). */
+    uint64_t lanes[8];
+    _mm512_storeu_si512(lanes, sum);
+    for (int k = 0; k < 8; k++)
+        h += lanes[k];
     for (; j < width; j++) {
         memcpy(&w, row + 8 * j, 8);
         h += mix64(w ^ keys[j - 1]);
