@@ -32,6 +32,8 @@ from hixl.vllm import ConnectorConfig, HixlConnector, Mode  # noqa: E402
 from hixl.vllm._params import CPU_LAYOUT, Endpoint, KvSpec, LinkReport, PushGrant, PushSource, PushStep, StepMetadata  # noqa: E402
 from hixl.vllm._push import PUSH_NOTIFY, PushMessage, PushOp  # noqa: E402
 from hixl.vllm._worker import WorkerSide  # noqa: E402
+from test_worker_tp import Ranks as PullRanks  # noqa: E402  (its head() and close())
+from test_worker_tp import made  # noqa: E402, F401  (the fixture: every Ranks a test made is closed)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,7 +45,7 @@ def spec(num_heads: int, tp: int) -> KvSpec:
     return KvSpec("tiny", "float32", LAYERS, num_heads, HEAD_SIZE, BLOCK_SIZE, CPU_LAYOUT, tp)
 
 
-class Ranks:
+class Ranks(PullRanks):
     """One instance's workers in push mode, one per TP rank, with KV tensors registered (random values)."""
 
     def __init__(
@@ -67,27 +69,8 @@ class Ranks:
             w.register(layers)
             self.caches.append(layers)
 
-    def head(self, model_head: int, layer: str, block: int) -> torch.Tensor:
-        """What the instance holds for ``model_head`` (from its lowest rank holding it)."""
-        for w, cache in zip(self.workers, self.caches):
-            if model_head in w.heads:
-                return cache[layer][block, model_head - w.heads.start]
-        raise AssertionError(f"no rank holds head {model_head}")
-
     def snapshot(self) -> list[dict[str, torch.Tensor]]:
         return [{name: t.clone() for name, t in cache.items()} for cache in self.caches]
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.close()
-
-
-@pytest.fixture
-def made() -> Iterator[list[Ranks]]:
-    instances: list[Ranks] = []
-    yield instances
-    for instance in instances:
-        instance.close()
 
 
 def source(prefill_ranks: list, kv: KvSpec, push_id: int) -> PushSource:
