@@ -27,7 +27,7 @@ from ._exceptions import (
 )
 from ._memory import PAGE_SIZE, empty
 from ._request import TransferReq
-from ._types import MemDesc, MemHandle, MemType, NotifyDesc, Op, Status, TransferOpDesc, TransferStatus
+from ._types import CheckedRows, MemDesc, MemHandle, MemType, NotifyDesc, Op, Status, TransferOpDesc, TransferStatus
 from ._session.backend import NetworkBackend, TcpBackend
 from .engine import DEFAULT_OPTIONS, Engine
 
@@ -39,6 +39,7 @@ __all__ = [
     "AccessDenied",
     "AlreadyConnected",
     "AuthenticationFailed",
+    "CheckedRows",
     "EncryptionMismatch",
     "Engine",
     "HixlError",

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = [
+    "CheckedRows",
     "IdentityEnum",
     "MemDesc",
     "MemHandle",
@@ -105,6 +106,31 @@ class NotifyDesc:
     name: str
     msg: str
     sender: str = field(default="", compare=False, repr=False)
+
+
+class CheckedRows(NamedTuple):
+    """:meth:`Engine.read_rows` of rows that say whether they were read whole, checked and handed over.
+
+    Each row of the peer's table is ``[seq | a word the reader ignores | payload...]``: ``seq``
+    (native uint64) odd while its writer rewrites the row, and the writer stores it odd, then
+    the row, then even (:class:`hixl.weights.Table` does). Row numbers must be in ``[0,
+    limit)``: the table's rows. Where a transport can read each row between two loads of its
+    ``seq`` on a machine that keeps loads in order (shm, x86-64), it copies each row's first
+    ``row_bytes`` payload bytes straight into ``out`` and ``seq // 2`` into ``versions`` (the
+    slots are not written), lists the positions of rows whose two loads differ or are odd —
+    *torn*, their ``out`` and version not to be used — in ``torn``, and ``read_rows`` returns
+    their count. Elsewhere it returns -1: the rows are in the slots as read, ``out`` untouched,
+    for the caller to check its own way (hixl.weights: each row's hash). ``out``: a writable
+    C-contiguous buffer of ``row_bytes`` a row; ``versions``, ``torn``: writable int64 arrays of
+    one a row; ``check=False`` takes every row as it came (tests only).
+    """
+
+    limit: int
+    row_bytes: int
+    out: Any
+    versions: Any
+    torn: Any
+    check: bool = True
 
 
 @dataclass(frozen=True)

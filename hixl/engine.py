@@ -52,6 +52,7 @@ from ._session.backend import NetworkBackend, TcpBackend
 from ._session.target import ServerLimits, TargetServer
 from ._session.wire import Wire
 from ._types import (
+    CheckedRows,
     MemDesc,
     MemHandle,
     MemType,
@@ -92,6 +93,8 @@ class _Peer:
         """The channel's whole latency path in one call, if it has one (see Channel.latency_path)."""
         self.transport = transport
         self.max_inflight = max_inflight
+        self.checked_span: tuple[object, int, int] | None = None
+        """(the peer's regions table, start, length) of the last read_rows span found inside them."""
         self._inflight: set[TransferReq] = set()
         self._queue: queue.SimpleQueue[list[tuple[TransferReq, Op, np.ndarray]] | threading.Event | None] = (
             queue.SimpleQueue()
@@ -556,7 +559,9 @@ class Engine:
         stride: int,
         rows: Any,
         timeout: float | None = None,
-    ) -> None:
+        *,
+        checked: CheckedRows | None = None,
+    ) -> int | None:
         """READ rows ``rows`` of the peer's table of ``stride``-byte rows at ``remote_addr`` into
         consecutive ``stride``-byte slots from ``local_addr`` (row ``rows[i]`` into slot ``i``);
         return once all have landed.
@@ -570,6 +575,12 @@ class Engine:
         :meth:`transfer_sync`'s path, which names the descriptor outside. ``rows``: integers in an
         array of one dimension; :class:`ParamInvalid` for anything else, a negative row, a
         ``stride`` < 1 or ranges past the 64-bit address space.
+
+        With ``checked`` (:class:`CheckedRows`: rows that say whether they were read whole), the
+        peer's span is its whole table, ``checked.limit`` rows (:class:`ParamInvalid` for a row
+        number past it), and the rows are checked and handed over as they are copied where the
+        transport can (shm on x86-64): returns how many are torn, else -1 (see :class:`CheckedRows`).
+        Without, returns None.
         """
         self._check_open()
         numbers = np.asarray(rows)
@@ -579,8 +590,13 @@ class Engine:
         if not isinstance(stride, int) or stride < 1:
             raise ParamInvalid(f"stride must be a positive int, not {stride!r}")
         if not len(numbers):
-            return
-        lo, hi = int(numbers.min()), int(numbers.max())
+            return None if checked is None else 0
+        if checked is None:
+            lo, hi = int(numbers.min()), int(numbers.max())
+        else:  # the whole table: the copy checks each row number against the limit (no pass over them here)
+            if not isinstance(checked.limit, int) or checked.limit < 1:
+                raise ParamInvalid(f"checked.limit must be a positive int, not {checked.limit!r}")
+            lo, hi = 0, checked.limit - 1
         first, span, nbytes = remote_addr + lo * stride, (hi - lo + 1) * stride, len(numbers) * stride
         if lo < 0 or min(local_addr, remote_addr) < 0 or max(local_addr + nbytes, first + span) > 1 << 64:
             raise ParamInvalid(f"rows {lo}..{hi} of {stride} bytes at {remote_addr:#x} into {local_addr:#x} are not addresses")
@@ -590,15 +606,26 @@ class Engine:
             raise ParamInvalid(f"timeout must be positive, not {timeout}")
         if self._registry.own.table.writable.contains(local_addr, nbytes):
             try:
-                peer.channel.check_remote(np.array([first], np.uint64), np.array([span], np.uint64), limit, False)
+                # A parameter server's worker gathers from the same table batch after batch: the span is
+                # checked again only once the peer's regions (a new table, never one changed in place) did.
+                regions = peer.link.regions.table
+                if peer.checked_span != (regions, first, span):
+                    peer.channel.check_remote(np.array([first], np.uint64), np.array([span], np.uint64), limit, False)
+                    peer.checked_span = (peer.link.regions.table, first, span)
             except MemoryRangeError:
                 pass  # rows in several regions (or some outside): transfer_sync's checks tell which
             else:
                 req = TransferReq(peer.link.remote_engine, Op.READ, len(numbers), nbytes, limit)
-                peer.channel.read_rows(req, local_addr, remote_addr, stride, numbers, (first, span))
+                try:
+                    torn = peer.channel.read_rows(req, local_addr, remote_addr, stride, numbers, (first, span), checked)
+                except ValueError as exc:  # a row number the copy refused: nothing was copied
+                    raise ParamInvalid(str(exc)) from None
                 req.wait()
-                return
+                return None if checked is None else torn
+        if checked is not None and (int(numbers.min()) < 0 or int(numbers.max()) >= checked.limit):
+            raise ParamInvalid(f"rows must be in [0, {checked.limit})")
         self.transfer_sync(remote_engine, Op.READ, row_descs(local_addr, remote_addr, stride, numbers), limit)
+        return None if checked is None else -1
 
     def transfer_async(
         self, remote_engine: str, op: Op, op_descs: Any, timeout: float | None = None

@@ -58,18 +58,25 @@ def make_target(request: pytest.FixtureRequest) -> Iterator[Callable[..., Target
 
 @pytest.fixture
 def gathers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many rows each call of shm's one-call gather (``Engine.read_rows``) copied: a spy on the
-    real ``hixl._accel.gather_rows``, to show a test ran that path."""
+    """How many rows each call of shm's one-call gather (``Engine.read_rows``: ``hixl._accel.gather_rows``,
+    or ``gather_checked_rows`` for checked rows) copied: spies on the real ones, to show a test ran that
+    path. A call that refused its rows (nothing copied) is not counted."""
     from hixl.transports import shm
 
     calls: list[int] = []
-    real = shm._accel.gather_rows
+    real, real_checked = shm._accel.gather_rows, shm._accel.gather_checked_rows
 
     def counted(dst: int, src: int, stride: int, rows: Any) -> None:
-        calls.append(len(rows))
         real(dst, src, stride, rows)
+        calls.append(len(rows))
+
+    def counted_checked(*args: Any) -> int:
+        torn = real_checked(*args)
+        calls.append(len(args[2]))
+        return torn  # type: ignore[no-any-return]
 
     monkeypatch.setattr(shm._accel, "gather_rows", counted)
+    monkeypatch.setattr(shm._accel, "gather_checked_rows", counted_checked)
     return calls
 
 

@@ -59,7 +59,10 @@ these functions are handed the tables their callers checked and hold current.
   (shm's :meth:`~hixl.transports.shm.ShmChannel.read_rows`) into consecutive slots, a few rows
   ahead asked of memory while one is copied; :func:`accept_rows` — such a gather of hixl.weights
   rows checked (sequence word and hash, in one pass) and, if every row is whole, its payloads and
-  versions handed over, or else which rows are torn.
+  versions handed over, or else which rows are torn; :func:`gather_checked_rows` — a gather from memory
+  mapped here straight into the caller's array, each row checked by loading its sequence word before
+  and after its copy (no hash: valid where :data:`ORDERED_ROW_READS`, a machine that keeps loads in
+  order).
 - :func:`batch_order` — an order for a batch that makes :func:`copy_pieces`
   cheaper (only the pure one has a use for it: numpy's calls want one side back
   to back; C copies in any order at the same speed).
@@ -86,6 +89,7 @@ __all__ = [
     "LANE_FROM",
     "MAX_LANES",
     "NATIVE",
+    "ORDERED_ROW_READS",
     "PROC_MEM_MAX",
     "PURE_ENV",
     "STREAM_FROM",
@@ -104,6 +108,7 @@ __all__ = [
     "cma_windows",
     "copy_hash",
     "copy_pieces",
+    "gather_checked_rows",
     "gather_rows",
     "mapped_copy",
     "row_hashes",
@@ -167,6 +172,8 @@ weights_hash = _impl.weights_hash
 copy_hash = _impl.copy_hash
 row_hashes = _impl.row_hashes
 gather_rows = _impl.gather_rows
+gather_checked_rows = _impl.gather_checked_rows
+ORDERED_ROW_READS: bool = bool(_impl.ORDERED_ROW_READS)
 accept_rows = _impl.accept_rows
 TCP_WAIT: int = _impl.TCP_WAIT
 TCP_EOF: int = _impl.TCP_EOF

@@ -1226,6 +1226,133 @@ gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* The four buffers a row batch is checked and handed over through: what came in (a gather's row
+ * numbers, or the rows' words), out, versions and torn. */
+typedef struct {
+    Py_buffer in, out, versions, torn;
+    int held; /* how many, in that order */
+} row_buffers_t;
+
+static void
+row_buffers_release(row_buffers_t *b)
+{
+    Py_buffer *all[] = {&b->in, &b->out, &b->versions, &b->torn};
+    while (b->held > 0)
+        PyBuffer_Release(all[--b->held]);
+}
+
+/* Take them (in: int64 row numbers if in_rows, else C-contiguous uint64 words); 0 with the error set
+ * and none held, if one is not what it must be. */
+static int
+row_buffers_get(row_buffers_t *b, PyObject *in, int in_rows, PyObject *out, PyObject *versions, PyObject *torn)
+{
+    b->held = 0;
+    if (!(in_rows ? i64_buffer(in, &b->in, 0, "rows") : hash_buffer(in, &b->in, 0, "words")))
+        return 0;
+    b->held = 1;
+    if (!hash_buffer(out, &b->out, 1, "out"))
+        goto fail;
+    b->held = 2;
+    if (!i64_buffer(versions, &b->versions, 1, "versions"))
+        goto fail;
+    b->held = 3;
+    if (!i64_buffer(torn, &b->torn, 1, "torn"))
+        goto fail;
+    b->held = 4;
+    return 1;
+fail:
+    row_buffers_release(b);
+    return 0;
+}
+
+#if defined(__x86_64__)
+/* Loads are not reordered with other loads here (x86-64's TSO), nor stores with stores: a row read
+ * between two loads of its sequence word that agree (and are even) was read whole, if the writer
+ * stores the word odd, then the row, then the word even (hixl.weights.Table.update). */
+#define ORDERED_ROW_READS 1
+#else
+#define ORDERED_ROW_READS 0
+#endif
+
+PyDoc_STRVAR(gather_checked_rows_doc,
+"gather_checked_rows(src, stride, rows, limit, row_bytes, out, versions, torn, check) -> int\n\n"
+"A gather of table rows whose first word is a sequence number, odd while the row is written, from\n"
+"the table of stride-byte rows at address src straight into out: for every i, row rows[i]'s\n"
+"row_bytes payload bytes (from its third word) into out (a writable C-contiguous buffer of\n"
+"row_bytes a row) and its version, the word halved, into versions (int64), the payload copied\n"
+"between two loads of the word (rows ahead asked of memory meanwhile). With check, a row whose\n"
+"loads differ or are odd is torn (its out and version are not to be used): returns how many\n"
+"are, their positions, ascending, in torn (int64, one a row). ValueError, nothing copied, for a\n"
+"row number outside [0, limit) or sizes that disagree. Only where ORDERED_ROW_READS is true (the\n"
+"machine keeps loads in order) does check mean anything; the caller has made sure that the rows\n"
+"may be read (hixl.Engine.read_rows).");
+
+static PyObject *
+gather_checked_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "gather_checked_rows takes 9 arguments");
+        return NULL;
+    }
+    unsigned long long src = PyLong_AsUnsignedLongLong(args[0]);
+    Py_ssize_t stride = PyLong_AsSsize_t(args[1]);
+    long long limit = PyLong_AsLongLong(args[3]);
+    Py_ssize_t row_bytes = PyLong_AsSsize_t(args[4]);
+    int check = PyObject_IsTrue(args[8]);
+    if (PyErr_Occurred() || check < 0)
+        return NULL;
+    if (stride < 16 || stride % 8 || row_bytes < 0 || row_bytes > stride - 16) {
+        PyErr_Format(PyExc_ValueError, "gather_checked_rows: %zd payload bytes do not fit rows of %zd bytes (a multiple of 8, >= 16)",
+                     row_bytes, stride);
+        return NULL;
+    }
+    if (src % 8) {
+        PyErr_SetString(PyExc_ValueError, "gather_checked_rows: the table's address must be a multiple of 8");
+        return NULL;
+    }
+    row_buffers_t b;
+    if (!row_buffers_get(&b, args[2], 1, args[5], args[6], args[7]))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = b.in.len / 8;
+    if (b.out.len != row_bytes * n || b.versions.len != b.in.len || b.torn.len != b.in.len) {
+        PyErr_Format(PyExc_ValueError, "gather_checked_rows: %zd rows need %zd bytes of out and %zd of versions and torn, not %zd, %zd, %zd",
+                     n, row_bytes * n, b.in.len, b.out.len, b.versions.len, b.torn.len);
+        goto out;
+    }
+    const int64_t *rows = b.in.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= limit) {
+            PyErr_Format(PyExc_ValueError, "gather_checked_rows: row %zd is %lld, not in [0, %lld)", i, (long long)rows[i], limit);
+            goto out;
+        }
+    int64_t *torn = b.torn.buf, *versions = b.versions.buf;
+    unsigned char *landing = b.out.buf;
+    Py_ssize_t count = 0;
+    PyThreadState *released = (uint64_t)n * (uint64_t)row_bytes >= GIL_FREE_FROM ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + GATHER_AHEAD < n) {
+            const char *ahead = (const char *)(uintptr_t)(src + (uint64_t)rows[i + GATHER_AHEAD] * (uint64_t)stride);
+            for (Py_ssize_t line = 0; line < stride; line += 64)
+                __builtin_prefetch(ahead + line);
+        }
+        const uint64_t *from = (const uint64_t *)(uintptr_t)(src + (uint64_t)rows[i] * (uint64_t)stride);
+        uint64_t before = __atomic_load_n(from, __ATOMIC_ACQUIRE);
+        /* (memcpy at this size is plain vector loads and stores, in order: no string instructions) */
+        memcpy(landing + row_bytes * i, from + 2, (size_t)row_bytes);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        versions[i] = (int64_t)(before >> 1);
+        if (check && ((before & 1) || __atomic_load_n(from, __ATOMIC_RELAXED) != before))
+            torn[count++] = i;
+    }
+    if (released != NULL)
+        PyEval_RestoreThread(released);
+    result = PyLong_FromSsize_t(count);
+out:
+    row_buffers_release(&b);
+    return result;
+}
+
 PyDoc_STRVAR(accept_rows_doc,
 "accept_rows(words, width, row_bytes, out, versions, torn) -> int\n\n"
 "Check a gather of table rows (words: C-contiguous native uint64, width words a row: the sequence\n"
@@ -1252,32 +1379,21 @@ accept_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                      row_bytes, width, ROW_MAX_WORDS);
         return NULL;
     }
-    Py_buffer w, o, v, t;
-    int have = 0; /* buffers held, in the order above */
+    row_buffers_t b;
+    if (!row_buffers_get(&b, args[0], 0, args[3], args[4], args[5]))
+        return NULL;
     PyObject *result = NULL;
-    if (!hash_buffer(args[0], &w, 0, "words"))
-        goto out;
-    have++;
-    if (!hash_buffer(args[3], &o, 1, "out"))
-        goto out;
-    have++;
-    if (!i64_buffer(args[4], &v, 1, "versions"))
-        goto out;
-    have++;
-    if (!i64_buffer(args[5], &t, 1, "torn"))
-        goto out;
-    have++;
-    Py_ssize_t n = t.len / 8;
-    if (w.len != 8 * width * n || o.len != row_bytes * n || v.len != t.len) {
+    Py_ssize_t n = b.torn.len / 8;
+    if (b.in.len != 8 * width * n || b.out.len != row_bytes * n || b.versions.len != b.torn.len) {
         PyErr_Format(PyExc_ValueError,
                      "accept_rows: %zd rows (torn) need %zd bytes of words, %zd of out and %zd of versions, not %zd, %zd, %zd",
-                     n, 8 * width * n, row_bytes * n, t.len, w.len, o.len, v.len);
+                     n, 8 * width * n, row_bytes * n, b.torn.len, b.in.len, b.out.len, b.versions.len);
         goto out;
     }
     uint64_t keys[ROW_MAX_WORDS];
     row_keys(keys, width);
-    const unsigned char *words = w.buf;
-    int64_t *torn = t.buf;
+    const unsigned char *words = b.in.buf;
+    int64_t *torn = b.torn.buf;
     Py_ssize_t count = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
         const unsigned char *row = words + 8 * width * k;
@@ -1288,8 +1404,8 @@ accept_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             torn[count++] = k;
     }
     if (count == 0) {
-        unsigned char *dst = o.buf;
-        int64_t *versions = v.buf;
+        unsigned char *dst = b.out.buf;
+        int64_t *versions = b.versions.buf;
         for (Py_ssize_t k = 0; k < n; k++) {
             const unsigned char *row = words + 8 * width * k;
             uint64_t seq;
@@ -1300,14 +1416,7 @@ accept_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     result = PyLong_FromSsize_t(count);
 out:
-    if (have > 3)
-        PyBuffer_Release(&t);
-    if (have > 2)
-        PyBuffer_Release(&v);
-    if (have > 1)
-        PyBuffer_Release(&o);
-    if (have > 0)
-        PyBuffer_Release(&w);
+    row_buffers_release(&b);
     return result;
 }
 
@@ -3108,6 +3217,7 @@ static PyMethodDef methods[] = {
     {"copy_hash", (PyCFunction)(void (*)(void))copy_hash, METH_FASTCALL, copy_hash_doc},
     {"row_hashes", (PyCFunction)(void (*)(void))row_hashes, METH_FASTCALL, row_hashes_doc},
     {"gather_rows", (PyCFunction)(void (*)(void))gather_rows, METH_FASTCALL, gather_rows_doc},
+    {"gather_checked_rows", (PyCFunction)(void (*)(void))gather_checked_rows, METH_FASTCALL, gather_checked_rows_doc},
     {"accept_rows", (PyCFunction)(void (*)(void))accept_rows, METH_FASTCALL, accept_rows_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -3149,6 +3259,7 @@ PyInit__native(void)
         forked_handler = 1;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "GIL_FREE_FROM", GIL_FREE_FROM) < 0 ||
+                      PyModule_AddIntConstant(m, "ORDERED_ROW_READS", ORDERED_ROW_READS) < 0 ||
                       PyModule_AddIntConstant(m, "SMALL_MAX", SMALL_MAX) < 0 ||
                       PyModule_AddIntConstant(m, "PROC_MEM_MAX", PROC_MEM_MAX) < 0 ||
                       PyModule_AddIntConstant(m, "LANE_FROM", LANE_FROM) < 0 ||

@@ -31,6 +31,7 @@ import bisect
 import ctypes
 import operator
 import os
+import platform
 import errno
 import fcntl
 import select
@@ -58,6 +59,7 @@ __all__ = [
     "CMA_STUCK",
     "CmaSmall",
     "GIL_FREE_FROM",
+    "ORDERED_ROW_READS",
     "PROC_MEM_MAX",
     "SMALL_MAX",
     "STREAM_FROM",
@@ -76,6 +78,7 @@ __all__ = [
     "copy_hash",
     "copy_many",
     "copy_pieces",
+    "gather_checked_rows",
     "mapped_copy",
     "tcp_land",
     "tcp_reply",
@@ -86,6 +89,8 @@ __all__ = [
 
 GIL_FREE_FROM = 256 << 10
 """Blocks of at least this many bytes are copied with the GIL released."""
+ORDERED_ROW_READS = int(platform.machine() in ("x86_64", "AMD64"))
+"""Whether this machine keeps loads in order (x86-64), so that :func:`gather_checked_rows`'s check holds."""
 LANE_FROM = 4 << 20
 """A copy (one call of :func:`cma_window` or :func:`copy_pieces`) of fewer bytes stays in one lane:
 below it, handing a part to another thread costs more than the second core gains."""
@@ -1107,6 +1112,50 @@ def gather_rows(dst: int, src: int, stride: int, rows: object) -> None:
     srcs = (np.uint64(src) + numbers.astype(np.uint64) * np.uint64(stride)).astype(np.uint64)
     dsts = np.uint64(dst) + np.arange(len(numbers), dtype=np.uint64) * np.uint64(stride)
     copy_many(dsts, srcs, np.full(len(numbers), stride, dtype=np.uint64))
+
+
+def gather_checked_rows(
+    src: int, stride: int, rows: object, limit: int, row_bytes: int, out: object, versions: object, torn: object,
+    check: bool,
+) -> int:
+    """A gather of table rows whose first word is a sequence number, odd while the row is written, from the
+    table of ``stride``-byte rows at address ``src`` straight into ``out``: row ``rows[i]``'s ``row_bytes``
+    payload bytes (from its third word) into ``out``, its version (the word halved) into ``versions``. With
+    ``check``, a row whose word, loaded before and after the copy, differs or is odd is torn (its ``out``
+    and version are not to be used): returns how many are, their positions, ascending, in ``torn``.
+    ValueError, nothing copied, for a row number outside ``[0, limit)`` or sizes that disagree. Here every
+    row's word is loaded before any payload and again after all (each numpy step loads in order): the C
+    twin's check with a wider window, valid where :data:`ORDERED_ROW_READS`."""
+    src, stride, limit, row_bytes = operator.index(src), operator.index(stride), operator.index(limit), operator.index(row_bytes)
+    if stride < 16 or stride % 8 or not 0 <= row_bytes <= stride - 16:
+        raise ValueError(f"gather_checked_rows: {row_bytes} payload bytes do not fit rows of {stride} bytes (a multiple of 8, >= 16)")
+    if src % 8:
+        raise ValueError("gather_checked_rows: the table's address must be a multiple of 8")
+    numbers = _i64_array(rows, False, "rows")
+    landing = _hash_buffer(out, True, "out")
+    seen = _i64_array(versions, True, "versions")
+    positions = _i64_array(torn, True, "torn")
+    n = len(numbers)
+    if len(landing) != row_bytes * n or len(seen) != n or len(positions) != n:
+        raise ValueError(
+            f"gather_checked_rows: {n} rows need {row_bytes * n} bytes of out and {8 * n} of versions and torn, not "
+            f"{len(landing)}, {8 * len(seen)}, {8 * len(positions)}"
+        )
+    outside = np.flatnonzero((numbers < 0) | (numbers >= limit))
+    if len(outside):
+        i = int(outside[0])
+        raise ValueError(f"gather_checked_rows: row {i} is {int(numbers[i])}, not in [0, {limit})")
+    if not n:
+        return 0
+    table = np.ctypeslib.as_array((ctypes.c_uint8 * (stride * (int(numbers.max()) + 1))).from_address(src)).reshape(-1, stride)
+    words = table.view(np.uint64)
+    before = words[numbers, 0]
+    landing.reshape(n, row_bytes)[:] = table[numbers, 16 : 16 + row_bytes]
+    after = words[numbers, 0]
+    seen[:] = (before >> np.uint64(1)).astype(np.int64)
+    bad = np.flatnonzero(((before & np.uint64(1)) != 0) | (before != after)) if check else np.empty(0, np.int64)
+    positions[: len(bad)] = bad
+    return len(bad)
 
 
 def accept_rows(words: object, width: int, row_bytes: int, out: object, versions: object, torn: object) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 from .._memory import merge_adjacent
 from .._protocol.frames import FrameType, ReadRequest, WriteRequest
 from .._session.contract import ServedSession
-from .._types import MemType, Op
+from .._types import CheckedRows, MemType, Op
 
 if TYPE_CHECKING:
     import socket
@@ -194,16 +194,23 @@ class Channel(abc.ABC):
         return False
 
     def read_rows(
-        self, req: TransferReq, local_addr: int, remote_addr: int, stride: int, rows: np.ndarray, span: tuple[int, int]
-    ) -> None:
-        """Move a gather the engine checked (:meth:`hixl.Engine.read_rows`), for a caller that waits for ``req``.
+        self, req: TransferReq, local_addr: int, remote_addr: int, stride: int, rows: np.ndarray, span: tuple[int, int],
+        checked: CheckedRows | None = None,
+    ) -> int:
+        """Move a gather the engine checked (:meth:`hixl.Engine.read_rows`), for a caller that waits for ``req``;
+        how many rows are torn, or -1 where it did not check them (see :class:`~hixl.CheckedRows`).
 
-        ``rows``: int64, each >= 0; ``span``: the peer's ``(start, length)`` they all lie in,
-        found inside its regions; the slots here are registered. The default moves the
-        descriptors it stands for through :meth:`run`; a transport that can gather in one step
-        overrides it, under the same rules as :meth:`start`.
+        ``rows``: int64; ``span``: the peer's ``(start, length)`` they all lie in, found inside its
+        regions — without ``checked``, each row is >= 0 and inside it; with, the span is the whole
+        table and the rows are not checked yet (ValueError, nothing moved, for one outside). The
+        slots here are registered. The default moves the descriptors it stands for through
+        :meth:`run`; a transport that can gather in one step overrides it, under the same rules
+        as :meth:`start`.
         """
+        if checked is not None and len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= checked.limit):
+            raise ValueError(f"rows must be in [0, {checked.limit})")
         self.run(req, Op.READ, merge_adjacent(row_descs(local_addr, remote_addr, stride, rows)))
+        return -1
 
     def latency_path(self, registry: OwnView) -> Callable[[Op, object], bool] | None:
         """``transfer_sync``'s whole latency path to this peer in one call, or None (the default).

@@ -57,7 +57,7 @@ from .._memory import RemoteRegions
 from .._protocol import shm as shm_proto
 from .._session.address import boot_id as _boot_id
 from .._session.initiator import INPUT_CHECK, LinkState
-from .._types import MemType, Op
+from .._types import CheckedRows, MemType, Op
 from ._shm_maps import GrantLimits
 from ._shm_peer import RECHECK, PeerMemory
 from ._shm_socket import (
@@ -362,10 +362,14 @@ class ShmChannel(Channel):
             req.complete()
 
     def read_rows(
-        self, req: TransferReq, local_addr: int, remote_addr: int, stride: int, rows: np.ndarray, span: tuple[int, int]
-    ) -> None:
+        self, req: TransferReq, local_addr: int, remote_addr: int, stride: int, rows: np.ndarray, span: tuple[int, int],
+        checked: CheckedRows | None = None,
+    ) -> int:
         """A gather whose span lies in one mapping: one :func:`~hixl._accel.gather_rows` call under
-        one hold of the lease (as one window of the general path, so at most ``CHUNK`` bytes a lane);
+        one hold of the lease (as one window of the general path, so at most ``CHUNK`` bytes a lane),
+        or with ``checked``, on a machine that keeps loads in order, one
+        :func:`~hixl._accel.gather_checked_rows` (each row checked as it is copied, straight into
+        ``checked.out``);
         anything else as the descriptors it stands for.
 
         A parameter server's batch is a thousand rows of a few hundred bytes: per descriptor, the
@@ -373,6 +377,7 @@ class ShmChannel(Channel):
         span is found in the mappings once, and the C call finds each row from its number.
         """
         memory, link = self._memory, self.link
+        torn = -1
         if len(rows) * stride <= self._small_max and not (self._over_tcp and self._tcp_unfinished()):
             try:
                 link.ensure_alive()
@@ -381,18 +386,34 @@ class ShmChannel(Channel):
                 link.poll_input()  # (a REVOKE waiting on the socket is taken first)
                 with req.io_lock:
                     if req.cancelled:
-                        return
-                    with link.regions.lease.shared(req.deadline):
-                        here = memory.maps.find(*span, False) if memory.alive() and memory.in_step() else -1
+                        return -1
+                    lease = link.regions.lease
+                    token = lease.enter()  # (its context manager's steps, without one: a batch is ~0.1 ms)
+                    if not token:  # a REVOKE is under way: wait it out
+                        lease.wait_out_revoke(req.deadline)
+                        token = lease.enter()
+                    try:
+                        here = memory.maps.find(*span, False) if token and memory.alive() and memory.in_step() else -1
                         if here >= 0:  # (where row 0 would be mapped, modulo 2**64: rows start at span's)
-                            _accel.gather_rows(local_addr, (here - span[0] + remote_addr) % (1 << 64), stride, rows)
+                            base = (here - span[0] + remote_addr) % (1 << 64)
+                            if checked is not None and _accel.ORDERED_ROW_READS and not base % 8:
+                                torn = _accel.gather_checked_rows(
+                                    base, stride, rows, checked.limit, checked.row_bytes, checked.out, checked.versions,
+                                    checked.torn, checked.check,
+                                )
+                            else:
+                                if checked is not None and (int(rows.min()) < 0 or int(rows.max()) >= checked.limit):
+                                    raise ValueError(f"rows must be in [0, {checked.limit})")
+                                _accel.gather_rows(local_addr, base, stride, rows)
+                    finally:
+                        lease.leave(token)
             except HixlError as exc:
                 req.fail(exc)
-                return
+                return -1
             if here >= 0:
                 req.complete()
-                return
-        super().read_rows(req, local_addr, remote_addr, stride, rows, span)
+                return torn
+        return super().read_rows(req, local_addr, remote_addr, stride, rows, span, checked)
 
     def _over_tcp_start(self, req: TransferReq, op: Op, descs: np.ndarray, wait: bool) -> None:
         with self._over_tcp_lock:

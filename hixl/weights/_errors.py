@@ -29,8 +29,8 @@ class Superseded(TransferError):
 class TornRows(Superseded):
     """Some rows were being updated on every one of a row gather's bounded re-reads.
 
-    ``rows`` holds their positions in the ``indices`` asked for; the destination is untouched.
-    """
+    ``rows`` holds their positions in the ``indices`` asked for. The destination's rows are not to be
+    used (on shm the whole ones have landed in it; elsewhere it is untouched)."""
 
     def __init__(self, message: str, rows: Sequence[int] = ()) -> None:
         super().__init__(message)

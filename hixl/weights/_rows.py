@@ -7,7 +7,11 @@ does; ``hash`` is :func:`row_hashes` of ``seq`` and the payload. A reader copies
 whole rows in one READ — in no particular order, byte by byte for all it knows —
 and accepts a row only if its ``seq`` is even and its hash matches: a row whose
 copy mixed two updates fails that (but for a chance of about 2**-64 per torn row),
-and is read again.
+and is read again. Where the reader's own code copies the row from memory mapped
+in its process on a machine that keeps loads in order (shm, x86-64), it needs no
+hash: it loads ``seq`` before and after copying the payload, and a row whose two
+loads differ or are odd is torn (:class:`hixl.CheckedRows`) — the update stores
+``seq`` odd, then the row, then ``seq`` even, and those stores are seen in that order.
 
 The hash is computed for whole batches (:func:`hixl._accel.row_hashes`, in C, and
 its numpy twin): each 8-byte word is xor-ed with a key for its position, passed

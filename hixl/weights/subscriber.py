@@ -36,7 +36,7 @@ from .._exceptions import (
     PeerDisconnected,
 )
 from .._memory import empty
-from .._types import MemDesc, MemHandle, NotifyDesc, Op, TransferOpDesc
+from .._types import CheckedRows, MemDesc, MemHandle, NotifyDesc, Op, TransferOpDesc
 from ..engine import Engine
 from . import _checks, _wire
 from ._errors import ManifestError, Superseded, TornRows
@@ -44,7 +44,7 @@ from ._lanes import spread
 from ._manifest import Manifest, within
 from ._plan import BytePlan, make_plan
 from ._rows import TableInfo, accept, check_name
-from ._tensors import byte_array, view_of
+from ._tensors import DTYPES, byte_array, view_of
 
 __all__ = ["Subscriber"]
 
@@ -52,6 +52,8 @@ log = logging.getLogger("hixl.weights")
 
 _ATTEMPTS = 4
 """Tries of a pull of the newest version, each of the then newest, before :class:`Superseded` is raised."""
+_NUMPY_DTYPES = {name: np.dtype(name) for name in DTYPES if hasattr(np, name)}
+"""numpy's own dtype objects (one per type), for pull_rows' quick look at ``out``; others take view_of's."""
 _ROW_TRIES = 16
 """READs of a row gather (the first and re-reads of the rows found torn) before :class:`TornRows`."""
 _ROW_PAUSE = 50e-6
@@ -99,6 +101,7 @@ class Subscriber:
         self._tables: dict[str, TableInfo] = {}
         self._scratch: np.ndarray | None = None  # where row gathers land
         self._scratch_handle: MemHandle | None = None
+        self._scratch_addr = 0  # its address
         self._lock = threading.Lock()  # one pull or gather at a time: they share the words above
         self._heard = threading.Condition()
         self._newest_heard = 0
@@ -300,7 +303,7 @@ class Subscriber:
         ``out``: a C-contiguous numpy array or torch CPU tensor of shape ``(len(indices), *row_shape)``
         and the table's dtype. Each row is a consistent copy of one of its versions: rows caught
         mid-update are read again (one batched READ for all of them), up to 16 READs in all, then
-        :class:`TornRows` is raised with ``out`` untouched. ``versions``, if given (int64, one per
+        :class:`TornRows` is raised (``out``'s rows are then not to be used). ``versions``, if given (int64, one per
         index), receives each row's version (the table update that last wrote it). Returns the
         newest of them. :class:`ParamInvalid` (nothing read or written) for indices that are not
         integers in ``[0, rows)`` in one dimension, or a wrong ``out`` or ``versions``;
@@ -310,18 +313,16 @@ class Subscriber:
         with self._lock:
             self._check_open()
             info = self._table(check_name(name), deadline)
-            rows = np.asarray(indices)
+            rows = indices if type(indices) is np.ndarray else np.asarray(indices)
             if rows.ndim != 1 or (len(rows) and rows.dtype.kind not in "iu"):
                 raise ParamInvalid("indices must be a 1-D sequence of row numbers")
-            rows = np.ascontiguousarray(rows, dtype=np.int64)
-            if len(rows) and (rows.min() < 0 or rows.max() >= info.rows):
-                raise ParamInvalid(f"row numbers must be in [0, {info.rows}) for table {name!r}")
-            dest = view_of(out)
-            if dest.dtype != info.dtype or dest.shape != (len(rows), *info.row_shape) or not _contiguous(dest):
-                raise ParamInvalid(
-                    f"out must be C-contiguous {info.dtype} of shape {(len(rows), *info.row_shape)}, "
-                    f"not {dest.dtype} {dest.shape}"
-                )
+            if rows.dtype != np.int64 or not rows.flags.c_contiguous:
+                rows = np.ascontiguousarray(rows, dtype=np.int64)
+            shape = (len(rows), *info.row_shape)
+            if not (type(out) is np.ndarray and out.dtype is _NUMPY_DTYPES.get(info.dtype) and out.shape == shape and out.flags.c_contiguous):
+                dest = view_of(out)  # (a tensor, or the error that says what is wrong)
+                if dest.dtype != info.dtype or dest.shape != shape or not _contiguous(dest):
+                    raise ParamInvalid(f"out must be C-contiguous {info.dtype} of shape {shape}, not {dest.dtype} {dest.shape}")
             if versions is not None and (
                 not isinstance(versions, np.ndarray) or versions.shape != (len(rows),) or versions.dtype != np.int64
                 or not versions.flags.c_contiguous
@@ -342,30 +343,53 @@ class Subscriber:
 
     def _gather(self, info: TableInfo, rows: np.ndarray, out: np.ndarray, versions: np.ndarray, deadline: float) -> None:
         """Rows ``rows`` of ``info``'s table, each accepted (see :mod:`._rows`): payloads into ``out``,
-        versions into ``versions``; both untouched if some row stays torn (:class:`TornRows`).
+        versions into ``versions``; :class:`TornRows` if some row stays torn.
 
-        The common case is two calls: one READ of the batch (:meth:`hixl.Engine.read_rows`, checked
-        as two ranges, not a descriptor per row) and one pass over it that checks every row and,
-        if all are whole, hands them over (:func:`._rows.accept`).
+        The common case is one call, :meth:`hixl.Engine.read_rows` of the batch (checked as two ranges,
+        not a descriptor per row): where the transport checks each row's sequence word around its copy,
+        the rows land straight in ``out`` (shm); elsewhere they land in a scratch buffer, and one pass
+        over it checks each row's hash and, if all are whole, hands them over (:func:`._rows.accept`).
         """
-        stride = info.stride
-        scratch = self._scratch_of(len(rows) * stride)
-        words = scratch[: len(rows) * stride].view(np.uint64)
-        base = int(scratch.ctypes.data)
-        self.engine.read_rows(self.address, base, info.region.addr, stride, rows, self._left(deadline))
         torn = np.empty(len(rows), dtype=np.int64)
+        count = self._read_rows(info, rows, out, versions, torn, deadline)
+        if count == -1:
+            self._accept_copies(info, rows, out, versions, torn, deadline)
+        elif count:
+            self._land_torn(info, rows, out, versions, torn[:count].copy(), deadline)
+
+    def _read_rows(self, info: TableInfo, rows: np.ndarray, out: np.ndarray, versions: np.ndarray, torn: np.ndarray, deadline: float) -> int:
+        """One :meth:`hixl.Engine.read_rows` of ``rows`` into the scratch's first slots, checked where it can
+        be (see :class:`~hixl.CheckedRows`): how many are torn, or -1 (the rows are in the scratch)."""
+        stride = info.stride
+        self._scratch_of(len(rows) * stride)
+        checked = CheckedRows(info.rows, info.row_bytes, out, versions, torn, _checks.ENABLED)
+        try:
+            return self.engine.read_rows(  # type: ignore[return-value]  # (an int, given checked)
+                self.address, self._scratch_addr, info.region.addr, stride, rows, self._left(deadline), checked=checked
+            )
+        except MemoryRangeError:
+            raise  # (a ParamInvalid: the table is no longer where it was)
+        except ParamInvalid as exc:  # (everything else about the call is this class's own doing)
+            raise ParamInvalid(f"row numbers must be in [0, {info.rows}) for table {info.name!r}") from exc
+
+    def _accept_copies(
+        self, info: TableInfo, rows: np.ndarray, out: np.ndarray, versions: np.ndarray, torn: np.ndarray, deadline: float
+    ) -> None:
+        """The rows read into the scratch, checked by their hashes and handed over if all are whole (``out`` and
+        ``versions`` untouched until then); torn ones read again into their own slots, 16 tries in all."""
+        stride = info.stride
+        assert self._scratch is not None
+        words = self._scratch[: len(rows) * stride].view(np.uint64)
         for attempt in range(_ROW_TRIES):
             count = accept(words, stride // 8, info.row_bytes, out, versions, torn)
             if not count:
                 return
             if attempt == _ROW_TRIES - 1:
                 break
-            # Let the update in progress finish (50 us, doubling, at most 1 ms), then read the torn
-            # rows again, into their own slots.
-            time.sleep(min(_ROW_PAUSE * 2**attempt, 0.001))
+            self._pause(attempt)
             pending = torn[:count]
             descs = np.empty((count, 3), dtype=np.uint64)
-            descs[:, 0] = base + pending * stride
+            descs[:, 0] = self._scratch_addr + pending * stride
             descs[:, 1] = info.region.addr + rows[pending] * stride
             descs[:, 2] = stride
             self.engine.transfer_sync(self.address, Op.READ, descs, self._left(deadline))
@@ -373,6 +397,41 @@ class Subscriber:
             f"{count} row(s) of table {info.name!r} were being updated on each of {_ROW_TRIES} reads",
             [int(i) for i in torn[:count]],
         )
+
+    def _land_torn(
+        self, info: TableInfo, rows: np.ndarray, out: np.ndarray, versions: np.ndarray, pending: np.ndarray, deadline: float
+    ) -> None:
+        """Rows at positions ``pending`` came torn from a checked read that landed the rest in ``out``: read them
+        again (all pending at once, 16 reads in all), each landed the moment it comes whole."""
+        landed = out.reshape(len(rows), info.row_bytes)
+        for attempt in range(1, _ROW_TRIES):
+            self._pause(attempt - 1)
+            k = len(pending)
+            again_out = np.empty((k, info.row_bytes), dtype=np.uint8)
+            again_versions = np.empty(k, dtype=np.int64)
+            torn = np.empty(k, dtype=np.int64)
+            count = self._read_rows(info, rows[pending], again_out, again_versions, torn, deadline)
+            if count == -1:  # (read as copies: all or none)
+                count = accept(self._scratch[: k * info.stride].view(np.uint64), info.stride // 8, info.row_bytes,  # type: ignore[index]
+                               again_out, again_versions, torn)
+                whole = np.zeros(k, dtype=bool) if count else np.ones(k, dtype=bool)
+            else:
+                whole = np.ones(k, dtype=bool)
+                whole[torn[:count]] = False
+            landed[pending[whole]] = again_out[whole]
+            versions[pending[whole]] = again_versions[whole]
+            pending = pending[~whole]
+            if not len(pending):
+                return
+        raise TornRows(
+            f"{len(pending)} row(s) of table {info.name!r} were being updated on each of {_ROW_TRIES} reads",
+            [int(i) for i in pending],
+        )
+
+    @staticmethod
+    def _pause(attempt: int) -> None:
+        """Let the update in progress finish before a torn row is read again: 50 us, doubling, at most 1 ms."""
+        time.sleep(min(_ROW_PAUSE * 2**attempt, 0.001))
 
     def _table(self, name: str, deadline: float) -> TableInfo:
         info = self._tables.get(name)
@@ -388,6 +447,7 @@ class Subscriber:
                 self._handles.remove(self._scratch_handle)
                 self.engine.deregister_mem(self._scratch_handle)
             self._scratch = empty(max(nbytes, 1 << 16))
+            self._scratch_addr = int(self._scratch.ctypes.data)
             self._scratch_handle = self.engine.register_mem(self._scratch)
             self._handles.append(self._scratch_handle)
         return self._scratch

@@ -94,7 +94,9 @@ class Table:
             written.view(np.uint8)[:, 8 * HEAD_WORDS : 8 * HEAD_WORDS + self.info.row_bytes] = payload
             written[:, 1] = row_hashes(written)
             # Odd first, then hash and payload, then even: a reader's copy that mixes two updates
-            # (in any order: copies have none) fails the hash; one made mid-way is odd.
+            # (in any order: copies have none) fails the hash; one made mid-way is odd; and a copy
+            # made in order between two loads of the word (shm) sees them differ (x86-64 keeps
+            # these stores, each a numpy call of its own, in order).
             self._words[rows, 0] = 2 * version - 1
             self._words[rows, 1:] = written[:, 1:]
             self._words[rows, 0] = 2 * version

@@ -22,6 +22,7 @@ EXPORTED = [
     "AccessDenied",
     "AlreadyConnected",
     "AuthenticationFailed",
+    "CheckedRows",
     "EncryptionMismatch",
     "Engine",
     "HixlError",

@@ -103,3 +103,64 @@ def test_malformed_rows_are_refused(
     with pytest.raises(ParamInvalid, match=error):
         engine.read_rows(target.engine, int(slots.ctypes.data), target.addrs[0], stride, rows, timeout=10)
     assert (slots == 9).all() and gathers == []
+
+
+def _checked(rows: int, row_bytes: int = STRIDE - 16, limit: int = ROWS, check: bool = True) -> hixl.CheckedRows:
+    return hixl.CheckedRows(
+        limit, row_bytes, np.full(rows * row_bytes, 0xA5, np.uint8), np.full(rows, -7, np.int64), np.full(rows, -9, np.int64), check
+    )
+
+
+def test_a_checked_gather_hands_over_whole_rows_and_names_torn_ones(
+    table: tuple[TargetProcess, Engine, np.ndarray], transport: str, gathers: list[int]
+) -> None:
+    """The table's random bytes make about half its rows "mid-update" (an odd first word). On shm each row
+    is checked as it is copied, straight into ``out``: the odd ones are named torn, the rest handed over
+    with their versions, the slots not written. Elsewhere the rows land in the slots as read (-1), for
+    the caller's own check, and ``out`` is untouched."""
+    target, engine, slots = table
+    slots[:] = 9
+    rows = np.random.default_rng(2).integers(0, ROWS, 512)
+    expected = _rows_of(rows)
+    seq = expected[:, :8].copy().view(np.uint64)[:, 0]
+    odd = np.flatnonzero(seq & np.uint64(1))
+    assert 0 < len(odd) < len(rows)
+    checked = _checked(len(rows))
+    count = engine.read_rows(target.engine, int(slots.ctypes.data), target.addrs[0], STRIDE, rows, timeout=10, checked=checked)
+    payloads = checked.out.reshape(len(rows), STRIDE - 16)
+    if transport == "shm":
+        whole = np.setdiff1d(np.arange(len(rows)), odd)
+        assert count == len(odd) and np.array_equal(checked.torn[:count], odd) and gathers == [len(rows)]
+        assert np.array_equal(payloads[whole], expected[whole, 16:])
+        assert np.array_equal(checked.versions[whole], (seq[whole] >> np.uint64(1)).astype(np.int64))
+        assert (slots == 9).all()
+    else:
+        assert count == -1 and gathers == []
+        assert np.array_equal(slots[: len(rows) * STRIDE].reshape(len(rows), STRIDE), expected)
+        assert (checked.out == 0xA5).all() and (checked.versions == -7).all()
+
+
+def test_a_checked_gather_taken_as_it_came_hands_over_every_row(table: tuple[TargetProcess, Engine, np.ndarray], transport: str) -> None:
+    """``check=False`` (tests only): on shm every row is handed over, odd or not."""
+    target, engine, slots = table
+    rows = np.arange(0, ROWS, 16)
+    checked = _checked(len(rows), check=False)
+    count = engine.read_rows(target.engine, int(slots.ctypes.data), target.addrs[0], STRIDE, rows, timeout=10, checked=checked)
+    if transport == "shm":
+        assert count == 0 and np.array_equal(checked.out.reshape(len(rows), -1), _rows_of(rows)[:, 16:])
+    else:
+        assert count == -1
+
+
+@pytest.mark.parametrize("rows", [[5, ROWS], [5, -1], [1 << 40]], ids=["past-limit", "negative", "far"])
+def test_a_checked_gather_past_its_table_is_refused(
+    table: tuple[TargetProcess, Engine, np.ndarray], gathers: list[int], rows: list[int]
+) -> None:
+    """A row number outside ``[0, limit)`` is refused on every transport, nothing copied: the span the engine
+    checked is the whole table, so each row number is checked against its limit before any copy."""
+    target, engine, slots = table
+    slots[:] = 9
+    checked = _checked(len(rows))
+    with pytest.raises(ParamInvalid, match=r"\[0, 4096\)|not addresses"):
+        engine.read_rows(target.engine, int(slots.ctypes.data), target.addrs[0], STRIDE, np.array(rows), timeout=10, checked=checked)
+    assert (slots == 9).all() and (checked.out == 0xA5).all() and gathers == []

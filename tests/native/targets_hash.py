@@ -4,7 +4,9 @@ alignment — what the call reads and writes is exactly the range it is handed (
 and the rest of the buffer, are compared too); and ``row_hashes`` of table rows a subscriber
 gathered, any width, count, alignment and size of ``out`` (a mismatch refused alike); ``gather_rows``
 (a batch of a table's rows by number, from memory mapped here) and ``accept_rows`` (such a batch
-checked, and handed over only if every row is whole), any stride, width and mix of torn rows."""
+checked, and handed over only if every row is whole), any stride, width and mix of torn rows; and
+``gather_checked_rows`` (a batch straight into the caller's array, each row's sequence word loaded
+around its copy), any stride, alignment, limit and mix of rows caught mid-update."""
 
 from __future__ import annotations
 
@@ -133,4 +135,47 @@ class AcceptRows:
         pass
 
 
-TARGETS = (WeightsHash, RowHashes, GatherRows, AcceptRows)
+class GatherCheckedRows:
+    """``gather_checked_rows`` of the case's row numbers (some past ``limit`` or negative: refused,
+    nothing written) of a table of ``stride`` bytes a row at ``src`` made of the case's bytes, the
+    sequence words the case names made odd (rows mid-update: torn), into an ``out`` ``extra`` bytes
+    off its size; a stride that is not a multiple of 8 or below 16, a payload past the row, a table
+    address that is not a multiple of 8 or row numbers not int64, refused alike."""
+
+    name = "gather_checked_rows"
+
+    def __init__(self) -> None:
+        self.memory = Memory(table=_SIZE)
+
+    def run(self, impl: ModuleType, case: dict[str, Any]) -> Any:
+        stride = case["stride"] % 1100 - 20  # (some below 16, some not a multiple of 8: refused)
+        at = case["src"] % 4096  # (some not a multiple of 8: refused)
+        table_rows = (_SIZE - at) // max(stride, 8)
+        limit = max(1, min(table_rows, case["limit"] % (table_rows + 1)))
+        numbers = [-1 - (-r % 5) if r < 0 else r % (limit + 2) for r in case["rows"]]  # (some past limit: refused)
+        rows = np.array(numbers, dtype=np.int64 if case["int64"] else np.int32)
+        row_bytes = case["row_bytes"] % (max(stride, 16) - 16 + 3)  # (some past the payload: refused)
+        self.memory.reset()
+        table = self.memory.buffers["table"]
+        data = bytes.fromhex(case["data"]) or b"\0"
+        table[at : at + limit * max(stride, 8)] = list((data * (limit * max(stride, 8) // len(data) + 1))[: limit * max(stride, 8)])
+        if stride >= 16 and not stride % 8:
+            for r in range(limit):
+                seq = at + r * stride
+                table[seq] &= 0xFE  # an even sequence word: whole
+            for r in case["odd"]:
+                table[at + (r % limit) * stride] |= 1
+        n, extra = len(numbers), max(-2, min(2, case["extra"]))
+        out = np.full(max(n * row_bytes + extra, 0), 0xA5, np.uint8)
+        versions, torn = np.full(n, -7, np.int64), np.full(n, -9, np.int64)
+        answer = outcome(
+            impl.gather_checked_rows, self.memory.addr("table", at), stride, rows, limit, row_bytes, out, versions, torn,
+            case["check"],
+        )
+        return answer, out.tobytes(), versions.tobytes(), torn.tobytes(), zlib.crc32(table)
+
+    def close(self) -> None:
+        pass
+
+
+TARGETS = (WeightsHash, RowHashes, GatherRows, AcceptRows, GatherCheckedRows)

@@ -23,7 +23,9 @@ import numpy as np
 import hixl
 from hixl import Engine
 from hixl._tools.child import child_connection, serve_commands
+from hixl._accel import copy_pieces
 from hixl.weights import Publisher, Relay, Subscriber, Table, _checks
+from hixl.weights._rows import row_hashes
 
 UNCHECKED = "HIXL_WEIGHTS_TEST_UNCHECKED"
 
@@ -183,6 +185,34 @@ class Side:
                 assert table.update(rows, row_pattern(rows, version, table.info.row_shape[0])) == version
                 updates += 1
             self.stream_result = {"updates": updates}
+
+        self.stream = threading.Thread(target=run, daemon=True)
+        self.stream.start()
+
+    def churn_tight(self, name: str, seconds: float) -> None:
+        """Rewrite one random row of table ``name`` at a time, for ``seconds``, as :meth:`Table.update` does
+        (its sequence word odd, the row, the word even) but in one C call, the three stores back to back:
+        a gather's copy of a row then often overlaps a rewrite that began after the copy's first look at
+        the word (shm's second look catches those; the word's oddness alone would not)."""
+        table = self.tables[name]
+        width = table._words.shape[1]
+        first = int(table._words.ctypes.data)
+        rng = np.random.default_rng(0)
+        staged = np.zeros(width + 1, dtype=np.uint64)  # [odd word | the row as written: even word, hash, payload]
+        pieces = np.array([[staged.ctypes.data, 0, 8], [staged.ctypes.data + 16, 0, 8 * (width - 1)], [staged.ctypes.data + 8, 0, 8]], dtype=np.uint64)
+
+        def run() -> None:
+            end, version = time.monotonic() + seconds, table.updates
+            while time.monotonic() < end:
+                row, version = int(rng.integers(table.info.rows)), version + 1
+                written = staged[1:].reshape(1, width)
+                written[0, 0] = 2 * version
+                written[0, 2 : 2 + table.info.row_bytes // 8] = row_pattern(np.array([row]), version, table.info.row_bytes // 8)[0]
+                written[0, 1] = row_hashes(written)[0]
+                staged[0] = 2 * version - 1
+                at = first + row * 8 * width
+                copy_pieces(pieces, np.array([at, at + 8, at], dtype=np.uint64), True)
+            self.stream_result = {"updates": version - table.updates}
 
         self.stream = threading.Thread(target=run, daemon=True)
         self.stream.start()
