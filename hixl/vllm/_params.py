@@ -318,7 +318,9 @@ class StepMetadata(KVConnectorMetadata):
     write into, ``revokes`` those that finished (aborted) before their push
     landed: their grants are withdrawn before vLLM may reuse the blocks. On
     prefill, ``pushes`` lists this step's pushed requests, ``cancels`` the push
-    ids of requests that ended before their last step (decode is told).
+    ids of requests that ended before their last step (decode is told), and
+    ``awaiting`` says requests wait for decode's grants (an idle step then waits
+    for one to come instead of letting vLLM step again at once).
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
@@ -330,6 +332,7 @@ class StepMetadata(KVConnectorMetadata):
     revokes: list[str] = field(default_factory=list)
     pushes: list[PushStep] = field(default_factory=list)
     cancels: list[int] = field(default_factory=list)
+    awaiting: bool = False
 
 
 @dataclass(frozen=True)

@@ -187,8 +187,9 @@ class GrantTable:
     serve thread (:meth:`on_notify`) and read by the worker."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified when a grant comes (wait_for_grant)
         self._grants: OrderedDict[int, tuple[float, dict[int, PushMessage]]] = OrderedDict()  # push id -> (first heard, rank -> grant)
+        self._heard = 0  # grants taken in so far
 
     def on_notify(self, message: PushMessage) -> None:
         """Keep one decode rank's grant (the oldest pushes go past :data:`_MAX_GRANTS` or :data:`_GRANT_TTL_S`)."""
@@ -199,6 +200,18 @@ class GrantTable:
                 log.warning("hixl: dropped the grants of push %d: never pushed", dropped)
             _, by_rank = self._grants.setdefault(message.push_id, (now, {}))
             by_rank[message.rank] = message
+            self._heard += 1
+            self._lock.notify_all()
+
+    def heard(self) -> int:
+        """How many grants came so far (for :meth:`wait_for_grant`)."""
+        with self._lock:
+            return self._heard
+
+    def wait_for_grant(self, since: int, timeout: float) -> None:
+        """Sleep up to ``timeout`` or until a grant comes that :meth:`heard` had not counted at ``since``."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._heard != since, timeout)
 
     def complete(self) -> frozenset[int]:
         """Push ids for which every decode rank's grant is in."""
@@ -252,10 +265,19 @@ class Pusher:
         self._step: list[_Push] = []
         # Decode clusters a push to failed: their links are checked (and a broken one replaced) before the next.
         self._suspect: set[int] = set()
+        self._reported = 0  # grants heard when the scheduler was last told which are in (granted)
 
     def granted(self) -> frozenset[int]:
         """Push ids this rank holds every grant for (started ones included)."""
+        self._reported = self.grants.heard()  # (before the look: a grant after it wakes wait_for_grants)
         return self.grants.complete() | frozenset(self._pushes)
+
+    def wait_for_grants(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` or until a grant comes that the last :meth:`granted` did not see: paces an
+        engine whose requests wait for decode's grants (vLLM steps without pause while requests wait, and
+        its worker busy-waits between steps: two prefills doing so starved a decode on two cores of the
+        CPU its grants needed)."""
+        self.grants.wait_for_grant(self._reported, timeout)
 
     def start(self, steps: Iterable[PushStep]) -> None:
         """This step's orders: start the pushes new to it (linking to their decode ranks), remember the step."""

@@ -210,6 +210,7 @@ class PushScheduler:
         """Put this step's push orders into ``meta``; start collecting the next step's."""
         meta.grants, meta.revokes, meta.cancels = self._grants, list(self._revokes), self._cancels
         meta.pushes = self._steps(scheduler_output)
+        meta.awaiting = bool(self._waiting)
         self._grants, self._revokes, self._cancels = [], {}, []
 
     def __repr__(self) -> str:

@@ -238,7 +238,9 @@ class WorkerSide:
             self.keeper.drop(meta.drop, release=True)
             if meta.idle and not meta.loads:
                 self._pace(self.keeper)
-        if self.leases is not None and meta.idle and not meta.loads:
+        if self.pusher is not None and meta.idle and meta.awaiting and not meta.loads:
+            self.pusher.wait_for_grants(_LINK_PACE_S)
+        elif self.leases is not None and meta.idle and not meta.loads:
             self.leases.wait_for_end(_HOLD_PACE_S)
         self.start(meta.loads)
 

@@ -200,11 +200,13 @@ def test_prefill_waits_for_every_workers_grants_then_pushes_each_chunk() -> None
     report(side, LinkReport(frozenset(), granted=frozenset({7})), LinkReport(frozenset(), granted=frozenset()))
     clock.now += 4.9
     assert side.matched(req, 0) == (None, False)
-    assert step(side).idle  # the step runs nothing: the workers pace it (see _worker)
+    waiting = step(side)
+    assert waiting.idle and waiting.awaiting  # the step runs nothing, a request awaits grants: the workers wait for one (see _worker)
     report(side, LinkReport(frozenset(), granted=frozenset({7})), LinkReport(frozenset(), granted=frozenset({7, 8})))
     assert side.matched(req, 0) == (0, False)
     table = {"chunked": [40, 41, 42, 43]}
     first = step(side, {"chunked": 64}, table)
+    assert not first.awaiting
     assert first.pushes == [PushStep("chunked", 7, [40, 41, 42, 43], 0, 64, False)]
     req.num_computed_tokens = 64  # (vLLM counts the step's tokens once it is scheduled)
     assert side.matched(req, 64) == (0, False)  # admitted: never waits again

@@ -31,7 +31,7 @@ pytest.importorskip("vllm.distributed.kv_transfer")
 
 from instances import ROOT  # noqa: E402
 from test_serve import free_ports, healthy  # noqa: E402
-from test_xpyd import FLAGS, STARTUP_TIMEOUT, Fleet, Stream, body, post, reference, send_raw, texts_ok, through  # noqa: E402
+from test_xpyd import FLAGS, PULLED, STARTUP_TIMEOUT, Fleet, Stream, body, post, reference, send_raw, texts_ok, through  # noqa: E402
 from tiny_model import build, words  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -115,6 +115,27 @@ def test_1p1d_pushed_tokens_equal_the_reference(fleet: Fleet) -> None:
     texts_ok(fleet, prompts, through(fleet, "proxy_1p1d", prompts))
     assert landed(fleet) - before == len(prompts), fleet.log("d1")[-3000:]
     assert not FAILED.search(fleet.log("d1"))
+
+
+def test_2p1d_pushes_from_both_prefills_land(fleet: Fleet) -> None:
+    """Two prefills push into one decode, in turn and at once: every push lands, no link is declared dead."""
+    pulled = {name: fleet.log(name).count(PULLED) for name in ("p1", "p2")}
+    for round_ in range(5):  # the 2P1D proxy learns each prefill's ranks from a first request to it (a pull)
+        learn = [words(30, offset=40 + 4 * round_ + i) for i in range(4)]
+        texts_ok(fleet, learn, through(fleet, "proxy_2p1d", learn))
+        if all(fleet.log(name).count(PULLED) > n for name, n in pulled.items()):
+            break
+    else:
+        pytest.fail("the 2P1D proxy never sent both prefills a request")
+    before = landed(fleet)
+    prompts = [words(n, offset=50 + off + i) for i in range(3) for n, off in SHAPES]
+    for prompt in prompts[:4]:
+        texts_ok(fleet, [prompt], through(fleet, "proxy_2p1d", [prompt]))
+    texts_ok(fleet, prompts[4:], through(fleet, "proxy_2p1d", prompts[4:]))
+    assert landed(fleet) - before == len(prompts), fleet.log("d1")[-3000:]
+    assert not FAILED.search(fleet.log("d1"))
+    for name in ("p1", "p2"):
+        assert "no sign of life" not in fleet.log(name), fleet.log(name)[-3000:]
 
 
 def test_requests_aborted_mid_push_leave_every_other_answer_right(fleet: Fleet) -> None:

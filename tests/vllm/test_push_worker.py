@@ -9,6 +9,7 @@ child process (push_peer.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -365,6 +366,63 @@ def test_an_idle_decode_waits_for_its_pending_push_instead_of_spinning(made: lis
     began = time.monotonic()
     vllm_step(decode.workers, StepMetadata(idle=True), range(0))  # nothing pending: no wait for a push
     assert time.monotonic() - began < 0.04
+
+
+def test_an_idle_prefill_waiting_for_grants_paces_its_steps_and_a_grant_wakes_it(made: list[Ranks]) -> None:
+    """Prefill's requests wait for decode's grants: a step that runs nothing waits up to the worker's pace (50 ms)
+    for a grant instead of returning at once (vLLM steps again without pause, and two prefills spinning so
+    starved a decode on two cores of the CPU its grants needed); a grant that comes ends the wait at once,
+    and one that came since the scheduler last heard which are in does not let it begin."""
+    prefill = Ranks(spec(2, 1), False, 26000, seed=26)
+    decode = Ranks(spec(2, 1), True, 27000, seed=27)
+    made += [prefill, decode]
+    for w in prefill.workers:
+        w.link_report()  # (what the scheduler heard last)
+    steps, began = 0, time.monotonic()
+    while time.monotonic() - began < 0.5:
+        vllm_step(prefill.workers, StepMetadata(idle=True, awaiting=True), range(0))
+        steps += 1
+    assert 5 <= steps <= 15, steps  # ~10 paced steps, not thousands
+    began = time.monotonic()
+    vllm_step(prefill.workers, StepMetadata(idle=True), range(0))  # nothing awaited: no wait
+    assert time.monotonic() - began < 0.04
+    granted(decode, prefill, "d13", 83, [1])  # came since the last report: the next step does not wait
+    for w in prefill.workers:
+        w.pusher.grants.on_notify(PushMessage(PushOp.GRANT, 84, w.endpoint(), 0, 1, (1,), 0, 1, None))  # type: ignore[union-attr]
+    began = time.monotonic()
+    vllm_step(prefill.workers, StepMetadata(idle=True, awaiting=True), range(0))
+    assert time.monotonic() - began < 0.04
+
+
+def test_a_push_between_caches_of_other_block_sizes_fails_at_once(made: list[Ranks], caplog: pytest.LogCaptureFixture) -> None:
+    """Prefill's KV blocks of another size (or any other difference but TP): decode grants nothing — no window
+    opens, the load fails at once with the difference named, its blocks listed failed — as a pull refuses."""
+    prefill = Ranks(spec(2, 1), False, 28000, seed=28)
+    decode = Ranks(spec(2, 1), True, 29000, seed=29)
+    made += [prefill, decode]
+    other = dataclasses.replace(prefill.workers[0].kv, block_size=2 * BLOCK_SIZE)
+    before = decode.snapshot()
+    grant = PushGrant("d14", source([w.endpoint() for w in prefill.workers], other, 85), [3, 4], 0, 14)
+    vllm_step(decode.workers, StepMetadata(grants=[grant]), range(0))
+    assert finished(decode, "d14") < 1
+    assert decode.workers[0].take_failed_blocks() == {3, 4}
+    assert f"block_size: prefill {2 * BLOCK_SIZE}, decode {BLOCK_SIZE}" in caplog.text, caplog.text
+    assert 85 not in functools.reduce(LinkReport.aggregate, [w.link_report() for w in prefill.workers]).granted  # type: ignore[arg-type]
+    assert_untouched(decode, before)
+
+
+def test_a_grant_ends_a_wait_for_one_at_once() -> None:
+    """GrantTable.wait_for_grant: back as a grant comes, not at its timeout."""
+    from hixl.vllm._push import GrantTable
+
+    table = GrantTable()
+    since = table.heard()
+    timer = threading.Timer(0.05, table.on_notify, [PushMessage(PushOp.GRANT, 9, Endpoint("127.0.0.1:1", 1, (0, 2)), 0, 1, (1,), 0, 1, None)])
+    timer.start()
+    began = time.monotonic()
+    table.wait_for_grant(since, 10.0)
+    assert 0.04 < time.monotonic() - began < 5.0
+    assert table.complete() == {9}
 
 
 def test_a_failed_done_fails_the_request_and_garbage_is_refused(made: list[Ranks]) -> None:
