@@ -76,7 +76,9 @@ __all__ = ["create_app"]
 
 log = logging.getLogger("hixl.proxy")
 
-_FORWARDED_HEADERS = (hdrs.AUTHORIZATION, "X-Request-Id")
+# The client's W3C trace context goes on as it came where the proxy does not trace; where it does, the hop's
+# own traceparent (a child of the client's) takes its place (follow.outgoing).
+_FORWARDED_HEADERS = (hdrs.AUTHORIZATION, "X-Request-Id", "traceparent", "tracestate")
 
 
 def create_app(prefill: Sequence[str], decode: Sequence[str], options: ProxyOptions | None = None) -> web.Application:

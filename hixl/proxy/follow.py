@@ -15,7 +15,9 @@ goes to that upstream. vLLM started with ``--otlp-traces-endpoint`` then adds
 its own spans, and the connector its transfer spans, to the same trace. The
 exporter is the one vLLM uses for that endpoint: ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``
 ``grpc`` (the default) or ``http/protobuf``. With tracing off nothing of
-OpenTelemetry is imported, and a hop costs one context-variable read.
+OpenTelemetry is imported, a hop costs one context-variable read, and the
+client's ``traceparent`` and ``tracestate`` go to both upstreams as they came
+(vLLM's and the connector's spans still join the client's trace).
 """
 
 from __future__ import annotations

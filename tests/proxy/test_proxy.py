@@ -93,6 +93,7 @@ class FakeVllm:
         self.healthy = True
         self.gate: asyncio.Event | None = None
         self.bodies: list[dict[str, Any]] = []
+        self.followed: list[tuple[str | None, str | None]] = []  # each completion's (X-Request-Id, traceparent)
         self.authorizations: list[str | None] = []
         self.required: str | None = None
         self.disconnects = 0
@@ -142,6 +143,7 @@ class FakeVllm:
             return web.json_response({"error": {"message": "who are you?", "code": 401}}, status=401)
         body = await request.json()
         self.bodies.append(body)
+        self.followed.append((request.headers.get("X-Request-Id"), request.headers.get("traceparent")))
         if self.gate is not None:
             await self.gate.wait()
         if self.fault == "hang":
@@ -574,6 +576,27 @@ async def test_the_hixl_proxy_command_routes_and_reports() -> None:
             async with f.client.get(command.base + "/metrics") as resp:
                 samples = parse_metrics(await resp.text())
             assert total(samples, "hixl_proxy_requests_total", outcome="ok") == 2  # its prefill and its decode
+
+
+@async_test
+async def test_a_requests_id_and_trace_context_go_to_both_hops_and_its_id_comes_back() -> None:
+    """The client's ``X-Request-Id`` and W3C ``traceparent`` reach prefill and decode (tracing off: passed as
+    they came) and the id comes back in the answer's headers, whole or streamed; a request without an id gets
+    one (32 hex digits), the same at both hops and in the answer."""
+    async with fleet() as f:
+        prefill, decode = f.prefills[0], f.decodes[0]
+        trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        for stream in (False, True):
+            headers = {"X-Request-Id": f"client-{stream}", "traceparent": trace}
+            body = {"model": "fake", "prompt": "hi", "max_tokens": 3, "stream": stream}
+            async with f.client.post(f.url("/v1/completions"), json=body, headers=headers) as resp:
+                assert resp.status == 200 and resp.headers["X-Request-Id"] == f"client-{stream}"
+                await resp.read()
+            assert prefill.followed[-1] == decode.followed[-1] == (f"client-{stream}", trace)
+        async with f.client.post(f.url("/v1/completions"), json={"model": "fake", "prompt": "hi"}) as resp:
+            made = resp.headers["X-Request-Id"]
+            await resp.read()
+        assert re.fullmatch(r"[0-9a-f]{32}", made) and prefill.followed[-1] == decode.followed[-1] == (made, None)
 
 
 @async_test
