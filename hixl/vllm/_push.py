@@ -79,6 +79,7 @@ _MAX_GRANTS = 4096
 _NOTIFY_TIMEOUT_S = 2.0
 _LINK_TIMEOUT_S = 5.0
 _TICK_S = 0.05  # the receiver's look at links and deadlines, while pushes are pending
+_RECVED_KEPT = 4096  # requests listed in finished_recving remembered (a revoke crossing the listing comes within a step)
 _TENSORS_PER_LAYER = 1
 
 
@@ -437,6 +438,9 @@ class Receiver:
         self._by_id: dict[int, str] = {}  # push id -> request id
         self._sending: set[str] = set()  # reported: blocks free (vLLM's finished_sending)
         self._recving: set[str] = set()  # reported: landed or failed (vLLM's finished_recving)
+        # Listed in finished_recving lately: vLLM frees an ended request's blocks from that listing, so a revoke
+        # of one (its abort crossed the report) is no second listing — vLLM asserts each request is freed once.
+        self._recved: OrderedDict[str, None] = OrderedDict()
         self._failed_blocks: set[int] = set()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="hixl-vllm-push", daemon=True)
@@ -478,7 +482,9 @@ class Receiver:
             for request_id in request_ids:
                 pushed = self._pushes.get(request_id)
                 if pushed is None:
-                    self._sending.add(request_id)  # nothing open (or reported already): free now
+                    if request_id in self._recving or self._recved.pop(request_id, False) is None:
+                        continue  # its push ended and is (to be) listed in finished_recving: vLLM frees it there
+                    self._sending.add(request_id)  # nothing open: free now
                     continue
                 pushed.state, pushed.why = PushState.REVOKED, "revoked"
             self._cond.notify_all()
@@ -489,6 +495,10 @@ class Receiver:
         with self._cond:
             sending, self._sending = self._sending, set()
             recving, self._recving = self._recving, set()
+            for request_id in recving:
+                self._recved[request_id] = None
+            while len(self._recved) > _RECVED_KEPT:
+                self._recved.popitem(last=False)
         return sending, recving
 
     def wait_for_end(self, timeout: float) -> bool:

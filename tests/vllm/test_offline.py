@@ -180,7 +180,7 @@ def test_failed_pull_fails_the_request(vllms: dict[str, Instance]) -> None:
     dead = dict(params, remote_ranks=[{"engine": "127.0.0.1:1", "cluster_id": 7, "heads": [0, 2]}])
     started = time.monotonic()
     (out,) = vllms["decode"].generate(PROMPTS[1:2], MAX_TOKENS, [dead])
-    assert time.monotonic() - started < LEASE_S / 2
+    assert time.monotonic() - started < 0.75 * LEASE_S  # (did not wait for the lease: ~2 s here, more on a busy CI core)
     assert len(out["token_ids"]) < MAX_TOKENS
     vllms["decode"].wait_for_log(r"hixl: pull of request \S+ failed", 5)
     # Its real blocks at prefill: nobody extends their lease, so they go a lease after prefill held them.

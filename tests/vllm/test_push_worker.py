@@ -425,6 +425,30 @@ def test_a_grant_ends_a_wait_for_one_at_once() -> None:
     assert table.complete() == {9}
 
 
+def test_an_abort_crossing_a_landed_push_is_listed_once(made: list[Ranks]) -> None:
+    """A request aborted at decode just as its push landed (the revoke comes before, or just after, the landing
+    is listed in finished_recving) is listed once, in finished_recving, never in finished_sending too: vLLM
+    frees an ended request's blocks from either listing and asserts the request is still there (a second
+    listing crashed decode's engine in CI)."""
+    prefill = Ranks(spec(2, 1), False, 30000, seed=30)
+    decode = Ranks(spec(2, 1), True, 31000, seed=31)
+    made += [prefill, decode]
+    receiver = decode.workers[0].receiver
+    assert receiver is not None
+    for request_id, push_id, drained_first in (("d16", 86, False), ("d17", 87, True)):
+        granted(decode, prefill, request_id, push_id, [1, 2])
+        prefill_step(prefill, PushStep("p" + request_id, push_id, [3, 4], 0, 6, True))
+        deadline = time.monotonic() + 10
+        while request_id not in receiver._recving:  # landed, withdrawn, not listed yet
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        listed = decode.workers[0].finished_pushes() if drained_first else (set(), set())
+        vllm_step(decode.workers, StepMetadata(revokes=[request_id]), range(0))
+        later = decode.workers[0].finished_pushes()
+        sending, recving = listed[0] | later[0], listed[1] | later[1]
+        assert request_id in recving and request_id not in sending, (request_id, sending, recving)
+
+
 def test_a_failed_done_fails_the_request_and_garbage_is_refused(made: list[Ranks]) -> None:
     """prefill cancels the push (the request ended there): decode fails it at once; a malformed message, or a
     DONE for a push nobody granted, is refused."""
