@@ -242,30 +242,33 @@ class _Proxy:
     ) -> web.StreamResponse:
         """A push-mode attempt: prefill and decode at once, one push id; decode's answer for the client."""
         push_id = new_push_id()
-        with self._hop(prefill) as prefill_hop, self._hop(self._pick(self.decodes, failed, tokens)) as decode_hop:
+        decode = self._pick(self.decodes, failed, tokens)  # (before a task starts: none is left behind if none is up)
+        # Each task is made inside its own hop: it sends that hop's traceparent (follow.outgoing).
+        with self._hop(prefill) as prefill_hop:
             prefilled = asyncio.create_task(self._prefill(prefill_hop, request, body, prefill_params(push_id)))
-            decoded = asyncio.create_task(self._decode(decode_hop, request, {**body, "kv_transfer_params": decode_params(source, push_id)}))
-            try:
-                await asyncio.wait((prefilled, decoded), return_when=asyncio.FIRST_COMPLETED)
-                if prefilled.done() and not decoded.done() and not decode_hop.streaming:
-                    answer = await self._settled(prefilled, prefill)
-                    if isinstance(answer, web.Response):  # prefill refused the request: so would decode
-                        return answer
+            with self._hop(decode) as decode_hop:
+                decoded = asyncio.create_task(self._decode(decode_hop, request, {**body, "kv_transfer_params": decode_params(source, push_id)}))
                 try:
-                    out = await decoded
-                except _Failed:
-                    self.sources.forget(prefill)  # its push may have gone to endpoints that are no more
-                    raise
-                # Decode took the push. Prefill's answer, due about now, only refreshes what the proxy knows.
-                with suppress(_Failed):
-                    await self._settled(prefilled, prefill)
-                return out
-            finally:
-                for task, hop in ((prefilled, prefill_hop), (decoded, decode_hop)):
-                    if not task.done():
-                        task.cancel()  # closes its connection: vLLM aborts the request there
-                        hop.outcome = Outcome.CANCELLED
-                await asyncio.gather(prefilled, decoded, return_exceptions=True)
+                    await asyncio.wait((prefilled, decoded), return_when=asyncio.FIRST_COMPLETED)
+                    if prefilled.done() and not decoded.done() and not decode_hop.streaming:
+                        answer = await self._settled(prefilled, prefill)
+                        if isinstance(answer, web.Response):  # prefill refused the request: so would decode
+                            return answer
+                    try:
+                        out = await decoded
+                    except _Failed:
+                        self.sources.forget(prefill)  # its push may have gone to endpoints that are no more
+                        raise
+                    # Decode took the push. Prefill's answer, due about now, only refreshes what the proxy knows.
+                    with suppress(_Failed):
+                        await self._settled(prefilled, prefill)
+                    return out
+                finally:
+                    for task, hop in ((prefilled, prefill_hop), (decoded, decode_hop)):
+                        if not task.done():
+                            task.cancel()  # closes its connection: vLLM aborts the request there
+                            hop.outcome = Outcome.CANCELLED
+                    await asyncio.gather(prefilled, decoded, return_exceptions=True)
 
     async def _settled(self, prefilled: asyncio.Task[web.Response | dict[str, Any]], prefill: Upstream) -> web.Response | dict[str, Any]:
         """Prefill's answer in a push attempt, learned from; a failure makes the proxy forget the prefill."""

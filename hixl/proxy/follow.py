@@ -37,8 +37,9 @@ __all__ = ["HEADER", "Tracing", "echo_request_id", "hop", "install", "outgoing",
 HEADER = "X-Request-Id"
 _ROUTED = ("/v1/completions", "/v1/chat/completions")
 
-# The request's tracer and current span (the request's, or a hop's) in the handler's task; None: not traced.
-_current: ContextVar[tuple[Any, Any] | None] = ContextVar("hixl_proxy_span", default=None)
+# The request's tracer, its span, and the current span (the request's, or a hop's) in the handler's task (a hop's
+# own task inherits its hop's); None: not traced.
+_current: ContextVar[tuple[Any, Any, Any] | None] = ContextVar("hixl_proxy_span", default=None)
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -85,7 +86,7 @@ class Tracing:
         parent = self._propagator.extract(dict(request.headers))
         attributes = {"http.route": request.path, "hixl.client_request_id": request.headers.get(HEADER, "")}
         with self._tracer.start_as_current_span("hixl.proxy.request", parent, SpanKind.SERVER, attributes) as span:
-            token = _current.set((self, span))
+            token = _current.set((self, span, span))
             try:
                 response = await handler(request)
             finally:
@@ -116,18 +117,20 @@ def install(app: web.Application, otlp_traces_endpoint: str | None) -> None:
 
 @contextmanager
 def hop(role: str, upstream: str) -> Iterator[None]:
-    """One hop of a traced request (to ``upstream``, of ``role``) as a span; nothing if it is not traced."""
+    """One hop of a traced request (to ``upstream``, of ``role``) as a span, a child of the request's (hops
+    entered one inside another, as a push attempt's two, are siblings); nothing if it is not traced. A task
+    made inside sends this hop's ``traceparent`` (:func:`outgoing`)."""
     current = _current.get()
     if current is None:
         yield
         return
     from opentelemetry.trace import SpanKind, set_span_in_context
 
-    tracing, parent = current
+    tracing, request, _ = current
     span = tracing._tracer.start_span(
-        f"hixl.proxy.{role}", set_span_in_context(parent), SpanKind.CLIENT, {"hixl.upstream": upstream, "hixl.role": role}
+        f"hixl.proxy.{role}", set_span_in_context(request), SpanKind.CLIENT, {"hixl.upstream": upstream, "hixl.role": role}
     )
-    token = _current.set((tracing, span))
+    token = _current.set((tracing, request, span))
     try:
         yield
     finally:
@@ -142,7 +145,7 @@ def outgoing() -> dict[str, str]:
         return {}
     from opentelemetry.trace import set_span_in_context
 
-    tracing, span = current
+    tracing, _, span = current
     carrier: dict[str, str] = {}
     tracing._propagator.inject(carrier, set_span_in_context(span))
     return carrier

@@ -55,7 +55,8 @@ class ConnectorConfig:
     this is pulled whole — one transfer of every layer, inline, before the
     forward starts — as a sync load would (0: every request layer-wise); ``records``: a file decode
     appends one JSON line to per request and rank it loaded or failed to (its id and the client's,
-    bytes, times, transport, outcome: docs/vllm.md, "Follow one request"; empty: none). Decode takes the lease
+    bytes, times, transport, outcome: docs/vllm.md, "Follow one request"; empty: none), and in push mode
+    prefill too, per request and rank it pushed. Decode takes the lease
     figures from the prefill's ``kv_transfer_params``, not from its own settings.
     """
 

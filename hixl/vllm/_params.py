@@ -290,7 +290,8 @@ class PushStep:
     ``block_ids`` are the request's blocks at prefill (the whole prompt's, in
     order); this step computes prompt tokens ``[start, end)``; ``last``: the
     step that computes the prompt's last token (after it, decode is told the
-    push is done).
+    push is done); ``trace_headers``: the request's W3C trace context, where
+    vLLM traces (for the push's spans).
     """
 
     request_id: str
@@ -299,6 +300,7 @@ class PushStep:
     start: int
     end: int
     last: bool
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass

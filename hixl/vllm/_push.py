@@ -62,9 +62,11 @@ from ..datadist import (
     LLMDataDist,
     LLMStatusCode,
 )
+from ._follow import client_id, transports
 from ._heads import plan_reads
 from ._leases import LeaseKeeper
 from ._params import Endpoint, KvSpec, PushGrant, PushStep
+from ._timeline import Timeline, Trace
 
 __all__ = ["PUSH_NOTIFY", "GrantTable", "PushMessage", "PushOp", "Pusher", "Receiver"]
 
@@ -250,17 +252,28 @@ class _Push:
     request_id: str
     targets: list[_Target]
     step: PushStep | None = None  # this step's orders
+    started: float = 0.0
+    nbytes: int = 0  # written so far
+    trace: Trace | None = None  # with the timeline on
 
 
 class Pusher:
     """Prefill's side: writes the granted pushes of each step, layer by layer, and tells decode when done."""
 
-    def __init__(self, datadist: LLMDataDist, cache: Cache, kv: KvSpec, cluster_id: int, transfer_timeout: float) -> None:
+    def __init__(
+        self, datadist: LLMDataDist, cache: Cache, kv: KvSpec, cluster_id: int, transfer_timeout: float,
+        rank: int = 0, timeline: Timeline | None = None,
+    ) -> None:  # fmt: skip
         self.datadist = datadist
         self.cache = cache
         self.kv = kv
         self.cluster_id = cluster_id
         self.transfer_timeout = transfer_timeout
+        self.rank = rank
+        self.timeline = timeline
+        """Where each push's record goes (None: nowhere, and nothing is timed per layer)."""
+        desc = cache.cache_desc
+        self._head_bytes = desc.row_bytes // desc.shape[1]  # one head of one block, in one layer
         self.grants = GrantTable()
         self._pushes: dict[int, _Push] = {}  # started, not yet done
         self._step: list[_Push] = []
@@ -289,7 +302,9 @@ class Pusher:
                 if grants is None:
                     log.warning("hixl: request %s: push %d scheduled without every decode rank's grant; not pushed", step.request_id, step.push_id)
                     continue
-                push = self._pushes[step.push_id] = _Push(step.push_id, step.request_id, [_Target(g, g.first_block) for g in grants])
+                push = self._pushes[step.push_id] = _Push(step.push_id, step.request_id, [_Target(g, g.first_block) for g in grants], started=time.monotonic())
+                if self.timeline is not None:
+                    push.trace = Trace("hixl", step.request_id, self.rank, push.started, "push", role="prefill")
                 for target in push.targets:
                     self._link(target)
             push.step = step
@@ -321,6 +336,7 @@ class Pusher:
 
     def save_layer(self, layer: int) -> None:
         """``layer`` is computed: start writing it for every push of this step (returns at once)."""
+        asked = time.monotonic() if self.timeline is not None else 0.0
         for push in self._step:
             step = push.step
             assert step is not None
@@ -342,12 +358,18 @@ class Pusher:
                     ))
                 except (HixlError, ValueError, TypeError) as exc:
                     target.error = exc
+                else:
+                    push.nbytes += len(src) * len(grant.reads[0]) * self._head_bytes
+            if push.trace is not None:
+                push.trace.asked(layer, asked, time.monotonic())
 
     def end_step(self) -> None:
         """Wait for this step's writes; after a push's last step, tell each decode rank it is done."""
+        step_end = time.monotonic()
         for push in self._step:
             step = push.step
             assert step is not None
+            landed: list[float | None] = [None] * self.cache.cache_desc.num_tensors  # per layer, by every target
             for target in push.targets:
                 for task in target.tasks:
                     if target.error is None:
@@ -355,7 +377,14 @@ class Pusher:
                             task.synchronize()
                         except HixlError as exc:
                             target.error = exc
+                    for layer in task.layers:
+                        at = task.landed_at(layer)
+                        if at is not None:
+                            landed[layer] = max(at, landed[layer] or at)
                 target.tasks.clear()
+            if push.trace is not None:
+                push.trace.step_end = step_end
+                push.trace.landed(landed)
                 if target.error is None:
                     whole = min(step.end // self.kv.block_size, target.grant.first_block + len(target.grant.blocks))
                     target.written = max(target.written, whole)
@@ -378,16 +407,39 @@ class Pusher:
 
     def _done(self, push: _Push) -> None:
         self._pushes.pop(push.push_id, None)
+        who = client_id(push.request_id)
         for target in push.targets:
             endpoint = target.grant.endpoint
             assert endpoint is not None
             if target.error is not None:
                 self._suspect.add(endpoint.cluster_id)
-                log.warning("hixl: request %s: push %d to decode %s failed: %s", push.request_id, push.push_id, endpoint.ip_info, target.error)
+                log.warning(
+                    "hixl: request %s: push %d to decode %s failed: %s (client request id %s)",
+                    push.request_id, push.push_id, endpoint.ip_info, target.error, who,
+                )  # fmt: skip
             try:
                 _send(self.datadist, endpoint.ip_info, PushMessage(PushOp.DONE, push.push_id, cluster_id=self.cluster_id, ok=target.error is None))
             except HixlError as exc:  # decode is gone, or gave the push up: it fails the request itself
                 log.warning("hixl: request %s: cannot tell decode %s that push %d is over: %s", push.request_id, endpoint.ip_info, push.push_id, exc)
+        if push.started:  # (a push cancelled before it started moved nothing: no line, no record)
+            self._report(push, who)
+
+    def _report(self, push: _Push, who: str) -> None:
+        """Log the push's figures and write its record (with the timeline on)."""
+        reported = time.monotonic()
+        written = [t for t in push.targets if t.grant.reads is not None]
+        failed = next((t.error for t in push.targets if t.error is not None), None)
+        transport = transports(self.datadist.engine, (t.grant.endpoint.ip_info for t in written if t.grant.endpoint is not None))
+        if failed is None:
+            log.info(
+                "hixl: pushed request %s: %.2f MiB to %d decode rank(s) in %.2f ms over %s (push %d, client request id %s)",
+                push.request_id, push.nbytes / 2**20, len(written), (reported - push.started) * 1e3, transport or "-", push.push_id, who,
+            )  # fmt: skip
+        trace = push.trace
+        if trace is not None and self.timeline is not None:
+            trace.nbytes, trace.transport, trace.client_id, trace.reported = push.nbytes, transport, who, reported
+            trace.outcome = "ok" if failed is None else f"failed: {failed}"
+            self.timeline.write(trace, push.step.trace_headers if push.step is not None else None)
 
 
 # -- decode ------------------------------------------------------------------------------------------
@@ -408,12 +460,15 @@ _ENDED = (PushState.LANDED, PushState.FAILED, PushState.REVOKED)
 class _Granted:
     grant: PushGrant
     handles: list[MemHandle] | None  # its windows, once the thread opened them
+    began: float  # the worker took the grant
     deadline: float
     sources: dict[int, Endpoint]  # prefill cluster id -> rank: those it reads from (their DONE counts)
     state: PushState = PushState.GRANTED
     done: set[int] = field(default_factory=set)  # cluster ids that said DONE ok
     why: str = ""
     unsent: str = ""  # why the grants could not be sent last time (sent again once relinked)
+    sent: float | None = None  # every prefill rank has its grant
+    landed: float | None = None  # the last DONE ok came
 
 
 class Receiver:
@@ -424,9 +479,12 @@ class Receiver:
     """
 
     def __init__(
-        self, datadist: LLMDataDist, keeper: LeaseKeeper, cache: Cache, kv: KvSpec, rank: int, endpoint: Endpoint, push_timeout: float
-    ) -> None:
+        self, datadist: LLMDataDist, keeper: LeaseKeeper, cache: Cache, kv: KvSpec, rank: int, endpoint: Endpoint, push_timeout: float,
+        timeline: Timeline | None = None,
+    ) -> None:  # fmt: skip
         self.datadist = datadist
+        self.timeline = timeline
+        """Where each push's record goes (None: nowhere)."""
         self.keeper = keeper
         self.cache = cache
         self.kv = kv
@@ -451,7 +509,7 @@ class Receiver:
         """Take each request's grant: the thread opens its windows (registering them takes milliseconds, kept
         out of vLLM's step), then sends the grants once linked to every prefill rank."""
         for grant in grants:
-            deadline = time.monotonic() + self.push_timeout
+            began = time.monotonic()
             source = grant.source
             try:
                 mismatches = source.kv.mismatches(self.kv)
@@ -467,7 +525,7 @@ class Receiver:
             sources = {source.ranks[r.prefill_rank].cluster_id: source.ranks[r.prefill_rank] for r in reads}
             self.keeper.want(grant.request_id, source.ranks)
             with self._cond:
-                self._pushes[grant.request_id] = _Granted(grant, None, deadline, sources)
+                self._pushes[grant.request_id] = _Granted(grant, None, began, began + self.push_timeout, sources)
                 self._by_id[source.push_id] = grant.request_id
                 self._cond.notify_all()
 
@@ -531,7 +589,7 @@ class Receiver:
             else:
                 pushed.done.add(message.cluster_id)
                 if pushed.done >= set(pushed.sources):
-                    pushed.state = PushState.LANDED
+                    pushed.state, pushed.landed = PushState.LANDED, time.monotonic()
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -615,7 +673,7 @@ class Receiver:
             if why and pushed.state not in _ENDED:
                 pushed.state, pushed.why = PushState.FAILED, why
             elif sent and pushed.state is PushState.GRANTED:
-                pushed.state = PushState.SENT
+                pushed.state, pushed.sent = PushState.SENT, time.monotonic()
 
     def _send_grants(self, pushed: _Granted) -> str:
         """Tell every prefill rank where to write (and which heads); why not, if one cannot be told."""
@@ -643,21 +701,41 @@ class Receiver:
         except HixlError as exc:  # the engine is finalized: nothing is registered any more
             log.warning("hixl: request %s: withdrawing its push's windows: %s", grant.request_id, exc)
         self.keeper.unwant(grant.request_id)
-        withdrawn = (time.monotonic() - began) * 1e3
+        reported = time.monotonic()
+        withdrawn = (reported - began) * 1e3
+        who, nbytes = client_id(grant.request_id), len(grant.local_blocks) * self.cache.cache_desc.row_bytes * self.cache.cache_desc.num_tensors
         with self._cond:
             self._pushes.pop(grant.request_id, None)
             self._by_id.pop(grant.source.push_id, None)
             if pushed.state is PushState.REVOKED:
                 self._sending.add(grant.request_id)
-                log.info("hixl: request %s: its push was revoked; windows withdrawn in %.2f ms", grant.request_id, withdrawn)
+                log.info("hixl: request %s: its push was revoked; windows withdrawn in %.2f ms (client request id %s)", grant.request_id, withdrawn, who)
             elif pushed.state is PushState.LANDED:
                 self._recving.add(grant.request_id)
-                log.info("hixl: request %s: push %d landed (%d blocks)", grant.request_id, grant.source.push_id, len(grant.local_blocks))
             else:
                 self._recving.add(grant.request_id)
                 self._failed_blocks.update(grant.local_blocks)
-                log.warning("hixl: request %s: push %d failed: %s; windows withdrawn in %.2f ms", grant.request_id, grant.source.push_id, pushed.why, withdrawn)
+                log.warning(
+                    "hixl: request %s: push %d failed: %s; windows withdrawn in %.2f ms (client request id %s)",
+                    grant.request_id, grant.source.push_id, pushed.why, withdrawn, who,
+                )  # fmt: skip
             self._cond.notify_all()  # (wait_for_end)
+        transport = transports(self.datadist.engine, (e.ip_info for e in pushed.sources.values()))
+        if pushed.state is PushState.LANDED:
+            assert pushed.landed is not None
+            log.info(
+                "hixl: request %s: push %d landed (%d blocks, %.2f MiB from %d prefill rank(s), %.2f ms after the grant, over %s; "
+                "client request id %s)",
+                grant.request_id, grant.source.push_id, len(grant.local_blocks), nbytes / 2**20, len(pushed.sources),
+                (pushed.landed - pushed.began) * 1e3, transport, who,
+            )  # fmt: skip
+        if self.timeline is not None:
+            outcome = {PushState.LANDED: "ok", PushState.REVOKED: "revoked"}.get(pushed.state, f"failed: {pushed.why}")
+            trace = Trace(
+                "hixl", grant.request_id, self.rank, pushed.began, "push", nbytes=nbytes, issued=pushed.sent, usable=pushed.landed,
+                client_id=who, transport=transport, outcome=outcome, reported=reported,
+            )  # fmt: skip
+            self.timeline.write(trace, grant.trace_headers, grant.arrived)
 
 
 def dispatch(grants: GrantTable | None, receiver: Receiver | None) -> Callable[[NotifyDesc], None]:

@@ -199,7 +199,8 @@ class PushScheduler:
             start = request.num_computed_tokens
             end = start + scheduled
             last = end >= request.num_prompt_tokens
-            steps.append(PushStep(request_id, push_id, list(block_ids[0]), start, end, last))
+            headers = dict(request.trace_headers) if request.trace_headers else None
+            steps.append(PushStep(request_id, push_id, list(block_ids[0]), start, end, last, headers))
             if last:
                 del self._pushing[request_id]
                 self._pushed.add(request_id)

@@ -1,4 +1,4 @@
-"""Per-request timelines of decode's loads: where a request's KV load time goes.
+"""Per-request timelines of KV transfers: where a request's load (or push) time goes.
 
 Off by default, and then free: the worker holds ``None`` and tests it once per
 call. On when the ``vllm.hixl`` logger is at DEBUG (one log line per request),
@@ -10,7 +10,8 @@ the request's trace, :mod:`._follow`), and/or when :data:`ENV` names a file
 --scenario vllm --timeline`` reads).
 
 Every time is ``time.monotonic()``, system-wide on Linux, so the records of
-several processes compare. A record (:class:`Trace`, as a dict):
+several processes compare. A record (:class:`Trace`, as a dict) of a pull
+(``role`` ``decode``, ``mode`` ``layerwise`` or ``whole``):
 
 * ``start`` — the worker took the request's LoadSpec (``start_load_kv``);
 * ``issued`` — the plan made and every layer handed to the engine (a whole
@@ -28,6 +29,24 @@ several processes compare. A record (:class:`Trace`, as a dict):
   (``cma``, ``shm``, ``tcp``; one per prefill rank read, joined by ``,``);
   ``outcome`` — ``ok``, or why the load failed; ``retried`` — its link broke
   and it was pulled again after relinking.
+
+In push mode both ends record each push (``mode`` ``push``), where a pull's
+record would be written. Decode (``role`` ``decode``), one per request and
+decode rank: ``start`` — the worker took the grant; ``issued`` — its windows
+registered and every prefill rank sent its grant; ``usable`` — the last
+prefill rank read from said its writes are done (decode sees no layer land:
+``layers`` stays empty); ``reported`` — the windows withdrawn, the request
+reported to vLLM; ``outcome`` — ``ok``, ``revoked`` (decode dropped the
+request) or ``failed: WHY``. Prefill (``role`` ``prefill``), one per request
+and prefill rank: ``start`` — the push started (its first step); per layer
+``[landed, asked, noticed]`` of the prompt's last step — its writes landed
+in every decode rank, vLLM's ``save_kv_layer`` called (the layer computed),
+and the writes handed to the engine (the call returned: a same-host write
+may land before it does); ``usable`` — the
+last layer landed; ``step_end`` — the last step's ``wait_for_save``;
+``reported`` — DONE sent to every decode rank; ``nbytes`` — the bytes
+written (a block written by two steps counted twice); ``transport`` — one
+per decode rank written.
 
 A layer's ``noticed - max(landed, asked)`` is time spent waiting for the
 interpreter — the worker thread woken, or its turn on a core that vLLM's
@@ -55,7 +74,7 @@ ENV = "HIXL_VLLM_TIMELINE"
 
 @dataclass
 class Trace:
-    """One request's load on one decode rank; see the module docstring for each field."""
+    """One request's load (or push) on one rank; see the module docstring for each field."""
 
     connector: str
     request: str
@@ -72,6 +91,8 @@ class Trace:
     transport: str = ""
     outcome: str = "ok"
     retried: bool = False
+    role: str = "decode"
+    reported: float | None = None
 
     def asked(self, layer: int, asked: float, noticed: float) -> None:
         """vLLM waited for ``layer`` from ``asked`` to ``noticed``."""
@@ -95,8 +116,9 @@ class Trace:
 
         layers = "; ".join(f"layer {i} landed {ms(a)} asked {ms(b)} noticed {ms(c)}" for i, (a, b, c) in enumerate(self.layers))
         return (
-            f"request {self.request} rank {self.rank} ({self.mode}, {self.nbytes / 2**20:.2f} MiB), ms after the load started: "
-            f"issued {ms(self.issued)}; {layers}; usable {ms(self.usable)}; step end {ms(self.step_end)}"
+            f"request {self.request} {self.role} rank {self.rank} ({self.mode}, {self.nbytes / 2**20:.2f} MiB, {self.outcome}), "
+            f"ms after the {'push' if self.mode == 'push' else 'load'} started: issued {ms(self.issued)}; {layers}; "
+            f"usable {ms(self.usable)}; step end {ms(self.step_end)}; reported {ms(self.reported)}"
         )
 
 

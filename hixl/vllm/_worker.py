@@ -63,7 +63,7 @@ from ..datadist import (
 )
 from ._affinity import unpinned
 from ._config import ConnectorConfig, LoadMode, Mode
-from ._follow import Spans, client_id
+from ._follow import Spans, client_id, transports
 from ._heads import HeadRead, is_read, notifiers, plan_reads, rank_heads
 from ._leases import LEASE_NOTIFY, LeaseKeeper, LeaseTable
 from ._params import Endpoint, KvSpec, LinkReport, LoadSpec, StepMetadata
@@ -155,7 +155,8 @@ class WorkerSide:
             self.datadist.engine.handle_notifies(LEASE_NOTIFY, self.leases.on_notify)
         self.stats = HixlKVConnectorStats()  # vLLM takes it after each step (HixlConnector.get_kv_connector_stats)
         # None unless asked for: then it costs nothing.
-        self.timeline = Timeline.open(log, config.records or None, spans) if pulls_kv else None
+        # (a push-mode prefill records its pushes)
+        self.timeline = Timeline.open(log, config.records or None, spans) if pulls_kv or config.mode is Mode.PUSH else None
         # Push mode: made once the cache is registered (register).
         self.pusher: Pusher | None = None
         self.receiver: Receiver | None = None
@@ -191,10 +192,12 @@ class WorkerSide:
     def _start_push(self, cache: Cache) -> None:
         """Push mode: a pusher where this worker serves KV, a receiver where it takes it, and their handler."""
         if self.serves_kv:
-            self.pusher = Pusher(self.datadist, cache, self.kv, self.cluster_id, self.config.transfer_timeout)
+            self.pusher = Pusher(self.datadist, cache, self.kv, self.cluster_id, self.config.transfer_timeout, self.tp_rank, self.timeline)
         endpoint = self.endpoint()
         if self.keeper is not None and endpoint is not None:
-            self.receiver = Receiver(self.datadist, self.keeper, cache, self.kv, self.tp_rank, endpoint, self.config.push_timeout)
+            self.receiver = Receiver(
+                self.datadist, self.keeper, cache, self.kv, self.tp_rank, endpoint, self.config.push_timeout, self.timeline
+            )
         self.datadist.engine.handle_notifies(PUSH_NOTIFY, dispatch(self.pusher.grants if self.pusher is not None else None, self.receiver))
 
     def endpoint(self) -> Endpoint | None:
@@ -506,25 +509,15 @@ class WorkerSide:
             "hixl: pulled request %s: %d blocks, %.2f MiB from %d prefill rank(s) in %.2f ms (%s), first layer usable after %.2f ms"
             " over %s (client request id %s)%s",
             pull.spec.request_id, blocks, nbytes / 2**20, len(pull.sources), seconds * 1e3, _mode(pull, self.config),
-            first_seconds * 1e3, self._transports(pull), client_id(pull.spec.request_id),
+            first_seconds * 1e3, transports(self.datadist.engine, (e.ip_info for e in pull.sources)), client_id(pull.spec.request_id),
             "; retried after relinking" if pull.retried else "",
         )
-
-    def _transports(self, pull: _Pull) -> str:
-        """The transports that carried the pull: one name per prefill rank read, duplicates once."""
-        names = []
-        for endpoint in pull.sources:
-            try:
-                names.append(self.datadist.engine.transport_of(endpoint.ip_info))
-            except HixlError:  # the link went since (its reader found it dead)
-                names.append("?")
-        return ",".join(dict.fromkeys(names))
 
     def _trace(self, pull: _Pull, trace: Trace, timeline: Timeline) -> None:
         """Complete a pull's trace (landed or failed) and write it; for the bench's file, time a whole pull of the
         same bytes too."""
         trace.client_id, trace.retried = client_id(pull.spec.request_id), pull.retried
-        trace.transport = self._transports(pull)
+        trace.transport = transports(self.datadist.engine, (e.ip_info for e in pull.sources))
         if pull.error is not None:
             trace.outcome = f"failed: {pull.error}"
         elif pull.tasks:

@@ -79,7 +79,10 @@ class HixlConnector(KVConnectorBase_V1):
                 kv,
                 tp.rank_in_group,
                 tp.barrier if tp.world_size > 1 else None,
-                Spans.open(vllm_config, "decode") if transfer.is_kv_consumer else None,
+                # (a push-mode prefill traces its pushes)
+                Spans.open(vllm_config, "decode" if transfer.is_kv_consumer else "prefill")
+                if transfer.is_kv_consumer or self.config.mode is Mode.PUSH
+                else None,
             )
 
     @property

@@ -90,6 +90,35 @@ async def test_a_prefills_client_error_is_passed_through_and_decodes_request_clo
         assert await f.value("hixl_proxy_retries_total") == 0
 
 
+@async_test
+async def test_a_traced_push_sends_each_upstream_its_own_hops_trace_context() -> None:
+    """With tracing on, a push attempt's two hops are siblings under the request's span, and each upstream
+    gets its own hop's ``traceparent`` (prefill's connector hangs its push spans there, decode's its load's):
+    both tasks once carried decode's, so prefill's spans sat under the decode hop."""
+    otlp = pytest.importorskip("hixl.testing.otlp")
+    with otlp.Receiver() as receiver, pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+        async with fleet(kv_mode="push", otlp_traces_endpoint=receiver.url) as f:
+            (prefill,), (decode,) = f.prefills, f.decodes
+            prefill.extra_params = SOURCE
+            assert (await f.ask())[0] == 200  # learned
+            headers = {"X-Request-Id": "traced-push"}
+            async with f.client.post(f.url("/v1/completions"), json={"model": "fake", "prompt": "hi"}, headers=headers) as resp:
+                assert resp.status == 200
+            assert "push_id" in params(prefill, 1) and "push_id" in params(decode, 1)
+        (_, to_prefill), (_, to_decode) = prefill.followed[-1], decode.followed[-1]
+        assert to_prefill and to_decode and to_prefill.split("-")[1] == to_decode.split("-")[1]  # one trace
+
+        def hops(spans: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+            request = [s for s in spans if s["attributes"].get("hixl.client_request_id") == "traced-push"]
+            found = {s["name"]: s for s in spans if request and s["parent"] == request[0]["id"]}
+            return found if {"hixl.proxy.prefill", "hixl.proxy.decode"} <= set(found) else None
+
+        found = receiver.wait_for("the push attempt's hops, both under its request", hops)
+        assert to_prefill.split("-")[2] == found["hixl.proxy.prefill"]["id"]
+        assert to_decode.split("-")[2] == found["hixl.proxy.decode"]["id"]
+
+
 def test_kv_mode_is_checked() -> None:
     assert ProxyOptions(kv_mode="push").kv_mode == "push"
     with pytest.raises(ValueError, match="kv_mode"):

@@ -16,11 +16,9 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +29,9 @@ from hixl._tools.groups import stop_groups
 # Not just "vllm": where vLLM is missing, this folder itself would import under that name.
 pytest.importorskip("vllm.distributed.kv_transfer")
 pytest.importorskip("aiohttp")
-trace_pb2 = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 
+from hixl.testing.otlp import Receiver  # noqa: E402
 from instances import ROOT  # noqa: E402
 from readme_serving import free_ports  # noqa: E402
 from tiny_model import build, words  # noqa: E402
@@ -41,61 +40,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STARTUP_TIMEOUT = 600.0
 CLIENT_ID = "follow-me-1"
-
-
-class Receiver:
-    """An OTLP/HTTP trace endpoint on 127.0.0.1: every span it is sent, as a dict."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict[str, Any]] = []
-        lock, spans = threading.Lock(), self.spans
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                request = trace_pb2.ExportTraceServiceRequest.FromString(body)
-                with lock:
-                    for resource in request.resource_spans:
-                        service = {a.key: a.value.string_value for a in resource.resource.attributes}.get("service.name", "")
-                        for scope in resource.scope_spans:
-                            spans.extend(_span(s, service) for s in scope.spans)
-                answer = trace_pb2.ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def wait_for(self, what: str, found: Any, timeout: float = 30) -> Any:
-        """Poll ``found(spans)`` until it is truthy (the exporters batch spans for seconds)."""
-        deadline = time.monotonic() + timeout
-        while not (result := found(list(self.spans))):
-            assert time.monotonic() < deadline, f"no {what} in {timeout} s; spans: {[(s['service'], s['name']) for s in self.spans]}"
-            time.sleep(0.5)
-        return result
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _span(span: Any, service: str) -> dict[str, Any]:
-    def value(v: Any) -> Any:
-        return getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
-
-    return {
-        "service": service, "name": span.name, "trace": span.trace_id.hex(), "id": span.span_id.hex(),
-        "parent": span.parent_span_id.hex(), "attributes": {a.key: value(a.value) for a in span.attributes},
-        "start": span.start_time_unix_nano, "end": span.end_time_unix_nano,
-    }  # fmt: skip
 
 
 class Fleet:
@@ -173,9 +117,8 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[Receiver]:
-    started = Receiver()
-    yield started
-    started.close()
+    with Receiver() as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 
 Three vLLM servers, shared by every test here (one start of them all: a
 minute or two on two cores): prefills P1 and P2, decode D1, and two proxies
-over them — **1P1D** (P1 -> D1) and **2P1D** (P1, P2 -> D1). The reference
+over them — **1P1D** (P1 -> D1) and **2P1D** (P1, P2 -> D1). Every server
+records its transfers (``records``) and traces to this module's OTLP receiver,
+as an operator following requests would run them. The reference
 text is D1's own, for the same request without ``kv_transfer_params``
 (computed there, no connector involved); the fleet and the request helpers
 are test_xpyd.py's. The tests run in file order: the
@@ -23,12 +25,15 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 # Not just "vllm": where vLLM is missing, this folder itself would import under that name.
 pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 
+from hixl.testing.otlp import Receiver  # noqa: E402
 from instances import ROOT  # noqa: E402
 from test_serve import free_ports, healthy  # noqa: E402
 from test_xpyd import FLAGS, PULLED, STARTUP_TIMEOUT, Fleet, Stream, body, post, reference, send_raw, texts_ok, through  # noqa: E402
@@ -48,11 +53,11 @@ PULL_FAILED = "hixl: pull of request"  # decode's warning for a failed pull
 class PushFleet(Fleet):
     """test_xpyd's fleet, of this module's servers: every vLLM in push mode, every proxy ``--kv-mode push``."""
 
-    def __init__(self, model: Path, logs: Path) -> None:  # noqa: PLW0231 - the same parts, other servers
+    def __init__(self, model: Path, logs: Path, otlp: str) -> None:  # noqa: PLW0231 - the same parts, other servers
         self.model, self.logs = model, logs
         names = [*VLLMS, *PROXIES]
         self.ports = dict(zip(names, free_ports(len(names))))
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for name, (role, cpu) in VLLMS.items():
             config = {
@@ -60,17 +65,35 @@ class PushFleet(Fleet):
                 "kv_connector_module_path": "hixl.vllm",
                 "kv_role": role,
                 "kv_load_failure_policy": "fail",
-                "kv_connector_extra_config": {"mode": "push", "push_timeout": PUSH_TIMEOUT_S},
+                "kv_connector_extra_config": {"mode": "push", "push_timeout": PUSH_TIMEOUT_S, "records": str(self.records(name))},
             }
             cmd = (
                 f"{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model {shlex.quote(str(model))} "
-                f"--port {self.ports[name]} {FLAGS} --kv-transfer-config {shlex.quote(json.dumps(config))}"
+                f"--port {self.ports[name]} {FLAGS} --otlp-traces-endpoint {otlp} --kv-transfer-config {shlex.quote(json.dumps(config))}"
             )
             self._start(name, f"exec env VLLM_CPU_OMP_THREADS_BIND={cpu} {cmd}", env)
         for name, (prefills, decodes) in PROXIES.items():
             ups = " ".join([*(f"--prefill {self.url(p)}" for p in prefills), *(f"--decode {self.url(d)}" for d in decodes)])
-            cmd = f"exec {shlex.quote(sys.executable)} -m hixl.cli proxy {ups} --port {self.ports[name]} --health-interval 1 --kv-mode push"
+            cmd = (
+                f"exec {shlex.quote(sys.executable)} -m hixl.cli proxy {ups} --port {self.ports[name]} --health-interval 1 --kv-mode push "
+                f"--otlp-traces-endpoint {otlp}"
+            )
             self._start(name, cmd, env)
+
+    def records(self, name: str) -> Path:
+        """The file server ``name``'s connector appends its transfers' records to."""
+        return self.logs / f"{name}.records.jsonl"
+
+    def recorded(self, name: str, client_id: str, timeout: float = 10) -> list[dict[str, Any]]:
+        """Server ``name``'s records of the request the client named ``client_id`` (waiting for the first)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            path = self.records(name)
+            found = [r for r in map(json.loads, path.read_text().splitlines()) if r["client_id"] == client_id] if path.exists() else []
+            if found:
+                return found
+            assert time.monotonic() < deadline, f"{name} recorded nothing of {client_id}"
+            time.sleep(0.2)
 
     def wait_ready(self) -> dict[str, float]:
         """Until every vLLM and every proxy answers /health; seconds until each vLLM did."""
@@ -87,9 +110,15 @@ class PushFleet(Fleet):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PushFleet]:
+def otlp() -> Iterator[Receiver]:
+    with Receiver() as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, otlp: Receiver) -> Iterator[PushFleet]:
     model = build(tmp_path_factory.mktemp("model"))
-    running = PushFleet(model, tmp_path_factory.mktemp("push-serve-logs"))
+    running = PushFleet(model, tmp_path_factory.mktemp("push-serve-logs"), otlp.url)
     try:
         print("\nvLLM serve start-up, s (3 at once):", {k: round(v, 1) for k, v in running.wait_ready().items()})
         yield running
@@ -115,6 +144,40 @@ def test_1p1d_pushed_tokens_equal_the_reference(fleet: Fleet) -> None:
     texts_ok(fleet, prompts, through(fleet, "proxy_1p1d", prompts))
     assert landed(fleet) - before == len(prompts), fleet.log("d1")[-3000:]
     assert not FAILED.search(fleet.log("d1"))
+
+
+def test_a_push_is_recorded_and_traced_at_both_ends_under_the_clients_id(fleet: PushFleet, otlp: Receiver) -> None:
+    """One pushed request with the client's ``X-Request-Id``: decode's and prefill's records and log lines
+    name it, with bytes, times, transport and outcome, and its trace holds the proxy's hops, decode's
+    ``hixl.kv_load`` (mode push) under the decode hop and prefill's ``hixl.kv_push`` under the prefill
+    hop, with a span per layer's writes."""
+    who, prompt = "push-follow-1", words(63, offset=31)
+    status, answer = post(fleet, "proxy_1p1d", body(fleet, prompt), headers={"X-Request-Id": who})
+    assert status == 200 and answer["choices"][0]["text"] == reference(fleet, prompt), answer
+    (landed,) = fleet.recorded("d1", who)
+    (pushed,) = fleet.recorded("p1", who)
+    assert landed["role"] == "decode" and landed["mode"] == "push" and landed["outcome"] == "ok", landed
+    assert landed["start"] <= landed["issued"] <= landed["usable"] <= landed["reported"] and landed["nbytes"] > 0
+    assert pushed["role"] == "prefill" and pushed["outcome"] == "ok" and len(pushed["layers"]) == 4, pushed
+    assert pushed["nbytes"] == landed["nbytes"] and pushed["transport"] == landed["transport"] in ("cma", "shm", "tcp")
+    # Causal order across the two processes: granted, then computed at prefill; every write landed, then DONE.
+    assert landed["start"] <= pushed["layers"][0][1] and pushed["usable"] <= landed["usable"]
+    assert f"client request id {who})" in fleet.log("d1") and f"client request id {who})" in fleet.log("p1")
+
+    def ours(spans: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+        roots = [s for s in spans if s["name"] == "hixl.proxy.request" and s["attributes"].get("hixl.client_request_id") == who]
+        trace = [s for s in spans if roots and s["trace"] == roots[0]["trace"]]
+        names = {s["name"]: s for s in trace}
+        wanted = {"hixl.proxy.request", "hixl.proxy.prefill", "hixl.proxy.decode", "hixl.kv_load", "hixl.kv_grant", "hixl.kv_push", "hixl.kv_layer"}
+        return names if wanted <= set(names) else None
+
+    spans = otlp.wait_for("the push's trace", ours)
+    load, push = spans["hixl.kv_load"], spans["hixl.kv_push"]
+    assert load["parent"] == spans["hixl.proxy.decode"]["id"] and push["parent"] == spans["hixl.proxy.prefill"]["id"]
+    assert load["attributes"]["hixl.mode"] == "push" and push["attributes"]["hixl.bytes"] == pushed["nbytes"]
+    assert spans["hixl.kv_grant"]["parent"] == load["id"]
+    layers = [s for s in otlp.spans if s["name"] == "hixl.kv_layer" and s["parent"] == push["id"]]
+    assert sorted(s["attributes"]["hixl.layer"] for s in layers) == [0, 1, 2, 3]
 
 
 def test_2p1d_pushes_from_both_prefills_land(fleet: Fleet) -> None:

@@ -51,10 +51,11 @@ class Ranks(PullRanks):
 
     def __init__(
         self, kv: KvSpec, decode: bool, cluster_id: int, seed: int, transport: str = "auto", shared: bool = False,
-        push_timeout: float = 30.0, transfer_timeout: float = 10.0,
+        push_timeout: float = 30.0, transfer_timeout: float = 10.0, records: str = "",
     ) -> None:
         config = ConnectorConfig(
             mode=Mode.PUSH, cluster_id=cluster_id, transport=transport, push_timeout=push_timeout, transfer_timeout=transfer_timeout,
+            records=records,
         )
         self.workers = [WorkerSide(config, True, decode, BLOCKS, kv, r) for r in range(kv.tp_size)]
         gen = torch.Generator().manual_seed(seed)
@@ -447,6 +448,53 @@ def test_an_abort_crossing_a_landed_push_is_listed_once(made: list[Ranks]) -> No
         later = decode.workers[0].finished_pushes()
         sending, recving = listed[0] | later[0], listed[1] | later[1]
         assert request_id in recving and request_id not in sending, (request_id, sending, recving)
+
+
+def test_each_push_is_recorded_at_both_ends_landed_revoked_or_failed(made: list[Ranks], tmp_path: Path) -> None:
+    """With ``records`` set, decode writes one record per pushed request and rank (its grant, the grants sent,
+    the last DONE, the windows withdrawn; the outcome) and prefill one per request and rank (each layer
+    computed, handed to the engine and landed, in the prompt's last step; the bytes written), under the
+    client's id; a revoked or a cancelled push is recorded as such, at both ends where it started."""
+    records = tmp_path / "records.jsonl"
+    prefill = Ranks(spec(2, 2), False, 40000, seed=40, records=str(records))
+    decode = Ranks(spec(2, 1), True, 41000, seed=41, records=str(records))
+    made += [prefill, decode]
+    granted(decode, prefill, "cmpl-order-7-0-abcd1234", 91, [7, 8, 0], first_block=1)
+    prefill_step(prefill, PushStep("cmpl-order-7-0-wxyz5678", 91, [3, 1, 4, 6], 0, 6, False))
+    prefill_step(prefill, PushStep("cmpl-order-7-0-wxyz5678", 91, [3, 1, 4, 6], 6, 14, True))
+    finished(decode, "cmpl-order-7-0-abcd1234")
+
+    def written(role: str, count: int) -> list[dict]:
+        deadline = time.monotonic() + 10
+        while len(found := [r for r in map(json.loads, records.read_text().splitlines()) if r["role"] == role]) < count:
+            assert time.monotonic() < deadline, (role, found)
+            time.sleep(0.01)
+        return found
+
+    (landed,) = written("decode", 1)
+    assert landed["mode"] == "push" and landed["outcome"] == "ok" and landed["client_id"] == "order-7" and landed["transport"] == "cma"
+    assert landed["start"] <= landed["issued"] <= landed["usable"] <= landed["reported"] and landed["layers"] == []
+    row_bytes = decode.caches[0]["layer.0"][0].numel() * 4
+    assert landed["nbytes"] == 3 * row_bytes * LAYERS
+    pushed = sorted(written("prefill", 2), key=lambda r: r["rank"])
+    assert [r["rank"] for r in pushed] == [0, 1] and all(r["request"] == "cmpl-order-7-0-wxyz5678" for r in pushed)
+    for record in pushed:
+        assert record["outcome"] == "ok" and record["client_id"] == "order-7" and record["transport"] == "cma"
+        assert len(record["layers"]) == LAYERS and record["usable"] == record["layers"][-1][0]
+        for landed_at, asked, issued in record["layers"]:  # each layer computed, then handed over (cma: landed on the way)
+            assert record["start"] <= asked <= min(issued, landed_at) and max(issued, landed_at, record["step_end"]) <= record["reported"]
+        # One head of two per rank: block 1 by the first step, blocks 1 (again), 4 and 6 by the second.
+        assert record["nbytes"] == 4 * (row_bytes // 2) * LAYERS
+    granted(decode, prefill, "d-revoked-12345678", 92, [2])
+    vllm_step(decode.workers, StepMetadata(revokes=["d-revoked-12345678"]), range(0))
+    finished(decode, "d-revoked-12345678", sending=True)
+    assert written("decode", 2)[1]["outcome"] == "revoked"
+    granted(decode, prefill, "d-cancelled-12345678", 93, [5])
+    prefill_step(prefill, PushStep("p-cancelled-12345678", 93, [2], 0, 2, False))
+    vllm_step(prefill.workers, StepMetadata(cancels=[93]), range(0))
+    finished(decode, "d-cancelled-12345678")
+    assert written("decode", 3)[2]["outcome"].startswith("failed: prefill cluster")
+    assert [r["outcome"] for r in written("prefill", 4)[2:]] == ["failed: cancelled at prefill"] * 2
 
 
 def test_a_failed_done_fails_the_request_and_garbage_is_refused(made: list[Ranks]) -> None:

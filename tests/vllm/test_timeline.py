@@ -36,7 +36,7 @@ def test_a_trace_is_one_json_line_and_its_phases_add_up(tmp_path: Path, caplog: 
     trace.step_end, trace.sync_ref = 10.006, 0.0004
     with caplog.at_level(logging.DEBUG, log.name):
         timeline.write(trace)
-    assert "hixl: timeline of request r1 rank 0 (layerwise, 1.00 MiB)" in caplog.text
+    assert "hixl: timeline of request r1 decode rank 0 (layerwise, 1.00 MiB, ok)" in caplog.text
     assert "layer 0 landed +3.000 asked +2.000 noticed +3.500" in caplog.text
     (record,) = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert record["usable"] == 10.0035 and record["layers"][1] == [10.0035, 10.004, 10.0041]

@@ -148,10 +148,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         running.close()
 
 
-def post(fleet: Fleet, name: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
-    """POST /v1/completions to server ``name``; (HTTP status, JSON answer)."""
+def post(fleet: Fleet, name: str, body: dict[str, Any], timeout: float = 120, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """POST /v1/completions to server ``name`` (with ``headers`` too); (HTTP status, JSON answer)."""
     request = urllib.request.Request(
-        fleet.url(name) + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        fleet.url(name) + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
