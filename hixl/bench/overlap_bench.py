@@ -33,7 +33,14 @@ Rows, per length (the rows' op, ``2048 tok``):
   many layers' transfers still show"; hixl-push's has the target ``<= 1.5x``;
 * **one layer's KV transfer (transfer_sync)** and **one layer's compute
   (alone's TTFT / layers)**, the second against the first: how much compute
-  each layer's transfer can hide behind.
+  each layer's transfer can hide behind;
+* **hixl-push's phases, median** (:data:`PHASES`): where a pushed request's
+  TTFT goes, from both servers' per-request records (``records``, joined by
+  the request's ``X-Request-Id``): the way to decode's grant and prefill's
+  first step, prefill's forward, the **transfer tail** (from prefill's last
+  layer computed to decode holding every byte: the part of the transfer no
+  compute hid, against one layer's transfer), the windows' withdrawal, and
+  decode's way to the first token. They add up to the TTFT.
 
 A contender whose servers fail (hixl-push until push mode works, NIXL where it
 is missing) gives no rows, a note quotes the error, the others go on. The
@@ -47,10 +54,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import statistics
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from .. import Engine, Op, TransferOpDesc, empty
 from ..testing.tiny_llama import WIDE, Sizes, build
@@ -76,7 +86,8 @@ from .vllm_bench import (
 )
 
 __all__ = [
-    "ALONE", "PUSH", "TARGET", "Contender", "contenders", "cpu_shares", "describe", "knobs", "layer_sizes", "rows", "run",
+    "ALONE", "PHASES", "PUSH", "TARGET", "Contender", "contenders", "cpu_shares", "describe", "knobs", "layer_sizes",
+    "push_phases", "rows", "run",
 ]  # fmt: skip
 
 LENGTHS = (256, 1024, 2048)
@@ -92,6 +103,20 @@ TTFT = "time to first token, median"
 EXPOSED = "exposed transfer (TTFT - alone's), median"
 LAYER_TRANSFER = "one layer's KV transfer (transfer_sync), median"
 LAYER_COMPUTE = "one layer's compute (alone's TTFT / layers)"
+RECORDS_TIMEOUT = 10.0  # seconds for a request's records to be written (decode's after its windows are withdrawn)
+#: hixl-push's phases, in order (they add up to the TTFT): name -> (from, to), each point a record's
+#: (``sent``: the bench sent the request; ``first``: its first token came; else ``role.field``, ``prefill.computed``
+#: being prefill's last layer computed).
+PHASES = {
+    "proxy to decode's grant": ("sent", "decode.start"),
+    "grant to grants sent (windows opened)": ("decode.start", "decode.issued"),
+    "grants sent to prefill's first step": ("decode.issued", "prefill.start"),
+    "prefill's forward": ("prefill.start", "prefill.computed"),
+    "transfer tail (last layer computed to every byte in)": ("prefill.computed", "decode.usable"),
+    "windows withdrawn": ("decode.usable", "decode.reported"),
+    "decode's way to the first token": ("decode.reported", "first"),
+}
+TAIL = "transfer tail (last layer computed to every byte in)"
 
 
 @dataclass(frozen=True)
@@ -199,12 +224,44 @@ def cpu_shares(alone: bool, cpus: list[int]) -> list[str]:
     return shares[:1] if alone else shares
 
 
+def push_phases(sent: float, ttft: float, records: list[dict[str, Any]]) -> dict[str, float]:
+    """One pushed request's :data:`PHASES` in milliseconds, from the time it was sent (``time.monotonic()``), its TTFT
+    (seconds) and both servers' records of it (one decode rank, one prefill rank)."""
+    (decode,) = [r for r in records if r["role"] == "decode"]
+    (prefill,) = [r for r in records if r["role"] == "prefill"]
+    points = {"sent": sent, "first": sent + ttft, "prefill.computed": prefill["layers"][-1][1]}
+    points.update({f"{role}.{key}": record[key] for role, record in (("decode", decode), ("prefill", prefill)) for key in ("start", "issued", "usable", "reported")})
+    return {name: (points[end] - points[begin]) * 1e3 for name, (begin, end) in PHASES.items()}
+
+
+def _records(path: Path, request_id: str) -> list[dict[str, Any]]:
+    """The push's records of request ``request_id`` (decode's and prefill's), waiting for both; RuntimeError if
+    they do not come, or say it failed."""
+    deadline = time.monotonic() + RECORDS_TIMEOUT
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        found = [r for r in map(json.loads, lines) if r["client_id"] == request_id]
+        if {r["role"] for r in found} == {"decode", "prefill"}:
+            failed = [r["outcome"] for r in found if r["outcome"] != "ok"]
+            if failed:
+                raise RuntimeError(f"request {request_id}'s push failed: {failed[0]}")
+            return found
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no push records of request {request_id} in {RECORDS_TIMEOUT} s (found {found})")
+        time.sleep(0.05)
+
+
 def _measure(
     contender: Contender, model: str, folder: Path, lengths: tuple[int, ...], chosen: dict[str, int], warmup: int,
     progress: Progress,
-) -> dict[int, list[float]]:  # fmt: skip
-    """Each length's measured TTFTs (seconds) on fresh servers; ShapeFailed if they cannot serve."""
+) -> tuple[dict[int, list[float]], dict[int, list[dict[str, float]]]]:  # fmt: skip
+    """Each length's measured TTFTs (seconds) on fresh servers, and hixl-push's phases per request (:func:`push_phases`;
+    empty for the others); ShapeFailed if they cannot serve."""
     connector = contender.connector
+    records = folder / "records.jsonl"
+    if contender.name == PUSH and connector is not None:  # both servers record each push
+        extra = {**connector.config["kv_connector_extra_config"], "records": str(records)}
+        connector = replace(connector, config={**connector.config, "kv_connector_extra_config": extra})
     shape = ALONE_SHAPE if connector is None else PD
     binds = cpu_shares(connector is None, sorted(os.sched_getaffinity(0)))
     max_len = max(MAX_MODEL_LEN, max(lengths) + chosen["vllm_max_tokens"])
@@ -222,24 +279,32 @@ def _measure(
             deployment.wait_ready()
         with progress.step(f"{what}: {chosen['vllm_requests']} requests per length"):
             ttfts: dict[int, list[float]] = {}
+            phases: dict[int, list[dict[str, float]]] = {}
             for length in lengths:
-                asked = [
-                    first_token(url, model, prompt(length, next(seed)), chosen["vllm_max_tokens"])
-                    for _ in range(warmup + chosen["vllm_requests"])
-                ]
-                ttfts[length] = asked[warmup:]
+                ttfts[length], phases[length] = [], []
+                for i in range(warmup + chosen["vllm_requests"]):
+                    request_id = f"overlap-{contender.name}-{length}-{i}"
+                    sent = time.monotonic()
+                    ttft = first_token(url, model, prompt(length, next(seed)), chosen["vllm_max_tokens"], request_id)
+                    if i < warmup:
+                        continue
+                    ttfts[length].append(ttft)
+                    if contender.name == PUSH:
+                        phases[length].append(push_phases(sent, ttft, _records(records, request_id)))
     except (RuntimeError, OSError) as exc:
         raise ShapeFailed(contender.name, shape, _reason(exc, deployment)) from exc
     finally:
         deployment.close()
-    return ttfts
+    return ttfts, {length: found for length, found in phases.items() if found}
 
 
 def rows(
-    sizes: Sizes, transport: str, transfers: Mapping[int, float], ttfts: Mapping[str, Mapping[int, list[float]]]
+    sizes: Sizes, transport: str, transfers: Mapping[int, float], ttfts: Mapping[str, Mapping[int, list[float]]],
+    phases: Mapping[int, list[dict[str, float]]] | None = None,
 ) -> list[Row]:
-    """The rows (see the module docstring) from each length's layer transfer (seconds) and each contender's TTFTs
-    (seconds, by length; a contender that failed is absent). Without alone's, no exposed transfer, no compute."""
+    """The rows (see the module docstring) from each length's layer transfer (seconds), each contender's TTFTs
+    (seconds, by length; a contender that failed is absent) and hixl-push's phases (milliseconds, by length, per
+    request). Without alone's, no exposed transfer, no compute."""
     out: list[Row] = []
     alone = ttfts.get(ALONE, {})
     for length, layer in transfers.items():
@@ -270,6 +335,16 @@ def rows(
                     TARGET if name == PUSH else None, "vllm", f"{count}; the ratio: in layers' transfers",
                 ),
             ]  # fmt: skip
+        for phase in PHASES if (phases or {}).get(length) else ():
+            value = statistics.median(found[phase] for found in (phases or {})[length])
+            tail = phase == TAIL
+            out.append(
+                Row(
+                    f"{PUSH} phase: {phase}, median", PUSH, op, request, value, "ms", layer_ms if tail else None,
+                    "one layer's transfer" if tail else "", scenario="vllm",
+                    note=f"{len((phases or {})[length])} requests" + ("; the ratio: in layers' transfers" if tail else ""),
+                )
+            )  # fmt: skip
     return out
 
 
@@ -279,6 +354,7 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
     found, notes = contenders()
     progress.expect(2 + 3 * len(found))
     ttfts: dict[str, dict[int, list[float]]] = {}
+    phases: dict[int, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="hixl-bench-overlap-") as tmp:
         with progress.step("vllm overlap: the model"):
             given = config.extra.get("vllm_model")
@@ -288,9 +364,10 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
             transport, transfers = _layer_transfers([sizes.kv_bytes(n) for n in lengths], config)
         for contender in found:
             try:
-                ttfts[contender.name] = _measure(
+                ttfts[contender.name], found = _measure(
                     contender, str(model), Path(tmp) / contender.name, lengths, chosen, config.warmup, progress
                 )
+                phases.update(found)
             except ShapeFailed as exc:
                 notes.append(f"vllm overlap: {contender.name}'s servers could not serve it: {exc.reason}")
     by_length = {n: transfers[sizes.kv_bytes(n)] for n in lengths}
@@ -300,6 +377,10 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
             "the CPUs 1P1D's prefill gets); its ratio = that over one layer's transfer_sync (float32 KV, one descriptor)"
         ),
         "vllm overlap: one layer's compute = alone's median TTFT / layers (the first token's whole path, shared out)",
+        (
+            "vllm overlap: hixl-push's phases add up to its TTFT; the transfer tail is the part of the transfer no compute "
+            "hid (prefill's last layer computed to decode holding every byte), the rest of TTFT - alone's is the PD path"
+        ),
         "vllm overlap: servers on a shared CPU machine: indicative figures",
     ]
-    return ScenarioResult(rows(sizes, transport, by_length, ttfts), notes)
+    return ScenarioResult(rows(sizes, transport, by_length, ttfts, phases), notes)

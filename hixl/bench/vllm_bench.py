@@ -463,11 +463,13 @@ def one_request(deployment: Deployment, model: str, prompt: list[int], max_token
     )  # fmt: skip
 
 
-def first_token(url: str, model: str, tokens: list[int], max_tokens: int) -> float:
-    """A streamed completion from ``url`` (the proxy or a server), read to its end; seconds from sending it to its
-    first token. RuntimeError quoting the stream's error where it sent one instead (vLLM's ``{"error": ...}``)."""
+def first_token(url: str, model: str, tokens: list[int], max_tokens: int, request_id: str | None = None) -> float:
+    """A streamed completion from ``url`` (the proxy or a server), read to its end (named ``request_id`` in its
+    ``X-Request-Id``, if given); seconds from sending it to its first token. RuntimeError quoting the stream's error
+    where it sent one instead (vLLM's ``{"error": ...}``)."""
     body = {"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"X-Request-Id": request_id} if request_id else {})}
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
     start = time.perf_counter()
     first = None
     with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as reply:

@@ -96,6 +96,23 @@ def test_rows_give_each_ttft_and_the_exposed_transfer_in_layers() -> None:
     ]  # fmt: skip
 
 
+def test_push_phases_add_up_to_the_ttft_and_give_the_transfer_tail_in_layers() -> None:
+    sent, ttft = 100.0, 0.080
+    records = [
+        {"role": "decode", "start": 100.002, "issued": 100.004, "usable": 100.0705, "reported": 100.071, "layers": []},
+        {"role": "prefill", "start": 100.010, "issued": None, "usable": 100.0704, "reported": 100.0706,
+         "layers": [[100.03, 100.02, 100.021], [100.0704, 100.070, 100.0702]]},
+    ]  # fmt: skip
+    phases = overlap_bench.push_phases(sent, ttft, records)
+    assert list(phases) == list(overlap_bench.PHASES)
+    assert sum(phases.values()) == pytest.approx(80)
+    assert phases[overlap_bench.TAIL] == pytest.approx(0.5) and phases["prefill's forward"] == pytest.approx(60)
+    rows = overlap_bench.rows(WIDE, "cma", {256: 0.001}, {"hixl-push": {256: [ttft]}}, {256: [phases, {**phases, overlap_bench.TAIL: 1.5}]})
+    tail = next(r for r in rows if r.name == f"hixl-push phase: {overlap_bench.TAIL}, median")
+    assert tail.value == pytest.approx(1.0) and tail.ratio == pytest.approx(1.0) and tail.target is None
+    assert len([r for r in rows if r.name.startswith("hixl-push phase: ")]) == len(overlap_bench.PHASES)
+
+
 def test_lengths_are_chosen_and_impossible_runs_refused(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     configure(parser)
@@ -137,3 +154,6 @@ def test_quick_run_reports_ttft_alone_and_through_the_proxy(tmp_path: Path) -> N
         assert served != bool(failed), (name, doc["notes"])
         if served:
             assert (rows[(name, overlap_bench.EXPOSED)]["target"] is not None) == (name == "hixl-push")
+    if ("hixl-push", overlap_bench.EXPOSED) in rows:  # its phases, from both servers' records, add up to its TTFT
+        phases = [r["value"] for (t, n), r in rows.items() if t == "hixl-push" and n.startswith("hixl-push phase: ")]
+        assert len(phases) == len(overlap_bench.PHASES) and sum(phases) == pytest.approx(rows[("hixl-push", overlap_bench.TTFT)]["value"], rel=0.01)
