@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from .._exceptions import AccessDenied, HixlError, ParamInvalid
 from .._types import NotifyDesc
 from ..datadist import LLMClusterInfo, LLMDataDist, LLMStatusCode
+from ._follow import client_id
 from ._params import Endpoint, WatchedLease
 
 __all__ = [
@@ -370,7 +371,13 @@ class LeaseKeeper:
                 if not release:
                     self._kept.pop(request_id, None)
                     continue
-                for kept in self._kept.get(request_id, {}).values():
+                parts = self._kept.get(request_id, {})
+                if parts and not any(kept.release for kept in parts.values()):
+                    log.info(
+                        "hixl: request %s ended here unpulled; its blocks are released at prefill (client request id %s)",
+                        request_id, client_id(request_id),
+                    )  # fmt: skip
+                for kept in parts.values():
                     kept.release, kept.next_extend = True, 0.0
             self._cond.notify_all()
 
