@@ -17,9 +17,11 @@ the request's steps); its :class:`Pusher` links to the decode ranks, and after
 each layer is computed (``save_layer``) writes that layer's blocks computed so
 far — from the first block not yet written whole, a partial last block again
 by the next chunk — into each decode rank that wants heads from it, without
-waiting. ``end_step`` waits for the step's writes; after the request's last
-step it sends DONE to every decode rank that granted it: a notification, so it
-arrives after the data of the writes before it; ``ok`` false if a write failed.
+waiting. ``end_step`` waits for the step's writes. Once the request's last
+step has written its last layer, the pusher's own thread waits for those
+writes to land and sends DONE to every decode rank that granted it — while
+the forward still runs the rest of the model — a notification, so it arrives
+after the data of the writes before it; ``ok`` false if a write failed.
 
 Decode's push *lands* when every prefill rank it reads from said DONE ok; it
 *fails* on a DONE not ok, on the link to such a rank found dead, on a prefill
@@ -45,6 +47,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -255,6 +258,8 @@ class _Push:
     started: float = 0.0
     nbytes: int = 0  # written so far
     trace: Trace | None = None  # with the timeline on
+    telling: threading.Event | None = None  # handed to the pusher's thread to tell decode; set once told
+    told: float = 0.0  # when DONE went to every decode rank
 
 
 class Pusher:
@@ -274,6 +279,11 @@ class Pusher:
         """Where each push's record goes (None: nowhere, and nothing is timed per layer)."""
         desc = cache.cache_desc
         self._head_bytes = desc.row_bytes // desc.shape[1]  # one head of one block, in one layer
+        self._last_layer = desc.num_tensors // _TENSORS_PER_LAYER - 1
+        # Pushes whose last writes are all issued, with those writes: the thread tells decode once they land.
+        self._finishing: queue.SimpleQueue[tuple[_Push, list[tuple[_Target, list[CacheTask]]]] | None] = queue.SimpleQueue()
+        self._finisher = threading.Thread(target=self._finish, name="hixl-vllm-push-done", daemon=True)
+        self._finisher.start()
         self.grants = GrantTable()
         self._pushes: dict[int, _Push] = {}  # started, not yet done
         self._step: list[_Push] = []
@@ -362,6 +372,10 @@ class Pusher:
                     push.nbytes += len(src) * len(grant.reads[0]) * self._head_bytes
             if push.trace is not None:
                 push.trace.asked(layer, asked, time.monotonic())
+            if step.last and layer == self._last_layer and push.telling is None:
+                # Every write of the push is issued: decode hears as they land, not after the forward's end.
+                push.telling = threading.Event()
+                self._finishing.put((push, [(target, list(target.tasks)) for target in push.targets]))
 
     def end_step(self) -> None:
         """Wait for this step's writes; after a push's last step, tell each decode rank it is done."""
@@ -382,12 +396,12 @@ class Pusher:
                         if at is not None:
                             landed[layer] = max(at, landed[layer] or at)
                 target.tasks.clear()
-            if push.trace is not None:
-                push.trace.step_end = step_end
-                push.trace.landed(landed)
                 if target.error is None:
                     whole = min(step.end // self.kv.block_size, target.grant.first_block + len(target.grant.blocks))
                     target.written = max(target.written, whole)
+            if push.trace is not None:
+                push.trace.step_end = step_end
+                push.trace.landed(landed)
             if step.last:
                 self._done(push)
         self._step.clear()
@@ -405,8 +419,40 @@ class Pusher:
                 target.error = HixlError("cancelled at prefill")
             self._done(push)
 
+    def _finish(self) -> None:
+        """The pusher's thread: for each push handed over, wait for its last writes, then tell decode."""
+        while (item := self._finishing.get()) is not None:
+            push, writes = item
+            try:
+                for target, tasks in writes:
+                    for task in tasks:
+                        if target.error is None:
+                            try:
+                                task.synchronize()
+                            except HixlError as exc:
+                                target.error = exc
+                self._tell(push)
+            finally:
+                assert push.telling is not None
+                push.telling.set()
+
+    def close(self) -> None:
+        """Stop the pusher's thread (after the pushes handed to it are told)."""
+        self._finishing.put(None)
+        self._finisher.join(timeout=self.transfer_timeout + _NOTIFY_TIMEOUT_S)
+
     def _done(self, push: _Push) -> None:
+        """The push is over here: tell decode (unless the thread does: then wait for it), write its record."""
         self._pushes.pop(push.push_id, None)
+        if push.telling is None:
+            self._tell(push)
+        elif not push.telling.wait(self.transfer_timeout + _NOTIFY_TIMEOUT_S):
+            log.warning("hixl: request %s: push %d: decode not told in time", push.request_id, push.push_id)
+        if push.started:  # (a push cancelled before it started moved nothing: no line, no record)
+            self._report(push, client_id(push.request_id))
+
+    def _tell(self, push: _Push) -> None:
+        """Send DONE to every decode rank the push has (``ok`` false where its writes failed)."""
         who = client_id(push.request_id)
         for target in push.targets:
             endpoint = target.grant.endpoint
@@ -421,12 +467,11 @@ class Pusher:
                 _send(self.datadist, endpoint.ip_info, PushMessage(PushOp.DONE, push.push_id, cluster_id=self.cluster_id, ok=target.error is None))
             except HixlError as exc:  # decode is gone, or gave the push up: it fails the request itself
                 log.warning("hixl: request %s: cannot tell decode %s that push %d is over: %s", push.request_id, endpoint.ip_info, push.push_id, exc)
-        if push.started:  # (a push cancelled before it started moved nothing: no line, no record)
-            self._report(push, who)
+        push.told = time.monotonic()
 
     def _report(self, push: _Push, who: str) -> None:
         """Log the push's figures and write its record (with the timeline on)."""
-        reported = time.monotonic()
+        reported = push.told
         written = [t for t in push.targets if t.grant.reads is not None]
         failed = next((t.error for t in push.targets if t.error is not None), None)
         transport = transports(self.datadist.engine, (t.grant.endpoint.ip_info for t in written if t.grant.endpoint is not None))

@@ -183,7 +183,8 @@ class WorkerSide:
         self._cache = self.datadist.cache_manager.register_blocks_cache(desc, tensors, key, access="r" if push else "rw")
         self.layers = {name: i for i, name in enumerate(names)}
         if push:
-            self._start_push(self._cache)
+            with unpinned():  # the receiver's and the pusher's threads, not on vLLM's compute core (see _affinity)
+                self._start_push(self._cache)
         log.info(
             "hixl: registered %d layers x %d blocks (%s, %d bytes a block) on DataDist %s",
             len(tensors), shape[0], desc.data_type.value, desc.row_bytes, self.endpoint() or "(pull only)",
@@ -210,6 +211,8 @@ class WorkerSide:
         """Stop keeping leases and pushes, finalize DataDist: links and registrations go."""
         if self.receiver is not None:
             self.receiver.close()
+        if self.pusher is not None:
+            self.pusher.close()
         if self.keeper is not None:
             self.keeper.close()
         if self.timeline is not None:

@@ -196,6 +196,28 @@ def test_a_chunked_push_rewrites_the_partial_block_and_starts_at_decodes_first_b
     assert_untouched(decode, before, {7, 8, 0})
 
 
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_a_block_written_whole_is_not_written_again_by_a_later_chunk(made: list[Ranks], decode_tp: int) -> None:
+    """Tokens [0, 8) fill blocks 0 and 1 whole: the second chunk writes from block 2 on, to every decode rank
+    (a block changed at prefill after it was written whole stays as written)."""
+    prefill = Ranks(spec(2, 1), False, 42000, seed=42)
+    decode = Ranks(spec(2, decode_tp), True, 43000, seed=43)
+    made += [prefill, decode]
+    granted(decode, prefill, "d18", 94, [5, 6, 7, 8])
+    prompt = [3, 1, 4, 6]
+    prefill_step(prefill, PushStep("p18", 94, prompt, 0, 8, False))
+    first = prefill.snapshot()
+    for tensor in prefill.caches[0].values():  # (a block already whole never changes in vLLM: this one shows a rewrite)
+        tensor[1] += 1.0
+    prefill_step(prefill, PushStep("p18", 94, prompt, 8, 14, True))
+    finished(decode, "d18")
+    assert_pushed(decode, prefill, [(4, 7), (6, 8)])
+    for w, cache in zip(decode.workers, decode.caches):
+        for layer, tensor in cache.items():
+            for i, head in enumerate(w.heads):
+                assert torch.equal(tensor[6, i], first[0][layer][1, head]), (layer, head)  # as the first chunk wrote it
+
+
 @pytest.mark.parametrize("dropped_by", ["prefill", "decode"])
 def test_a_push_after_a_link_broke_links_again_and_lands(made: list[Ranks], dropped_by: str) -> None:
     """A connection between the two went after a push (in a starved fleet: declared dead by a heartbeat) while
@@ -242,6 +264,41 @@ def test_each_layer_is_written_while_the_forward_goes_on(made: list[Ranks]) -> N
     finished(decode, "d11")
     assert_pushed(decode, prefill, [(2, 3), (7, 5)])
     assert_untouched(decode, before, {3, 5})
+
+
+def test_decode_is_told_as_the_last_layer_lands_not_at_the_forwards_end(made: list[Ranks]) -> None:
+    """After the last step's last layer is computed, the rest of the model still runs before vLLM calls
+    ``wait_for_save``: decode hears the push landed meanwhile (its data all in), and the step's end after
+    changes nothing."""
+    prefill = Ranks(spec(2, 1), False, 44000, seed=44)
+    decode = Ranks(spec(2, 2), True, 45000, seed=45)
+    made += [prefill, decode]
+    before = decode.snapshot()
+    granted(decode, prefill, "d19", 95, [3, 5])
+    connectors = vllm_step(prefill.workers, StepMetadata(pushes=[PushStep("p19", 95, [2, 7], 0, 6, True)]), end=False)
+    finished(decode, "d19")  # before the step's end
+    assert_pushed(decode, prefill, [(2, 3), (7, 5)])
+    end_step(connectors)
+    assert_untouched(decode, before, {3, 5})
+    assert all(not w.take_failed_blocks() for w in decode.workers)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs 2 CPUs and affinity")
+def test_the_push_threads_are_not_bound_to_vllms_compute_core(made: list[Ranks]) -> None:
+    """vLLM binds the thread that registers the cache to its compute core: the receiver's and the pusher's
+    threads, started then, may run on every CPU (bound there, they would wait behind vLLM's compute and its
+    busy-waiting: see hixl.vllm._affinity)."""
+    everything = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(everything)})  # as vLLM binds its main thread
+    try:
+        worker = Ranks(spec(2, 1), True, 46000, seed=46)  # serves and takes KV: a pusher and a receiver
+        made.append(worker)
+    finally:
+        os.sched_setaffinity(0, everything)
+    (w,) = worker.workers
+    assert w.receiver is not None and w.pusher is not None
+    for thread in (w.receiver._thread, w.pusher._finisher):
+        assert thread.native_id is not None and os.sched_getaffinity(thread.native_id) == everything, thread.name
 
 
 def test_a_write_outside_the_grants_is_refused(made: list[Ranks], transport: str) -> None:
@@ -482,7 +539,7 @@ def test_each_push_is_recorded_at_both_ends_landed_revoked_or_failed(made: list[
         assert record["outcome"] == "ok" and record["client_id"] == "order-7" and record["transport"] == "cma"
         assert len(record["layers"]) == LAYERS and record["usable"] == record["layers"][-1][0]
         for landed_at, asked, issued in record["layers"]:  # each layer computed, then handed over (cma: landed on the way)
-            assert record["start"] <= asked <= min(issued, landed_at) and max(issued, landed_at, record["step_end"]) <= record["reported"]
+            assert record["start"] <= asked <= min(issued, landed_at) and max(issued, landed_at) <= record["reported"]
         # One head of two per rank: block 1 by the first step, blocks 1 (again), 4 and 6 by the second.
         assert record["nbytes"] == 4 * (row_bytes // 2) * LAYERS
     granted(decode, prefill, "d-revoked-12345678", 92, [2])
