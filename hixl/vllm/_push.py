@@ -471,7 +471,7 @@ class Pusher:
 
     def _report(self, push: _Push, who: str) -> None:
         """Log the push's figures and write its record (with the timeline on)."""
-        reported = push.told
+        reported = push.told or time.monotonic()  # (not told in time: now)
         written = [t for t in push.targets if t.grant.reads is not None]
         failed = next((t.error for t in push.targets if t.error is not None), None)
         transport = transports(self.datadist.engine, (t.grant.endpoint.ip_info for t in written if t.grant.endpoint is not None))
