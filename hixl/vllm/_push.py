@@ -432,6 +432,8 @@ class Pusher:
                             except HixlError as exc:
                                 target.error = exc
                 self._tell(push)
+            except Exception:  # the thread outlives one push's surprise; end_step then tells decode itself
+                log.exception("hixl: request %s: telling decode push %d is over failed", push.request_id, push.push_id)
             finally:
                 assert push.telling is not None
                 push.telling.set()
@@ -444,10 +446,10 @@ class Pusher:
     def _done(self, push: _Push) -> None:
         """The push is over here: tell decode (unless the thread does: then wait for it), write its record."""
         self._pushes.pop(push.push_id, None)
-        if push.telling is None:
+        if push.telling is not None and not push.telling.wait(self.transfer_timeout + _NOTIFY_TIMEOUT_S):
+            log.warning("hixl: request %s: push %d: the pusher's thread did not tell decode in time", push.request_id, push.push_id)
+        if not push.told:  # (not handed to the thread, or it failed to tell)
             self._tell(push)
-        elif not push.telling.wait(self.transfer_timeout + _NOTIFY_TIMEOUT_S):
-            log.warning("hixl: request %s: push %d: decode not told in time", push.request_id, push.push_id)
         if push.started:  # (a push cancelled before it started moved nothing: no line, no record)
             self._report(push, client_id(push.request_id))
 
@@ -471,7 +473,7 @@ class Pusher:
 
     def _report(self, push: _Push, who: str) -> None:
         """Log the push's figures and write its record (with the timeline on)."""
-        reported = push.told or time.monotonic()  # (not told in time: now)
+        reported = push.told
         written = [t for t in push.targets if t.grant.reads is not None]
         failed = next((t.error for t in push.targets if t.error is not None), None)
         transport = transports(self.datadist.engine, (t.grant.endpoint.ip_info for t in written if t.grant.endpoint is not None))

@@ -1,7 +1,8 @@
 """Push mode served: real ``vllm serve`` processes in push mode behind ``hixl proxy --kv-mode push``.
 
 Three vLLM servers, shared by every test here (one start of them all: a
-minute or two on two cores): prefills P1 and P2, decode D1, and two proxies
+minute or two on two cores; pull mode's following is tested here too, on the
+proxy's first request to a prefill, which is pulled): prefills P1 and P2, decode D1, and two proxies
 over them — **1P1D** (P1 -> D1) and **2P1D** (P1, P2 -> D1). Every server
 records its transfers (``records``) and traces to this module's OTLP receiver,
 as an operator following requests would run them. The reference
@@ -134,8 +135,53 @@ def landed(fleet: Fleet) -> int:
 SHAPES = [(1, 5), (19, 1), (63, 2), (99, 3)]
 
 
+def complete(fleet: Fleet, proxy: str, prompt: str, headers: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """One completion through ``proxy`` with ``headers``: its answer and the answer's headers."""
+    request = urllib.request.Request(
+        fleet.url(proxy) + "/v1/completions", json.dumps(body(fleet, prompt)).encode(), {"Content-Type": "application/json", **headers}
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        return json.loads(resp.read()), dict(resp.headers)
+
+
+def test_a_pulled_request_is_recorded_and_traced_under_the_clients_id(fleet: PushFleet, otlp: Receiver) -> None:
+    """The proxy's first request to P1 is pulled (it learns where P1's KV lives from the answer), as in pull
+    mode: sent with the client's ``X-Request-Id``, it comes back under that id, decode's record and log line
+    name it, and one trace holds the proxy's request and hop spans, vLLM's, and decode's ``hixl.kv_load``
+    under the decode hop with a span per layer. A request without the header gets an id the proxy made."""
+    who, prompt = "pull-follow-1", words(70, offset=5)
+    answer, headers = complete(fleet, "proxy_1p1d", prompt, {"X-Request-Id": who})
+    assert answer["choices"][0]["text"] == reference(fleet, prompt) and headers["X-Request-Id"] == who
+    assert answer["id"] == f"cmpl-{who}"  # vLLM named it after the header, as the connector's records do
+    (record,) = fleet.recorded("d1", who)
+    assert record["mode"] in ("whole", "layerwise") and record["outcome"] == "ok" and not record["retried"], record
+    assert record["request"].startswith(f"cmpl-{who}-0-") and record["transport"] in ("cma", "shm", "tcp")
+    assert record["nbytes"] > 0 and len(record["layers"]) == 4 and record["start"] <= record["usable"] and record["sync_ref"] is None
+    assert f"(client request id {who})" in fleet.log("d1")
+
+    def ours(spans: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+        roots = [s for s in spans if s["name"] == "hixl.proxy.request" and s["attributes"].get("hixl.client_request_id") == who]
+        names = {s["name"]: s for s in spans if roots and s["trace"] == roots[0]["trace"]}
+        wanted = {"hixl.proxy.request", "hixl.proxy.prefill", "hixl.proxy.decode", "hixl.kv_load", "hixl.kv_layer"}
+        return names if wanted <= set(names) else None
+
+    spans = otlp.wait_for("the pull's trace", ours)
+    request, prefill, decode, load = (spans[n] for n in ("hixl.proxy.request", "hixl.proxy.prefill", "hixl.proxy.decode", "hixl.kv_load"))
+    assert request["service"] == "hixl.proxy" and load["service"] == "hixl.vllm"
+    assert request["parent"] == "" and prefill["parent"] == decode["parent"] == request["id"]
+    assert load["parent"] == decode["id"]  # vLLM passed the decode hop's traceparent on to the connector
+    assert load["attributes"]["hixl.client_request_id"] == who and load["attributes"]["hixl.bytes"] == record["nbytes"]
+    assert load["attributes"]["hixl.outcome"] == "ok" and decode["start"] <= load["start"] <= load["end"] <= decode["end"]
+    layers = [s for s in otlp.spans if s["name"] == "hixl.kv_layer" and s["parent"] == load["id"]]
+    assert sorted(s["attributes"]["hixl.layer"] for s in layers) == [0, 1, 2, 3]
+    answer, headers = complete(fleet, "proxy_1p1d", words(40, offset=9), {})
+    made = headers["X-Request-Id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", made) and answer["id"] == f"cmpl-{made}"
+    assert [r["outcome"] for r in fleet.recorded("d1", made)] == ["ok"]
+
+
 def test_1p1d_pushed_tokens_equal_the_reference(fleet: Fleet) -> None:
-    """The first request teaches the proxy where P1's KV lives (a pull); every one after is pushed."""
+    """Every request to P1 after the proxy learned it (from the first test's pull) is pushed."""
     first = [words(30, offset=0)]
     texts_ok(fleet, first, through(fleet, "proxy_1p1d", first))
     assert PULL_FAILED not in fleet.log("d1")  # a push-mode decode pulls the learning request (read-only to peers only)
