@@ -18,6 +18,7 @@ from hixl import (
     Engine,
     HixlError,
     HixlTimeout,
+    NotConnected,
     NotifyDesc,
     Op,
     PeerDisconnected,
@@ -366,10 +367,17 @@ def test_a_disconnect_by_another_thread_fails_a_waiting_sync_read_as_disconnecte
     """The thread that ends the link fails its many requests one by one; the caller reading
     for the last of them must not return first and take its silence for a timeout."""
     target = make_target([MiB])
-    for _ in range(5):
+    tested = 0
+    for _ in range(10):
         error = _sync_read_while_the_link_ends(target, lambda eng: eng.disconnect(target.engine), busy=20_000)
         target.stop(signal.SIGCONT)
+        if isinstance(error, NotConnected):
+            continue  # the link ended before the READ began (the async worker held the GIL past the timer): nothing tested
         assert isinstance(error, PeerDisconnected), repr(error)
+        tested += 1
+        if tested == 5:
+            break
+    assert tested >= 3, f"only {tested} of 10 runs had the READ waiting when the link ended"
 
 
 @pytest.mark.slow
