@@ -364,10 +364,10 @@ def run(config: BenchConfig, progress: Progress) -> ScenarioResult:
             transport, transfers = _layer_transfers([sizes.kv_bytes(n) for n in lengths], config)
         for contender in found:
             try:
-                ttfts[contender.name], found = _measure(
+                ttfts[contender.name], its_phases = _measure(
                     contender, str(model), Path(tmp) / contender.name, lengths, chosen, config.warmup, progress
                 )
-                phases.update(found)
+                phases.update(its_phases)
             except ShapeFailed as exc:
                 notes.append(f"vllm overlap: {contender.name}'s servers could not serve it: {exc.reason}")
     by_length = {n: transfers[sizes.kv_bytes(n)] for n in lengths}
