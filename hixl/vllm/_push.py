@@ -383,25 +383,22 @@ class Pusher:
         for push in self._step:
             step = push.step
             assert step is not None
-            landed: list[float | None] = [None] * self.cache.cache_desc.num_tensors  # per layer, by every target
             for target in push.targets:
-                for task in target.tasks:
-                    if target.error is None:
-                        try:
-                            task.synchronize()
-                        except HixlError as exc:
-                            target.error = exc
+                _settle(target, target.tasks)
+            if push.trace is not None:  # (before the tasks go: each layer's landing, by every target)
+                landed: list[float | None] = [None] * self.cache.cache_desc.num_tensors
+                for task in (task for target in push.targets for task in target.tasks):
                     for layer in task.layers:
                         at = task.landed_at(layer)
                         if at is not None:
                             landed[layer] = max(at, landed[layer] or at)
+                push.trace.step_end = step_end
+                push.trace.landed(landed)
+            for target in push.targets:
                 target.tasks.clear()
                 if target.error is None:
                     whole = min(step.end // self.kv.block_size, target.grant.first_block + len(target.grant.blocks))
                     target.written = max(target.written, whole)
-            if push.trace is not None:
-                push.trace.step_end = step_end
-                push.trace.landed(landed)
             if step.last:
                 self._done(push)
         self._step.clear()
@@ -425,12 +422,7 @@ class Pusher:
             push, writes = item
             try:
                 for target, tasks in writes:
-                    for task in tasks:
-                        if target.error is None:
-                            try:
-                                task.synchronize()
-                            except HixlError as exc:
-                                target.error = exc
+                    _settle(target, tasks)
                 self._tell(push)
             except Exception:  # the thread outlives one push's surprise; end_step then tells decode itself
                 log.exception("hixl: request %s: telling decode push %d is over failed", push.request_id, push.push_id)
@@ -487,6 +479,17 @@ class Pusher:
             trace.nbytes, trace.transport, trace.client_id, trace.reported = push.nbytes, transport, who, reported
             trace.outcome = "ok" if failed is None else f"failed: {failed}"
             self.timeline.write(trace, push.step.trace_headers if push.step is not None else None)
+
+
+def _settle(target: _Target, tasks: Iterable[CacheTask]) -> None:
+    """Wait for ``tasks``, writes to ``target``, until one fails: its error becomes the target's."""
+    for task in tasks:
+        if target.error is not None:
+            return
+        try:
+            task.synchronize()
+        except HixlError as exc:
+            target.error = exc
 
 
 # -- decode ------------------------------------------------------------------------------------------
